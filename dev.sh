@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The two quick-start commands of the README:
+#   ./dev.sh serve [flags]   set everything up, then serve the demo model
+#   ./dev.sh test            set everything up, then run tests, ruff and mypy
+# Needs only Python 3.11+ and pip. Everything goes into ./.venv.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3}
+# CPU machines pin the CPU build of torch; a GPU user installs CUDA torch into .venv first and
+# runs with LORAGATE_CONSTRAINTS= (empty) so pip keeps it.
+CONSTRAINTS=${LORAGATE_CONSTRAINTS-constraints-cpu.txt}
+
+setup() {
+    if [ ! -x .venv/bin/python ]; then
+        "$PYTHON" -m venv .venv
+    fi
+    # Reinstall only when the project's declared dependencies changed.
+    local stamp=.venv/.loragate-installed
+    local want
+    want=$(cat pyproject.toml "${CONSTRAINTS:-/dev/null}" | sha256sum | cut -d' ' -f1)
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+        local args=(-q -e '.[dev]')
+        [ -n "$CONSTRAINTS" ] && args=(-c "$CONSTRAINTS" "${args[@]}")
+        .venv/bin/python -m pip install "${args[@]}"
+        echo "$want" > "$stamp"
+    fi
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+    test)
+        setup
+        .venv/bin/ruff check .
+        .venv/bin/mypy
+        .venv/bin/python -m pytest -q "$@"
+        ;;
+    serve)
+        setup
+        exec .venv/bin/loragate serve "$@"
+        ;;
+    *)
+        echo "usage: ./dev.sh test [pytest args] | ./dev.sh serve [loragate serve flags]" >&2
+        exit 2
+        ;;
+esac

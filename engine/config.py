@@ -1,0 +1,118 @@
+"""EngineConfig: every knob of one engine instance, frozen and validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+PreemptionMode = Literal["recompute", "swap"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of one engine instance (one model replica).
+
+    User mistakes raise ValueError naming the offending value; see each field's comment for
+    what it trades.
+    """
+
+    model: str
+    """Local Hugging Face model directory (config.json, *.safetensors, tokenizer files)."""
+
+    dtype: DType = "auto"
+    """Weights and activations dtype; "auto" takes the checkpoint's torch_dtype on a GPU and
+    float32 on a CPU (CPU bf16 matmuls are slow on most x86 parts)."""
+
+    device: str = "auto"
+    """"cpu", "cuda", "cuda:N" or "auto" (cuda when available)."""
+
+    block_size: int = 16
+    """Tokens per KV block. Chunk boundaries and prefix-cache hits are multiples of this."""
+
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks; overrides kv_cache_memory_bytes when set."""
+
+    kv_cache_memory_bytes: int = _GIB
+    """Memory budget for the KV cache when num_kv_blocks is not given."""
+
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step: decodes (1 each) plus prefill chunks. Larger gives more
+    throughput per step, smaller gives lower inter-token latency for running requests."""
+
+    max_num_seqs: int = 128
+    """Most requests running (holding KV blocks and scheduled each step) at once."""
+
+    enable_chunked_prefill: bool = True
+    """Cut prompts that do not fit the remaining budget into block-aligned chunks. Off: a
+    prompt that does not fit the budget waits, and a prompt over the whole budget is refused."""
+
+    long_prefill_token_threshold: int = 0
+    """Cap on one request's prefill chunk per step (0 = no cap beyond the budget), so that one
+    long prompt cannot take the whole budget from other prefills."""
+
+    preemption_mode: PreemptionMode = "recompute"
+    """What a preempted request loses when blocks run out: "recompute" frees its KV and
+    recomputes it later; "swap" copies its KV blocks to CPU swap space and back."""
+
+    swap_space_bytes: int = 256 << 20
+    """CPU memory for swapped-out KV blocks (preemption_mode="swap")."""
+
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    """"fcfs": arrival order. "priority": larger Request.priority is served first and
+    preempted last; ties by arrival."""
+
+    max_model_len: int | None = None
+    """Longest prompt + output; defaults to the model's max_position_embeddings."""
+
+    seed: int = 0
+    """Seed of the generator used by sampled requests that give no seed of their own."""
+
+    extra_stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    """Token ids that end every request besides the model's EOS ids."""
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
+            )
+        if 0 < self.long_prefill_token_threshold < self.block_size:
+            raise ValueError(
+                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be 0 "
+                f"or at least block_size ({self.block_size}): chunks end on block boundaries"
+            )
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"block_size ({self.block_size}) so a block-aligned chunk fits in a step"
+            )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got "
+                             f"{self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.swap_space_bytes <= 0:
+            raise ValueError(f"preemption_mode='swap' needs swap_space_bytes > 0, got "
+                             f"{self.swap_space_bytes}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got "
+                             f"{self.scheduling_policy!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got "
+                             f"{self.dtype!r}")
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

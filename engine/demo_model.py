@@ -1,0 +1,119 @@
+"""A seeded, random-weight Llama checkpoint with a real trained tokenizer, fully offline.
+
+The tokenizer is a byte-level BPE trained on the English help text that ships with every
+CPython (pydoc_data.topics), so it needs no download and is the same on every machine with
+the same Python minor version. The result is an ordinary Hugging Face directory that
+transformers itself loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+BOS, EOS, PAD, IM_START, IM_END = "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]
+
+# ChatML: the gateway renders chat requests with the tokenizer's own template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class DemoModelSpec:
+    """Size of the demo model. The default is about 32M parameters: big enough that batching
+    matters on a CPU, small enough to serve there."""
+
+    vocab_size: int = 8192
+    hidden_size: int = 512
+    intermediate_size: int = 1408
+    num_layers: int = 8
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 300:
+            raise ValueError(f"vocab_size must be >= 300 (256 bytes + specials), got "
+                             f"{self.vocab_size}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must divide by num_heads "
+                             f"({self.num_heads}), which must divide by num_kv_heads "
+                             f"({self.num_kv_heads})")
+
+
+def training_corpus() -> list[str]:
+    from pydoc_data.topics import topics  # type: ignore[import-not-found]
+
+    return [topics[key] for key in sorted(topics)]
+
+
+def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(training_corpus(), trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_demo_model(out_dir: str | Path, spec: DemoModelSpec | None = None) -> Path:
+    """Write tokenizer, config, generation config and safetensors weights into out_dir."""
+    spec = spec or DemoModelSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(spec.vocab_size)
+    tokenizer.save_pretrained(str(out))
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[eos_id, tokenizer.convert_tokens_to_ids(IM_END)],
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(str(out))
+    (out / "loragate_demo.json").write_text(repr(asdict(spec)) + "\n")
+    return out

@@ -1,0 +1,74 @@
+"""Incremental detokenization with stop strings that never leak into the output."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text, a few tokens at a time.
+
+    Each new token decodes only a short window (prefix_offset..end), so the cost per token is
+    constant. A window whose text ends in U+FFFD is an incomplete UTF-8 sequence: nothing is
+    emitted until the next token completes it. While stop strings are set, the last
+    (longest stop - 1) characters are held back, since they may still become a stop string;
+    a matched stop string and everything after it is cut.
+    """
+
+    def __init__(self, decoder: Decoder, stop: tuple[str, ...], skip_special_tokens: bool
+                 ) -> None:
+        self._decoder = decoder
+        self._stop = stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.text = ""
+        self._emitted = 0
+        self.stopped = False
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """Append tokens; sets ``stopped`` if a stop string completed."""
+        for token_id in token_ids:
+            if self.stopped:
+                return
+            self._ids.append(token_id)
+            prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            window = self._decode(self._ids[self._prefix_offset:])
+            if len(window) > len(prefix) and not window.endswith("\ufffd"):
+                before = len(self.text)
+                self.text += window[len(prefix):]
+                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                self._check_stop(before)
+
+    @property
+    def emitted_text(self) -> str:
+        return self.text[:self._emitted]
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet handed out that can no longer turn into a stop string."""
+        end = len(self.text) if (finished or self.stopped) else len(self.text) - self._holdback
+        if end <= self._emitted:
+            return ""
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta
+
+    def _check_stop(self, before: int) -> None:
+        if not self._stop:
+            return
+        search_from = max(0, before - self._holdback)
+        hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self._decoder.decode(ids, skip_special_tokens=self._skip_special)

@@ -1,0 +1,247 @@
+"""LLMEngine: step() = schedule -> run -> update -> outputs. Single-threaded."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCacheManager
+from engine.metrics import EngineMetrics, EngineStats, StepTiming
+from engine.model_runner import ModelRunner
+from engine.models.loader import load_hf_config, load_model, resolve_dtype
+from engine.models.llama import ModelShape
+from engine.request import Request, RequestOutput, RequestStatus, RequestTiming
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+@dataclass
+class _Tracked:
+    """Engine-side companions of a scheduler Request: its detokenizer and output cursor."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    num_tokens_reported: int = 0
+    num_logprobs_reported: int = 0
+
+
+class LLMEngine:
+    """One model replica. Not thread-safe: AsyncEngine drives it from one thread."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        hf_config = load_hf_config(config.model)
+        self.model_shape = ModelShape.from_hf_config(hf_config)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.max_model_len = config.max_model_len or self.model_shape.max_position_embeddings
+        if self.max_model_len > self.model_shape.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={self.model_shape.max_position_embeddings}")
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"with chunked prefill off, max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}), or a long prompt could never be scheduled")
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            config.model, local_files_only=True)
+        self.eos_token_ids = frozenset(self._eos_ids(config, self.tokenizer))
+        model = load_model(config.model, hf_config, self.dtype, self.device, self.max_model_len)
+        self.runner = ModelRunner(config, model, self.device, self.dtype)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                 self.runner.num_swap_blocks)
+        self.scheduler = Scheduler(config, self.kv)
+        self.metrics = EngineMetrics()
+        self._tracked: dict[str, _Tracked] = {}
+        self._arrival_counter = itertools.count()
+
+    @classmethod
+    def from_model(cls, model: str, **overrides: Any) -> LLMEngine:
+        return cls(EngineConfig(model=model, **overrides))
+
+    @staticmethod
+    def _eos_ids(config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+        ids: set[int] = set(config.extra_stop_token_ids)
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        if (Path(config.model) / "generation_config.json").is_file():
+            eos = GenerationConfig.from_pretrained(config.model).eos_token_id
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return ids
+
+    # ------------------------------------------------------------------ requests in
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that must never enter the scheduler."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_shape.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"= {total} exceeds the model's context of {self.max_model_len} tokens")
+        if not self.kv.can_ever_fit(total):
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens exceeds the whole KV cache "
+                f"({self.kv.num_blocks * self.kv.block_size} tokens)")
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     priority: int = 0, arrival_time: float | None = None) -> Request:
+        """Tokenize and validate; safe to call from any thread (touches no engine state)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            prompt_ids = self.tokenize(prompt)
+        else:
+            prompt_ids = list(prompt)
+        self.validate(prompt_ids, params)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_seq=0,
+            priority=priority,
+            timing=RequestTiming(arrival=arrival_time or time.monotonic()),
+        )
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        self.add(self.make_request(request_id, prompt, params or SamplingParams(), priority,
+                                   arrival_time))
+
+    def add(self, request: Request) -> None:
+        """Admit a request built by make_request()."""
+        if request.request_id in self._tracked:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request = replace(request, arrival_seq=next(self._arrival_counter))
+        params = request.sampling_params
+        self.scheduler.add(request)
+        self._tracked[request.request_id] = _Tracked(
+            request, IncrementalDetokenizer(self.tokenizer, params.stop,
+                                            params.skip_special_tokens))
+        self.metrics.prompt_tokens += request.num_prompt_tokens
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now and free its blocks; returns its final output."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        self.runner.sampler.release([request_id])
+        return self._output(self._tracked[request_id], finished_here=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if sched.is_empty:
+            self.runner.sampler.release(sched.finished_request_ids)
+            return []
+        result = self.runner.execute(sched)
+        t2 = time.perf_counter()
+        updated = self.scheduler.update(sched, result.sampled)
+        now = time.monotonic()
+        outputs = [self._on_new_token(self._tracked[r.request_id], result.logprobs, now)
+                   for r in updated]
+        t3 = time.perf_counter()
+        prefill_tokens = sum(c.num_tokens for c in sched.chunks if not c.sample or
+                             c.num_tokens > 1)
+        self.metrics.record_step(
+            sched.num_batched_tokens, prefill_tokens, self.config.max_num_batched_tokens,
+            StepTiming(schedule=t1 - t0, prepare=result.prepare_seconds,
+                       forward=result.forward_seconds, sample=result.sample_seconds,
+                       output=t3 - t2))
+        return outputs
+
+    def _on_new_token(self, tracked: _Tracked, logprobs: dict[str, dict[int, float]],
+                      now: float) -> RequestOutput:
+        request = tracked.request
+        timing = request.timing
+        if timing.first_token is None:
+            timing.first_token = now
+            self.metrics.ttft.append(now - timing.arrival)
+        else:
+            assert timing.last_token is not None
+            itl = now - timing.last_token
+            timing.inter_token_latencies.append(itl)
+            self.metrics.itl.append(itl)
+        timing.last_token = now
+        self.metrics.generation_tokens += 1
+        if request.request_id in logprobs:
+            request.output_logprobs.append(logprobs[request.request_id])
+        tracked.detokenizer.add_tokens(request.output_token_ids[tracked.num_tokens_reported:])
+        if tracked.detokenizer.stopped and request.status is not RequestStatus.FINISHED:
+            self.scheduler.finish(request.request_id, "stop")
+        return self._output(tracked, finished_here=request.status is RequestStatus.FINISHED)
+
+    def _output(self, tracked: _Tracked, finished_here: bool) -> RequestOutput:
+        request = tracked.request
+        new_ids = request.output_token_ids[tracked.num_tokens_reported:]
+        tracked.num_tokens_reported = len(request.output_token_ids)
+        if finished_here:
+            del self._tracked[request.request_id]
+            self.metrics.num_requests_finished += 1
+        delta_text = tracked.detokenizer.take_delta(finished_here)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            text=tracked.detokenizer.emitted_text,
+            token_ids=list(request.output_token_ids),
+            delta_text=delta_text,
+            delta_token_ids=new_ids,
+            finished=finished_here,
+            finish_reason=request.finish_reason if finished_here else None,
+            logprobs=list(request.output_logprobs)
+            if request.sampling_params.logprobs is not None else None,
+            timing=request.timing,
+        )
+
+    # ---------------------------------------------------------------------- metrics
+    def stats(self) -> EngineStats:
+        m = self.metrics
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped),
+            kv_blocks_used=self.kv.device_pool.num_used,
+            kv_blocks_total=self.kv.num_blocks,
+            token_budget_utilization=m.last_budget_utilization,
+            mean_token_budget_utilization=m.mean_budget_utilization,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=m.prompt_tokens,
+            prompt_tokens_computed=m.prompt_tokens_computed,
+            generation_tokens=m.generation_tokens,
+            num_steps=m.num_steps,
+            num_requests_finished=m.num_requests_finished,
+            recent_ttft=tuple(m.ttft),
+            recent_itl=tuple(m.itl),
+            phase_seconds=dict(m.phase_seconds),
+        )

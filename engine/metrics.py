@@ -1,0 +1,87 @@
+"""Engine counters and gauges, kept as plain numbers; the gateway exports them later."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Seconds one step spent in each phase."""
+
+    schedule: float
+    prepare: float
+    forward: float
+    sample: float
+    output: float
+
+    @property
+    def total(self) -> float:
+        return self.schedule + self.prepare + self.forward + self.sample + self.output
+
+    @property
+    def outside_forward(self) -> float:
+        return self.total - self.forward
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A point-in-time copy of the engine's metrics."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    token_budget_utilization: float
+    """Scheduled tokens / max_num_batched_tokens of the last step."""
+    mean_token_budget_utilization: float
+    num_preemptions: int
+    prompt_tokens: int
+    """Prompt tokens of all requests added."""
+    prompt_tokens_computed: int
+    """Tokens run through prefill (chunks), recomputation included."""
+    generation_tokens: int
+    num_steps: int
+    num_requests_finished: int
+    recent_ttft: tuple[float, ...]
+    recent_itl: tuple[float, ...]
+    phase_seconds: dict[str, float]
+
+
+@dataclass
+class EngineMetrics:
+    """Mutable counters updated by the step loop (one thread)."""
+
+    window: int = 4096
+    prompt_tokens: int = 0
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+    num_requests_finished: int = 0
+    last_budget_utilization: float = 0.0
+    _utilization_sum: float = 0.0
+    ttft: deque[float] = field(default_factory=deque)
+    itl: deque[float] = field(default_factory=deque)
+    phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("schedule", "prepare", "forward", "sample", "output"), 0.0))
+    last_step: StepTiming | None = None
+
+    def __post_init__(self) -> None:
+        self.ttft = deque(maxlen=self.window)
+        self.itl = deque(maxlen=self.window)
+
+    def record_step(self, scheduled_tokens: int, prefill_tokens: int, budget: int,
+                    timing: StepTiming) -> None:
+        self.num_steps += 1
+        self.prompt_tokens_computed += prefill_tokens
+        self.last_budget_utilization = scheduled_tokens / budget
+        self._utilization_sum += self.last_budget_utilization
+        self.last_step = timing
+        for name in self.phase_seconds:
+            self.phase_seconds[name] += getattr(timing, name)
+
+    @property
+    def mean_budget_utilization(self) -> float:
+        return self._utilization_sum / self.num_steps if self.num_steps else 0.0

@@ -1,0 +1,133 @@
+"""SchedulerOutput -> flat tensors -> forward -> sampled tokens. Owns the model, the KV
+tensors and the swap tensors; owns no scheduling state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import AttentionMetadata, build_attention_metadata
+from engine.config import EngineConfig
+from engine.models.llama import LlamaForFlatBatch
+from engine.sampler import Sampler
+from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    """Tokens sampled this step, keyed by request id, and where the time went."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    prepare_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    sample_seconds: float = 0.0
+
+
+def kv_bytes_per_block(model: LlamaForFlatBatch, block_size: int, dtype: torch.dtype) -> int:
+    s = model.shape
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * elem
+
+
+class ModelRunner:
+    """Runs one step's flat batch: decodes first (one query each), then prefill chunks."""
+
+    def __init__(self, config: EngineConfig, model: LlamaForFlatBatch, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = config.block_size
+        per_block = kv_bytes_per_block(model, config.block_size, dtype)
+        self.num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no "
+                             f"block of {per_block} bytes")
+        self.num_swap_blocks = (
+            config.swap_space_bytes // per_block if config.preemption_mode == "swap" else 0)
+        s = model.shape
+        block_shape = (config.block_size, s.num_kv_heads, s.head_dim)
+        self.kv_caches = [
+            (torch.zeros(self.num_blocks, *block_shape, dtype=dtype, device=device),
+             torch.zeros(self.num_blocks, *block_shape, dtype=dtype, device=device))
+            for _ in range(s.num_layers)
+        ]
+        pin = device.type == "cuda"
+        self.swap_caches = [
+            (torch.zeros(self.num_swap_blocks, *block_shape, dtype=dtype, pin_memory=pin),
+             torch.zeros(self.num_swap_blocks, *block_shape, dtype=dtype, pin_memory=pin))
+            for _ in range(s.num_layers)
+        ] if self.num_swap_blocks else []
+        self.sampler = Sampler(config.seed, device)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        out = RunnerOutput()
+        self.sampler.release(sched.finished_request_ids)
+        t0 = time.perf_counter()
+        self._swap(sched)
+        if not sched.chunks:
+            return out
+        chunks = sorted(sched.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
+        input_ids, positions, meta, sample_rows = self._prepare(chunks)
+        t1 = self._sync_time()
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[sample_rows])
+        t2 = self._sync_time()
+        sampled_chunks = [c for c in chunks if c.sample]
+        ids = [c.request_id for c in sampled_chunks]
+        tokens, logprobs = self.sampler.sample(
+            logits, ids, [c.sampling_params for c in sampled_chunks])
+        for request_id, token, lp in zip(ids, tokens, logprobs, strict=True):
+            out.sampled[request_id] = token
+            if lp is not None:
+                out.logprobs[request_id] = lp
+        t3 = time.perf_counter()
+        out.prepare_seconds, out.forward_seconds, out.sample_seconds = t1 - t0, t2 - t1, t3 - t2
+        return out
+
+    def _prepare(self, chunks: list[ScheduledChunk]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        decodes: list[tuple[list[int], int]] = []
+        prefills: list[tuple[list[int], int, int]] = []
+        for c in chunks:
+            token_ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, c.context_len))
+            if c.sample:
+                sample_rows.append(len(token_ids) - 1)
+            if c.num_tokens == 1:
+                decodes.append((c.block_table, c.context_len))
+            else:
+                prefills.append((c.block_table, c.start_pos, c.num_tokens))
+        meta = build_attention_metadata(decodes, prefills, self.block_size,
+                                        self.model.shape.sliding_window, self.device)
+        return (
+            torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+        )
+
+    def _swap(self, sched: SchedulerOutput) -> None:
+        # Swap-outs first: their device blocks may be reused by this very step.
+        for pairs, out_dir in ((sched.blocks_to_swap_out, True), (sched.blocks_to_swap_in, False)):
+            if not pairs:
+                continue
+            src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+            dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+            for device_kv, swap_kv in zip(self.kv_caches, self.swap_caches, strict=True):
+                for dev_t, cpu_t in zip(device_kv, swap_kv, strict=True):
+                    if out_dir:
+                        cpu_t[dst] = dev_t[src.to(self.device)].to("cpu")
+                    else:
+                        dev_t[dst.to(self.device)] = cpu_t[src].to(self.device)
+
+    def _sync_time(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()

@@ -1,0 +1,222 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat, unpadded batch of tokens.
+
+Parameter names equal the Hugging Face checkpoint's, so a checkpoint loads with a plain
+load_state_dict. Every forward takes T tokens of any number of requests at once; only
+attention needs to know where one request ends (AttentionMetadata).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.attention import AttentionMetadata, paged_attention
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a checkpoint's config that the engine needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf_config(cls, config: PretrainedConfig) -> ModelShape:
+        model_type = config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {model_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        sliding_window: int | None = None
+        if model_type == "mistral":
+            sliding_window = getattr(config, "sliding_window", None)
+        if model_type == "qwen2":
+            attention_bias = True  # Qwen2 has q/k/v biases and no o bias, by definition
+            if getattr(config, "use_sliding_window", False):
+                raise ValueError("Qwen2 with use_sliding_window=True is not supported")
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            sliding_window=sliding_window,
+        )
+
+
+def rope_cos_sin(config: PretrainedConfig, head_dim: int, max_positions: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[max_positions, head_dim] cos and sin tables, computed as transformers does
+    (transformers' own init functions for the scaled variants)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "dynamic":
+        raise ValueError("dynamic rope scaling is not supported (its table depends on length)")
+    if rope_type == "default":
+        base = float(params.get("rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    positions = torch.arange(max_positions, dtype=torch.float)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, cast back before the weight (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    """Self-attention with GQA and rotary embeddings over paged KV."""
+
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            shape.num_heads, shape.num_kv_heads, shape.head_dim)
+        self.sliding_window = shape.sliding_window
+        h = shape.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=shape.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=shape.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=shape.o_bias)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        h, i, b = shape.hidden_size, shape.intermediate_size, shape.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block with residuals."""
+
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.self_attn = Attention(shape)
+        self.mlp = MLP(shape)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, layers and final norm (the checkpoint's ``model.`` prefix)."""
+
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+
+class LlamaForFlatBatch(nn.Module):
+    """The whole causal LM. forward() returns hidden states; compute_logits() applies the
+    LM head to the rows that are sampled only."""
+
+    def __init__(self, shape: ModelShape, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        super().__init__()
+        self.shape = shape
+        self.model = DecoderModel(shape)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.model.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, head_dim]
+        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

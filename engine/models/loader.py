@@ -1,0 +1,79 @@
+"""Load a local Hugging Face checkpoint directory into LlamaForFlatBatch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, PretrainedConfig
+
+from engine.models.llama import LlamaForFlatBatch, ModelShape, rope_cos_sin
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_hf_config(model_dir: str) -> PretrainedConfig:
+    """The checkpoint's config, with clear errors for a missing or foreign directory."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"model directory {model_dir!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {model_dir!r} has no config.json")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"cannot read the config of {model_dir!r}: {exc}") from exc
+
+
+def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, torch.dtype):
+        return declared
+    return _DTYPES.get(str(declared), torch.bfloat16)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
+    return files
+
+
+def load_model(
+    model_dir: str, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+    max_positions: int,
+) -> LlamaForFlatBatch:
+    """Build the model on the meta device, then assign the checkpoint's tensors to it."""
+    shape = ModelShape.from_hf_config(config)
+    cos, sin = rope_cos_sin(config, shape.head_dim, max_positions)
+    with torch.device("meta"):
+        model = LlamaForFlatBatch(shape, cos.to("meta"), sin.to("meta"))
+    state: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(Path(model_dir)):
+        state.update(load_file(str(file), device="cpu"))
+    expected = {name for name, _ in model.named_parameters()}
+    if shape.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state.get("model.embed_tokens.weight", torch.empty(0))
+    state = {k: v for k, v in state.items() if k in expected}
+    missing = expected - state.keys()
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir!r} lacks weights: {sorted(missing)[:5]}")
+    for name, param in model.named_parameters():
+        if tuple(state[name].shape) != tuple(param.shape):
+            raise ValueError(f"weight {name} has shape {tuple(state[name].shape)}, the config "
+                             f"implies {tuple(param.shape)}")
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.rope_cos = cos.to(device)
+    model.rope_sin = sin.to(device)
+    return model.eval().requires_grad_(False)

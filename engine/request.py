@@ -1,0 +1,119 @@
+"""Request state (two counters) and the outputs the engine hands back."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Which queue a request is in. Prefill vs decode is never a status: it is the gap
+    between num_computed_tokens and num_tokens."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestTiming:
+    """Wall-clock times of one request (time.monotonic seconds)."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
+@dataclass
+class Request:
+    """One generation request inside the engine.
+
+    Invariant: 0 <= num_computed_tokens <= num_tokens. The tokens at positions
+    [num_computed_tokens, num_tokens) still need a forward pass; prefill, chunked prefill,
+    decode, a prefix-cache hit and recompute after preemption are all that gap closing.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    arrival_seq: int
+    """Monotonic admission number; the tie-breaker of every queue order ("newest" = largest)."""
+    priority: int = 0
+    timing: RequestTiming = field(default_factory=lambda: RequestTiming(arrival=0.0))
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The most tokens this request can ever hold in the KV cache."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def check_token_stop(self) -> str | None:
+        """Finish reason implied by the last token and the length limit (not stop strings)."""
+        last = self.output_token_ids[-1]
+        params = self.sampling_params
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return "stop"
+        if last in params.stop_token_ids:
+            return "stop"
+        if len(self.output_token_ids) >= params.max_tokens:
+            return "length"
+        return None
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for one request after a step.
+
+    ``text`` / ``token_ids`` are everything generated so far; ``delta_text`` /
+    ``delta_token_ids`` what is new since the previous output of this request. Text never
+    contains a matched stop string, and text that might still become one is held back until
+    it cannot.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    timing: RequestTiming | None = None
+    error: str | None = None

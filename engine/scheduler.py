@@ -1,0 +1,262 @@
+"""Token-budget scheduler: which requests run this step, and how many tokens each.
+
+Each step closes part of every chosen request's gap (num_tokens - num_computed_tokens)
+within ``max_num_batched_tokens`` tokens and ``max_num_seqs`` running requests:
+
+1. running requests first, in admission order (a decode costs 1 token); when blocks run out
+   the victim (lowest priority, then newest) is preempted by recompute or swap;
+2. then, if nothing was preempted this step, swapped requests come back;
+3. then waiting requests are admitted in policy order.
+
+A prefill longer than the remaining budget is cut so that the chunk ends on a block
+boundary (chunked prefill), so every finished chunk fills whole blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager, blocks_for
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+QueueKey = tuple[int, int]
+
+
+class Scheduler:
+    """Owns the waiting / running / swapped queues and the KV manager's block tables.
+
+    Not thread-safe: one thread (the engine's step loop) drives it.
+    """
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []  # sorted by _queue_key
+        self.running: list[Request] = []  # admission order
+        self.swapped: list[Request] = []  # sorted by _queue_key
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_since_last_step: list[str] = []
+        self._queue_key: Callable[[Request], QueueKey] = (
+            (lambda r: (-r.priority, r.arrival_seq))
+            if config.scheduling_policy == "priority"
+            else (lambda r: (0, r.arrival_seq))
+        )
+
+    # ----------------------------------------------------------------- queue management
+    def add(self, request: Request) -> None:
+        if not self.kv.can_ever_fit(request.max_num_tokens):
+            raise ValueError(
+                f"request {request.request_id!r} needs up to {request.max_num_tokens} tokens "
+                f"of KV cache, more than the whole cache holds "
+                f"({self.kv.num_blocks * self.kv.block_size} tokens)"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=self._queue_key)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request from every queue and free its blocks at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, "abort")
+        return request
+
+    def finish(self, request_id: str, reason: str) -> None:
+        """End a request for a reason found outside the scheduler (e.g. a stop string)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ----------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
+        self._finished_since_last_step = []
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledChunk] = {}
+
+        budget = self._schedule_running(out, scheduled, budget)
+        if not out.preempted_request_ids:
+            budget = self._schedule_swapped(out, scheduled, budget)
+            self._schedule_waiting(out, scheduled, budget)
+        out.chunks = list(scheduled.values())
+        return out
+
+    def _schedule_running(
+        self, out: SchedulerOutput, scheduled: dict[str, ScheduledChunk], budget: int
+    ) -> int:
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._num_new_tokens(request, budget)
+            if n == 0:
+                continue
+            while not self.kv.allocate_slots(request, n):
+                victim = self._pick_victim(self.running)
+                budget += self._preempt(victim, out, scheduled)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = self._chunk(request, n)
+                budget -= n
+        return budget
+
+    def _schedule_swapped(
+        self, out: SchedulerOutput, scheduled: dict[str, ScheduledChunk], budget: int
+    ) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            n = self._num_new_tokens(request, budget)
+            need = blocks_for(request.num_computed_tokens + n, self.kv.block_size)
+            if n == 0 or need > self.kv.num_free_blocks:
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in.extend(self.kv.swap_in(request.request_id))
+            allocated = self.kv.allocate_slots(request, n)
+            assert allocated, "checked free blocks above"
+            self._run(request)
+            scheduled[request.request_id] = self._chunk(request, n)
+            budget -= n
+        return budget
+
+    def _schedule_waiting(
+        self, out: SchedulerOutput, scheduled: dict[str, ScheduledChunk], budget: int
+    ) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            n = self._num_new_tokens(request, budget)
+            if n == 0:
+                break  # does not fit this step's budget: it stays first in line
+            if not self._allocate_for_waiting(request, n, out, scheduled):
+                break
+            self.waiting.pop(0)
+            self._run(request)
+            scheduled[request.request_id] = self._chunk(request, n)
+            budget -= n
+        return budget
+
+    def _allocate_for_waiting(
+        self,
+        request: Request,
+        n: int,
+        out: SchedulerOutput,
+        scheduled: dict[str, ScheduledChunk],
+    ) -> bool:
+        """Blocks for a waiting request; under the priority policy strictly lower-priority
+        running requests are preempted to make room."""
+        while not self.kv.allocate_slots(request, n):
+            if self.config.scheduling_policy != "priority":
+                return False
+            lower = [r for r in self.running if r.priority < request.priority]
+            if not lower:
+                return False
+            self._preempt(self._pick_victim(lower), out, scheduled)
+        return True
+
+    # ------------------------------------------------------------------------ helpers
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """Tokens of the request's gap to run now: all of it, or a chunk ending on a block
+        boundary, or 0 when not even one block-aligned chunk fits."""
+        start = request.num_computed_tokens
+        n = request.num_tokens - start
+        limit = budget
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and n > 1:
+            limit = min(limit, threshold)
+        if n <= limit:
+            return n
+        if not self.config.enable_chunked_prefill:
+            return 0
+        bs = self.kv.block_size
+        end = (start + limit) // bs * bs
+        return max(0, end - start)
+
+    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        if request.timing.first_scheduled is None:
+            request.timing.first_scheduled = time.monotonic()
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.token_ids_slice(start, start + n),
+            start_pos=start,
+            block_table=self.kv.block_table(request.request_id),
+            sample=start + n == request.num_tokens,
+            sampling_params=request.sampling_params,
+        )
+
+    def _pick_victim(self, candidates: Iterable[Request]) -> Request:
+        # Largest queue key = lowest priority, then newest.
+        return max(candidates, key=self._queue_key)
+
+    def _preempt(
+        self, victim: Request, out: SchedulerOutput, scheduled: dict[str, ScheduledChunk]
+    ) -> int:
+        """Preempt victim; returns the budget its already-scheduled chunk gave back."""
+        self.running.remove(victim)
+        self.num_preemptions += 1
+        victim.num_preemptions += 1
+        out.preempted_request_ids.append(victim.request_id)
+        refunded = scheduled.pop(victim.request_id).num_tokens if (
+            victim.request_id in scheduled) else 0
+        swap_pairs = (
+            self.kv.swap_out(victim.request_id)
+            if self.config.preemption_mode == "swap"
+            else None
+        )
+        if swap_pairs is not None:
+            out.blocks_to_swap_out.extend(swap_pairs)
+            victim.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, victim, key=self._queue_key)
+        else:  # recompute (or swap space full): drop the KV, start over from token 0
+            self.kv.free(victim.request_id)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, victim, key=self._queue_key)
+        return refunded
+
+    def _run(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        queue = {
+            RequestStatus.WAITING: self.waiting,
+            RequestStatus.RUNNING: self.running,
+            RequestStatus.SWAPPED: self.swapped,
+        }.get(request.status)
+        if queue is not None:
+            queue.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+        self._finished_since_last_step.append(request.request_id)
+
+    # ------------------------------------------------------------------------ update
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance counters after the forward; returns the requests that got a new token
+        (finished ones included, with finish_reason set)."""
+        updated: list[Request] = []
+        for chunk in out.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += chunk.num_tokens
+            if not chunk.sample:
+                continue
+            request.append_token(sampled[chunk.request_id])
+            updated.append(request)
+            reason = request.check_token_stop()
+            if reason is not None:
+                self._finish(request, reason)
+        return updated
