@@ -82,9 +82,8 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}"
-            )
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got "
+                             f"{self.long_prefill_token_threshold}")
         if 0 < self.long_prefill_token_threshold < self.block_size:
             raise ValueError(
                 f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be 0 "

@@ -58,7 +58,7 @@ class DemoModelSpec:
 
 
 def training_corpus() -> list[str]:
-    from pydoc_data.topics import topics  # type: ignore[import-not-found]
+    from pydoc_data.topics import topics
 
     return [topics[key] for key in sorted(topics)]
 

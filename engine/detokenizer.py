@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
-
-class Decoder(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+from transformers import PreTrainedTokenizerBase
 
 
 class IncrementalDetokenizer:
@@ -19,8 +15,8 @@ class IncrementalDetokenizer:
     a matched stop string and everything after it is cut.
     """
 
-    def __init__(self, decoder: Decoder, stop: tuple[str, ...], skip_special_tokens: bool
-                 ) -> None:
+    def __init__(self, decoder: PreTrainedTokenizerBase, stop: tuple[str, ...],
+                 skip_special_tokens: bool) -> None:
         self._decoder = decoder
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
@@ -71,4 +67,6 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self._decoder.decode(ids, skip_special_tokens=self._skip_special)
+        text = self._decoder.decode(ids, skip_special_tokens=self._skip_special)
+        assert isinstance(text, str)
+        return text

@@ -16,8 +16,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.metrics import EngineMetrics, EngineStats, StepTiming
 from engine.model_runner import ModelRunner
-from engine.models.loader import load_hf_config, load_model, resolve_dtype
 from engine.models.llama import ModelShape
+from engine.models.loader import load_hf_config, load_model, resolve_dtype
 from engine.request import Request, RequestOutput, RequestStatus, RequestTiming
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler

@@ -201,6 +201,8 @@ class LlamaForFlatBatch(nn.Module):
         self.shape = shape
         self.model = DecoderModel(shape)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

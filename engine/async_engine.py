@@ -1,0 +1,202 @@
+"""AsyncEngine: an asyncio front over LLMEngine, whose step loop runs in its own thread.
+
+Only the engine thread touches LLMEngine state. Event-loop code talks to it through a
+command queue (add / abort) and gets outputs back through per-request asyncio queues fed
+with call_soon_threadsafe, so the event loop never waits on a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.metrics import EngineStats
+from engine.request import Request, RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        # RuntimeError: the caller's event loop is closed, so nobody is listening.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    """Streams outputs of concurrent requests; ``abort()`` frees a request's blocks before
+    the next step is scheduled. Every accepted request ends with a finished output or an
+    exception raised from its generate() iterator."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: list[tuple[str, Any, concurrent.futures.Future[None]]] = []
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._loop, name="loragate-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(LLMEngine(config))
+
+    # --------------------------------------------------------------- event-loop side
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs of one request as tokens arrive; the last has finished=True.
+
+        Bad input raises ValueError before the request enters the scheduler. Closing the
+        iterator early (client gone, task cancelled) aborts the request.
+        """
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine thread is not running")
+        request_id = request_id or f"req-{next(self._ids)}"
+        request = self.engine.make_request(request_id, prompt, params or SamplingParams(),
+                                           priority)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        await self._submit("add", request)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                with self._lock:
+                    self._streams.pop(request_id, None)
+                self._command("abort", request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once its blocks are free."""
+        await asyncio.wrap_future(self._command("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """Metrics as of the end of the last step (refreshed by the engine thread)."""
+        return self._stats
+
+    async def fresh_stats(self) -> EngineStats:
+        """Metrics taken by the engine thread after every pending command was applied."""
+        await asyncio.wrap_future(self._command("noop", None))
+        return self._stats
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout=30)
+
+    async def _submit(self, kind: str, payload: Any) -> None:
+        await asyncio.wrap_future(self._command(kind, payload))
+
+    def _command(self, kind: str, payload: Any) -> concurrent.futures.Future[None]:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            self._commands.append((kind, payload, done))
+        self._wakeup.set()
+        return done
+
+    # ---------------------------------------------------------------- engine thread
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self._stats = self.engine.stats()
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            self._stats = self.engine.stats()
+            self._deliver(outputs)
+        self._fail_all(EngineDeadError("engine shut down"))
+
+    def _apply_commands(self) -> None:
+        with self._lock:
+            commands, self._commands = self._commands, []
+        if not commands:
+            return
+        outputs: list[RequestOutput] = []
+        errors: dict[int, Exception] = {}
+        for i, (kind, payload, _) in enumerate(commands):
+            try:
+                if kind == "add":
+                    self._add(payload)
+                elif kind == "abort":
+                    out = self.engine.abort_request(payload)
+                    if out is not None:
+                        outputs.append(out)
+            except Exception as exc:
+                errors[i] = exc
+        # Stats first, so whoever wakes up from a command sees its effect.
+        self._stats = self.engine.stats()
+        self._deliver(outputs)
+        for i, (_, _, done) in enumerate(commands):
+            if i in errors:
+                done.set_exception(errors[i])
+            else:
+                done.set_result(None)
+
+    def _add(self, request: Request) -> None:
+        try:
+            self.engine.add(request)
+        except ValueError as exc:
+            with self._lock:
+                stream = self._streams.pop(request.request_id, None)
+            if stream is not None:
+                stream.push(exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                stream = (self._streams.pop(out.request_id, None) if out.finished
+                          else self._streams.get(out.request_id))
+            if stream is not None:
+                stream.push(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self.engine.scheduler.requests):
+            self.engine.abort_request(request_id)
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.push(exc)

@@ -1,0 +1,111 @@
+"""AsyncEngine: concurrent streams, abort on close, errors, stats from the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_model_dir: Path) -> Iterator[AsyncEngine]:
+    engine = AsyncEngine.from_config(EngineConfig(
+        model=str(tiny_model_dir), num_kv_blocks=64, max_num_batched_tokens=64))
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams,
+                   request_id: str | None = None) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def test_concurrent_streams_match_sequential(async_engine: AsyncEngine) -> None:
+    prompts = [list(range(5 + i, 40 + 9 * i)) for i in range(6)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    async def main() -> tuple[list[list[int]], list[list[int]]]:
+        together = await asyncio.gather(*(_collect(async_engine, p, params) for p in prompts))
+        alone = [await _collect(async_engine, p, params) for p in prompts]
+        return ([o[-1].token_ids for o in together], [o[-1].token_ids for o in alone])
+
+    together, alone = asyncio.run(main())
+    assert together == alone
+    assert all(len(t) == 10 for t in together)
+
+
+def test_stream_yields_incrementally_and_finishes(async_engine: AsyncEngine) -> None:
+    async def main() -> list[RequestOutput]:
+        return await _collect(async_engine, [7, 8, 9], SamplingParams(
+            max_tokens=5, temperature=0, ignore_eos=True))
+
+    outs = asyncio.run(main())
+    assert [len(o.delta_token_ids) for o in outs] == [1] * 5
+    assert [o.finished for o in outs] == [False] * 4 + [True]
+    assert outs[-1].finish_reason == "length"
+
+
+def test_closing_the_stream_aborts_and_frees_blocks(async_engine: AsyncEngine) -> None:
+    async def main() -> None:
+        stream = async_engine.generate(list(range(5, 100)), SamplingParams(
+            max_tokens=200, temperature=0, ignore_eos=True), request_id="leaver")
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.aclose()
+        stats = await async_engine.fresh_stats()
+        assert stats.kv_blocks_used == 0
+        assert stats.num_running == stats.num_waiting == 0
+
+    asyncio.run(main())
+
+
+def test_explicit_abort_ends_stream_with_abort(async_engine: AsyncEngine) -> None:
+    async def main() -> RequestOutput:
+        last: RequestOutput | None = None
+        async for out in async_engine.generate(list(range(5, 50)), SamplingParams(
+                max_tokens=300, temperature=0, ignore_eos=True), request_id="to-abort"):
+            last = out
+            if len(out.token_ids) == 2:
+                await async_engine.abort("to-abort")
+        assert last is not None
+        return last
+
+    last = asyncio.run(main())
+    assert last.finished and last.finish_reason == "abort"
+    assert async_engine.stats().kv_blocks_used == 0
+
+
+def test_bad_input_raises_before_entering(async_engine: AsyncEngine) -> None:
+    async def main() -> None:
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await _collect(async_engine, [], SamplingParams())
+        with pytest.raises(ValueError, match="exceeds the model's context"):
+            await _collect(async_engine, [5] * 1000, SamplingParams(max_tokens=100))
+        # still serving
+        outs = await _collect(async_engine, [5, 6], SamplingParams(max_tokens=2,
+                                                                   ignore_eos=True))
+        assert outs[-1].finished
+
+    asyncio.run(main())
+
+
+def test_duplicate_request_id_is_refused(async_engine: AsyncEngine) -> None:
+    async def main() -> None:
+        params = SamplingParams(max_tokens=30, ignore_eos=True)
+        first = async_engine.generate([5, 6, 7], params, request_id="dup")
+        await first.__anext__()
+        with pytest.raises(ValueError, match="already in use"):
+            await _collect(async_engine, [5, 6], params, request_id="dup")
+        await first.aclose()
+
+    asyncio.run(main())
