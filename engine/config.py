@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from prefix_cache.adaptive import PrefixCachingMode
+
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -68,6 +70,28 @@ class EngineConfig:
     max_model_len: int | None = None
     """Longest prompt + output; defaults to the model's max_position_embeddings."""
 
+    prefix_caching: PrefixCachingMode = "on"
+    """Reuse the KV of identical prefixes (same tokens, adapter and cache salt): "on",
+    "off", or "auto" (switches itself off while the rolling hit rate on long prompts stays
+    under prefix_auto_threshold, and probes again periodically)."""
+
+    prefix_auto_threshold: float = 0.30
+    """Hit rate under which prefix_caching="auto" turns caching off."""
+
+    cache_aware_window: int = 16
+    """When at most cache_aware_max_queue requests wait, admit the one with the longest
+    cached prefix among the first cache_aware_window of the head's priority (0 = plain
+    queue order)."""
+
+    cache_aware_max_queue: int = 64
+    """Queue length above which admission is plain queue order (the scan stays cheap)."""
+
+    max_admission_delay_s: float = 2.0
+    """A request that waited longer than this is admitted before better-cached ones."""
+
+    prefix_publish_every: int = 4
+    """Publish every Nth block's chain hash for the gateway's prefix index."""
+
     seed: int = 0
     """Seed of the generator used by sampled requests that give no seed of their own."""
 
@@ -84,6 +108,9 @@ class EngineConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got "
                              f"{self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True: "
+                             "without chunks a capped prompt could never be scheduled")
         if 0 < self.long_prefill_token_threshold < self.block_size:
             raise ValueError(
                 f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be 0 "
@@ -108,6 +135,19 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got "
                              f"{self.dtype!r}")
+        if self.prefix_caching not in ("on", "off", "auto"):
+            raise ValueError(f"prefix_caching must be 'on', 'off' or 'auto', got "
+                             f"{self.prefix_caching!r}")
+        if not 0.0 <= self.prefix_auto_threshold <= 1.0:
+            raise ValueError(f"prefix_auto_threshold must be in [0, 1], got "
+                             f"{self.prefix_auto_threshold}")
+        if self.cache_aware_window < 0 or self.cache_aware_max_queue < 0:
+            raise ValueError(f"cache_aware_window ({self.cache_aware_window}) and "
+                             f"cache_aware_max_queue ({self.cache_aware_max_queue}) must be >= 0")
+        if self.max_admission_delay_s < 0:
+            raise ValueError(f"max_admission_delay_s must be >= 0, got "
+                             f"{self.max_admission_delay_s}")
+        _positive("prefix_publish_every", self.prefix_publish_every)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
 

@@ -14,13 +14,16 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
-from engine.metrics import EngineMetrics, EngineStats, StepTiming
+from engine.metrics import EngineMetrics, EngineStats, PrefixCacheStats, StepTiming
 from engine.model_runner import ModelRunner
 from engine.models.llama import ModelShape
 from engine.models.loader import load_hf_config, load_model, resolve_dtype
 from engine.request import Request, RequestOutput, RequestStatus, RequestTiming
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from prefix_cache.adaptive import AdaptiveConfig
+from prefix_cache.cache import PrefixUpdate
+from prefix_cache.hashing import request_extra_keys
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,8 +68,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self._eos_ids(config, self.tokenizer))
         model = load_model(config.model, hf_config, self.dtype, self.device, self.max_model_len)
         self.runner = ModelRunner(config, model, self.device, self.dtype)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                 self.runner.num_swap_blocks)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.block_size, self.runner.num_swap_blocks,
+            prefix_caching=config.prefix_caching,
+            adaptive=AdaptiveConfig(threshold=config.prefix_auto_threshold),
+            publish_every=config.prefix_publish_every)
         self.scheduler = Scheduler(config, self.kv)
         self.metrics = EngineMetrics()
         self._tracked: dict[str, _Tracked] = {}
@@ -109,7 +115,8 @@ class LLMEngine:
                 f"({self.kv.num_blocks * self.kv.block_size} tokens)")
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     priority: int = 0, arrival_time: float | None = None) -> Request:
+                     priority: int = 0, arrival_time: float | None = None,
+                     cache_salt: str | None = None) -> Request:
         """Tokenize and validate; safe to call from any thread (touches no engine state)."""
         if isinstance(prompt, str):
             if not prompt:
@@ -125,14 +132,15 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             arrival_seq=0,
             priority=priority,
+            extra_keys=request_extra_keys(cache_salt=cache_salt),
             timing=RequestTiming(arrival=arrival_time or time.monotonic()),
         )
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         self.add(self.make_request(request_id, prompt, params or SamplingParams(), priority,
-                                   arrival_time))
+                                   arrival_time, cache_salt))
 
     def add(self, request: Request) -> None:
         """Admit a request built by make_request()."""
@@ -227,11 +235,12 @@ class LLMEngine:
     # ---------------------------------------------------------------------- metrics
     def stats(self) -> EngineStats:
         m = self.metrics
+        tracker = self.kv.tracker
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_swapped=len(self.scheduler.swapped),
-            kv_blocks_used=self.kv.device_pool.num_used,
+            kv_blocks_used=self.kv.num_used_blocks,
             kv_blocks_total=self.kv.num_blocks,
             token_budget_utilization=m.last_budget_utilization,
             mean_token_budget_utilization=m.mean_budget_utilization,
@@ -244,4 +253,19 @@ class LLMEngine:
             recent_ttft=tuple(m.ttft),
             recent_itl=tuple(m.itl),
             phase_seconds=dict(m.phase_seconds),
+            prefix_cache=PrefixCacheStats(
+                enabled=tracker.enabled,
+                queries=tracker.queries,
+                query_tokens=tracker.query_tokens,
+                hit_tokens=tracker.hit_tokens,
+                hit_rate=tracker.hit_rate,
+                rolling_hit_rate=tracker.rolling_hit_rate,
+                cached_blocks=self.kv.pool.num_cached,
+                evictions=self.kv.pool.num_evictions,
+                switches=tracker.num_switches,
+            ),
         )
+
+    def publish_prefixes(self, cursor: int = 0) -> PrefixUpdate:
+        """Sparse chain hashes cached since ``cursor``, for the gateway's prefix index."""
+        return self.kv.pool.publish(cursor)

@@ -26,6 +26,24 @@ class StepTiming:
 
 
 @dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix-cache figures: lookups happen once per admitted request."""
+
+    enabled: bool
+    queries: int
+    query_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    """hit_tokens / query_tokens since start."""
+    rolling_hit_rate: float
+    """Over the last window of long prompts (drives prefix_caching="auto")."""
+    cached_blocks: int
+    evictions: int
+    switches: int
+    """Times "auto" turned caching off or on."""
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A point-in-time copy of the engine's metrics."""
 
@@ -48,6 +66,7 @@ class EngineStats:
     recent_ttft: tuple[float, ...]
     recent_itl: tuple[float, ...]
     phase_seconds: dict[str, float]
+    prefix_cache: PrefixCacheStats
 
 
 @dataclass

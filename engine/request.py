@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from prefix_cache.hashing import ExtraKey
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +50,10 @@ class Request:
     arrival_seq: int
     """Monotonic admission number; the tie-breaker of every queue order ("newest" = largest)."""
     priority: int = 0
+    extra_keys: tuple[ExtraKey, ...] = ()
+    """Typed keys mixed into every block hash (adapter identity, cache salt)."""
+    block_hashes: list[int] = field(default_factory=list)
+    """Chain hashes of the full blocks of all_token_ids known so far (filled lazily)."""
     timing: RequestTiming = field(default_factory=lambda: RequestTiming(arrival=0.0))
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -41,6 +41,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_since_last_step: list[str] = []
+        # Never preempted again in the step that brought them back (their swap-in copy
+        # would race the swap-out copy of the same device blocks).
+        self._swapped_in_this_step: set[str] = set()
         self._queue_key: Callable[[Request], QueueKey] = (
             (lambda r: (-r.priority, r.arrival_seq))
             if config.scheduling_policy == "priority"
@@ -82,6 +85,7 @@ class Scheduler:
         self._finished_since_last_step = []
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledChunk] = {}
+        self._swapped_in_this_step.clear()
 
         budget = self._schedule_running(out, scheduled, budget)
         if not out.preempted_request_ids:
@@ -121,6 +125,7 @@ class Scheduler:
             if n == 0 or need > self.kv.num_free_blocks:
                 break
             self.swapped.pop(0)
+            self._swapped_in_this_step.add(request.request_id)
             out.blocks_to_swap_in.extend(self.kv.swap_in(request.request_id))
             allocated = self.kv.allocate_slots(request, n)
             assert allocated, "checked free blocks above"
@@ -132,42 +137,76 @@ class Scheduler:
     def _schedule_waiting(
         self, out: SchedulerOutput, scheduled: dict[str, ScheduledChunk], budget: int
     ) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            n = self._num_new_tokens(request, budget)
+        for request in self._admission_order():
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if request.status is not RequestStatus.WAITING:
+                continue  # admitted or finished since the order was taken
+            hit = self.kv.find_cached_prefix(request)
+            if self.kv.next_block_in_flight(request, len(hit)):
+                continue  # another request is computing that block now: reuse it next step
+            start = len(hit) * self.kv.block_size
+            n = self._num_new_tokens(request, budget, start)
             if n == 0:
                 break  # does not fit this step's budget: it stays first in line
-            if not self._allocate_for_waiting(request, n, out, scheduled):
+            refund = self._allocate_for_waiting(request, n, hit, out, scheduled)
+            if refund is None:
                 break
-            self.waiting.pop(0)
+            budget += refund
+            self.waiting.remove(request)
+            request.num_computed_tokens = start
+            self.kv.note_admitted(request, start)
             self._run(request)
             scheduled[request.request_id] = self._chunk(request, n)
             budget -= n
         return budget
 
+    def _admission_order(self) -> list[Request]:
+        """Queue order, except that while the queue is short the head's priority group
+        (first cache_aware_window of it) goes longest-cached-prefix first; requests that
+        waited over max_admission_delay_s keep their place ahead of it."""
+        order = list(self.waiting)
+        cfg = self.config
+        if (not self.kv.caching_enabled or cfg.cache_aware_window == 0
+                or not 1 < len(order) <= cfg.cache_aware_max_queue):
+            return order
+        head_priority = order[0].priority
+        group = [r for r in order[:cfg.cache_aware_window] if r.priority == head_priority]
+        now = time.monotonic()
+        overdue = [r for r in group if now - r.timing.arrival > cfg.max_admission_delay_s]
+        rest = [r for r in group if now - r.timing.arrival <= cfg.max_admission_delay_s]
+        rest.sort(key=lambda r: -len(self.kv.find_cached_prefix(r)))  # stable: ties keep order
+        return overdue + rest + order[len(group):]
+
     def _allocate_for_waiting(
         self,
         request: Request,
         n: int,
+        hit: list[int],
         out: SchedulerOutput,
         scheduled: dict[str, ScheduledChunk],
-    ) -> bool:
+    ) -> int | None:
         """Blocks for a waiting request; under the priority policy strictly lower-priority
-        running requests are preempted to make room."""
-        while not self.kv.allocate_slots(request, n):
+        running requests are preempted to make room. Returns the budget the victims' chunks
+        gave back, or None when the request cannot be admitted."""
+        refund = 0
+        while not self.kv.allocate_slots(request, n, hit):
             if self.config.scheduling_policy != "priority":
-                return False
-            lower = [r for r in self.running if r.priority < request.priority]
+                return None
+            lower = [r for r in self.running if r.priority < request.priority
+                     and r.request_id not in self._swapped_in_this_step]
             if not lower:
-                return False
-            self._preempt(self._pick_victim(lower), out, scheduled)
-        return True
+                return None
+            # Preemption only releases blocks (never evicts), so ``hit`` stays cached.
+            refund += self._preempt(self._pick_victim(lower), out, scheduled)
+        return refund
 
     # ------------------------------------------------------------------------ helpers
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        """Tokens of the request's gap to run now: all of it, or a chunk ending on a block
-        boundary, or 0 when not even one block-aligned chunk fits."""
-        start = request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, budget: int, start: int | None = None) -> int:
+        """Tokens of the request's gap to run now (from ``start``, default its computed
+        count): all of it, or a chunk ending on a block boundary, or 0 when not even one
+        block-aligned chunk fits."""
+        start = request.num_computed_tokens if start is None else start
         n = request.num_tokens - start
         limit = budget
         threshold = self.config.long_prefill_token_threshold
@@ -189,7 +228,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=request.token_ids_slice(start, start + n),
             start_pos=start,
-            block_table=self.kv.block_table(request.request_id),
+            block_table=list(self.kv.block_table(request.request_id)),
             sample=start + n == request.num_tokens,
             sampling_params=request.sampling_params,
         )
@@ -208,9 +247,11 @@ class Scheduler:
         out.preempted_request_ids.append(victim.request_id)
         refunded = scheduled.pop(victim.request_id).num_tokens if (
             victim.request_id in scheduled) else 0
+        # No swap-out in a step that swaps in: a CPU block freed by a swap-in could be
+        # reused by the swap-out, and the runner copies out before it copies in.
         swap_pairs = (
-            self.kv.swap_out(victim.request_id)
-            if self.config.preemption_mode == "swap"
+            self.kv.swap_out(victim.request_id, victim.num_computed_tokens)
+            if self.config.preemption_mode == "swap" and not out.blocks_to_swap_in
             else None
         )
         if swap_pairs is not None:
@@ -252,6 +293,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(request)
             if not chunk.sample:
                 continue
             request.append_token(sampled[chunk.request_id])

@@ -102,11 +102,11 @@ def test_abort_frees_blocks_at_once(engine: LLMEngine, when: str) -> None:
         assert engine.scheduler.requests["victim"].num_computed_tokens < 200
     elif when == "mid_decode":
         _steps_until(engine, "victim", 203)
-    used_before = engine.kv.device_pool.num_used
+    used_before = engine.kv.num_used_blocks
     out = engine.abort_request("victim")
     assert out is not None and out.finished and out.finish_reason == "abort"
     other_blocks = len(engine.kv.block_table("other"))
-    assert engine.kv.device_pool.num_used == other_blocks <= used_before
+    assert engine.kv.num_used_blocks == other_blocks <= used_before
     assert engine.abort_request("victim") is None
     done = _drain(engine)
     assert list(done) == ["other"]
@@ -201,7 +201,7 @@ def test_streamed_deltas_add_up_to_text(engine: LLMEngine) -> None:
 
 def test_metrics_count_tokens_and_time(engine: LLMEngine) -> None:
     before = engine.stats()
-    engine.add_request("m1", list(range(5, 105)), SamplingParams(max_tokens=7,
+    engine.add_request("m1", list(range(300, 400)), SamplingParams(max_tokens=7,
                                                                  ignore_eos=True))
     out = _drain(engine)["m1"]
     after = engine.stats()

@@ -1,0 +1,182 @@
+"""Prefix cache over the engine's block pool: ref counts, hash -> block map, LRU eviction.
+
+Every block id in [0, num_blocks) is in exactly one state:
+
+    in use        ref_count > 0                 (held by one or more running requests)
+    free, cached  ref_count == 0, has a hash    (reusable by a later hit; evictable)
+    free, empty   ref_count == 0, no hash
+
+Free blocks of both kinds sit in one LRU queue; allocation takes the head and drops its
+hash (lazy eviction), so ``num_free`` counts cached blocks too. After all requests end,
+num_free == num_blocks, of which num_cached still hold reusable KV.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefixUpdate:
+    """Changes to an engine's published sparse hashes since a cursor (see publish())."""
+
+    cursor: int
+    full: bool
+    """True: ``added`` is the complete current set (the old cursor fell out of the log)."""
+    added: list[int]
+    removed: list[int]
+
+
+class BlockCache(ABC):
+    """A block pool whose freed blocks keep their KV reusable under a content hash.
+
+    Contract (callers: the KV manager, from the engine's one step thread; no locking):
+    - match() has no side effects: it neither takes refs nor touches LRU order.
+    - acquire() takes a ref on blocks returned by match() in the same step, before any
+      allocate() that could evict them.
+    - allocate(n) requires n <= num_free; it returns blocks with ref_count 1 and evicts
+      the least recently freed cached blocks it takes.
+    - release() drops one ref per block; blocks reaching 0 join the LRU tail in the order
+      given, so callers pass a request's blocks last-first: a shared prefix, released
+      last, outlives the suffixes that hang off it.
+    - insert() registers a block whose KV is complete; if the hash is already cached by
+      another block the call is a no-op (returns False) and the caller keeps its own copy.
+    """
+
+    num_blocks: int
+
+    @abstractmethod
+    def match(self, hashes: Sequence[int]) -> list[int]:
+        """Block ids of the longest prefix of ``hashes`` that is cached."""
+
+    @abstractmethod
+    def acquire(self, block_ids: Sequence[int]) -> None: ...
+
+    @abstractmethod
+    def allocate(self, n: int) -> list[int]: ...
+
+    @abstractmethod
+    def release(self, block_ids: Sequence[int]) -> None: ...
+
+    @abstractmethod
+    def insert(self, block_id: int, block_hash: int, block_index: int) -> bool:
+        """Cache a computed full block; block_index is its position in the request's chain."""
+
+    @property
+    @abstractmethod
+    def num_free(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_cached(self) -> int: ...
+
+    @abstractmethod
+    def ref_count(self, block_id: int) -> int: ...
+
+
+class HashBlockCache(BlockCache):
+    """BlockCache with a flat hash -> block dict (vLLM-style); a radix tree could stand
+    beside it behind the same ABC.
+
+    The free queue is an OrderedDict used as a doubly linked list: allocation pops the head,
+    release appends to the tail, and a cache hit on a free block removes it from the middle,
+    all in O(1).
+    """
+
+    def __init__(self, num_blocks: int, publish_every: int = 4, log_size: int = 65536) -> None:
+        self.num_blocks = num_blocks
+        self._ref = [0] * num_blocks
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._index_of = [0] * num_blocks
+        self._block_of: dict[int, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_evictions = 0
+        # Sparse publication log for the router: every publish_every-th chain block.
+        self.publish_every = publish_every
+        self._log: deque[tuple[int, bool, int]] = deque(maxlen=log_size)
+        self._log_seq = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def match(self, hashes: Sequence[int]) -> list[int]:
+        blocks: list[int] = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            if self._ref[b] == 0:
+                del self._free[b]
+            self._ref[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self._free), "caller must check num_free first"
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            self._evict(b)
+            self._ref[b] = 1
+            blocks.append(b)
+        return blocks
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            assert self._ref[b] > 0, f"block {b} released more often than acquired"
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free[b] = None
+
+    def insert(self, block_id: int, block_hash: int, block_index: int) -> bool:
+        if block_hash in self._block_of or self._hash_of[block_id] is not None:
+            return False
+        self._block_of[block_hash] = block_id
+        self._hash_of[block_id] = block_hash
+        self._index_of[block_id] = block_index
+        self._record(True, block_hash, block_index)
+        return True
+
+    def _evict(self, block_id: int) -> None:
+        h = self._hash_of[block_id]
+        if h is None:
+            return
+        del self._block_of[h]
+        self._hash_of[block_id] = None
+        self.num_evictions += 1
+        self._record(False, h, self._index_of[block_id])
+
+    # ------------------------------------------------------------------ publication
+    def _record(self, added: bool, block_hash: int, block_index: int) -> None:
+        if (block_index + 1) % self.publish_every == 0:
+            self._log_seq += 1
+            self._log.append((self._log_seq, added, block_hash))
+
+    def publish(self, cursor: int = 0) -> PrefixUpdate:
+        """Sparse hashes added / removed since ``cursor`` (0 = everything)."""
+        oldest = self._log[0][0] if self._log else self._log_seq + 1
+        if cursor == 0 or cursor + 1 < oldest:
+            current = [h for h, b in self._block_of.items()
+                       if (self._index_of[b] + 1) % self.publish_every == 0]
+            return PrefixUpdate(self._log_seq, True, current, [])
+        last_state: dict[int, bool] = {}  # a hash may come and go several times
+        for seq, was_added, h in self._log:
+            if seq > cursor:
+                last_state[h] = was_added
+        return PrefixUpdate(self._log_seq, False,
+                            [h for h, present in last_state.items() if present],
+                            [h for h, present in last_state.items() if not present])
