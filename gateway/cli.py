@@ -1,4 +1,4 @@
-"""The `loragate` command line: make-demo, generate (offline), bench."""
+"""The `loragate` command line: make-demo, generate (offline), chat (interactive)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,39 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.sampling_params import SamplingParams
+
+    engine = AsyncEngine.from_config(EngineConfig(model=args.model, device=args.device))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p)
+
+    async def answer(prompt: str) -> None:
+        async for out in engine.generate(prompt, params):
+            print(out.delta_text, end="", flush=True)
+            if out.finished:
+                print(f"\n[{out.finish_reason}, {len(out.token_ids)} tokens]")
+
+    print(f"serving {args.model} in-process; type a prompt, Ctrl-D to quit")
+    try:
+        while True:
+            try:
+                prompt = input("> ")
+            except EOFError:
+                return 0
+            if prompt.strip():
+                try:
+                    asyncio.run(answer(prompt))
+                except ValueError as exc:
+                    print(f"error: {exc}")
+    finally:
+        engine.shutdown()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.demo_model import DemoModelSpec
 
@@ -60,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--device", default="auto")
     gen.set_defaults(func=_generate)
+
+    chat = sub.add_parser("chat", help="interactive prompt, answers streamed by the engine")
+    chat.add_argument("--model", required=True, help="local Hugging Face model directory")
+    chat.add_argument("--max-tokens", type=int, default=64)
+    chat.add_argument("--temperature", type=float, default=0.8)
+    chat.add_argument("--top-p", type=float, default=0.95)
+    chat.add_argument("--device", default="auto")
+    chat.set_defaults(func=_chat)
     return parser
 
 

@@ -43,6 +43,24 @@ def random_workload(n: int, seed: int, max_prompt: int = 300, max_output: int = 
     ]
 
 
+def shared_prefix_workload(n: int, seed: int, num_docs: int = 4, vocab: int = 512
+                           ) -> list[WorkItem]:
+    """RAG-like: each prompt is one of a few shared documents plus a private question."""
+    rng = random.Random(seed)
+    docs = [[rng.randrange(5, vocab) for _ in range(rng.randint(30, 150))]
+            for _ in range(num_docs)]
+    return [
+        WorkItem(
+            request_id=f"s{i}",
+            prompt=rng.choice(docs) + [rng.randrange(5, vocab)
+                                       for _ in range(rng.randint(1, 40))],
+            max_tokens=rng.randint(1, 20),
+            arrival_step=rng.randint(0, 60),
+        )
+        for i in range(n)
+    ]
+
+
 def run_workload(engine: LLMEngine, items: list[WorkItem], logprobs: int = 5
                  ) -> dict[str, RequestOutput]:
     """Add each item at its arrival step; step until everything finished."""

@@ -20,6 +20,7 @@ from tests.parity import (
     load_reference,
     random_workload,
     run_workload,
+    shared_prefix_workload,
 )
 
 
@@ -44,6 +45,34 @@ def test_random_workload_matches_transformers(tiny_model_dir: Path, preemption_m
         out = outputs[item.request_id]
         assert len(out.token_ids) == item.max_tokens
         check_against_reference(ref, item.prompt, out)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_prefix_caching_on_and_off_agree(tiny_model_dir: Path, chunked: bool) -> None:
+    items = shared_prefix_workload(80, seed=11)
+    # 30 blocks of 16 for prompts up to ~190 tokens: preemption while holding cached blocks.
+    common = dict(num_kv_blocks=30, block_size=16, max_num_seqs=12,
+                  max_num_batched_tokens=48 if chunked else 512,
+                  enable_chunked_prefill=chunked, max_model_len=512)
+    runs = {}
+    for mode in ("off", "on"):
+        engine = LLMEngine.from_model(str(tiny_model_dir), prefix_caching=mode, **common)
+        runs[mode] = run_workload(engine, items)
+        stats = engine.stats()
+        assert stats.num_preemptions > 0
+        assert stats.kv_blocks_used == 0
+        if mode == "on":
+            # Hits are whole blocks, so they end mid-chunk whenever the 48-token budget
+            # does not divide them.
+            assert stats.prefix_cache.hit_tokens > 2000
+            assert engine.kv.pool.num_cached > 0
+        else:
+            assert stats.prefix_cache.hit_tokens == 0
+    ref = load_reference(tiny_model_dir)
+    for item in items:
+        on, off = runs["on"][item.request_id], runs["off"][item.request_id]
+        assert on.token_ids == off.token_ids
+        check_against_reference(ref, item.prompt, on)
 
 
 def test_chunked_prefill_off_matches_transformers(tiny_model_dir: Path) -> None:

@@ -1,0 +1,96 @@
+"""A seeded RAG workload: shared system prompt + k retrieved documents + a question.
+
+Documents are drawn with Zipf popularity, laid out in a stable order (ascending document id)
+so that requests retrieving the same documents share the longest possible prefix, and
+requests arrive as a Poisson process. ``theoretical_reuse`` computes, from the request list
+alone, the share of prompt tokens an unbounded prefix cache could serve.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from benchmarks.workloads import NUM_SPECIAL_IDS
+from prefix_cache.hashing import chain_hashes
+
+
+@dataclass(frozen=True)
+class RagSpec:
+    """Shape of the RAG workload (defaults follow issue 3)."""
+
+    num_requests: int = 200
+    num_documents: int = 64
+    doc_len: tuple[int, int] = (128, 512)
+    system_prompt_len: int = 256
+    docs_per_request: int = 3
+    question_len: tuple[int, int] = (16, 32)
+    output_len: int = 32
+    zipf_s: float = 1.1
+    rate: float = 4.0
+    """Mean arrivals per second (Poisson)."""
+    shuffle_docs: bool = False
+    """Random document order per request (the cache-unfriendly layout)."""
+    vocab_size: int = 8192
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RagRequest:
+    """One request: prompt token ids, output length and arrival offset in seconds."""
+
+    prompt_token_ids: list[int]
+    output_len: int
+    arrival_s: float
+    doc_ids: tuple[int, ...]
+
+
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(NUM_SPECIAL_IDS, vocab) for _ in range(n)]
+
+
+def _zipf_sample(rng: random.Random, weights: list[float], k: int) -> list[int]:
+    """k distinct ids drawn with probability proportional to weights."""
+    chosen: set[int] = set()
+    ids = list(range(len(weights)))
+    while len(chosen) < k:
+        chosen.add(rng.choices(ids, weights=weights)[0])
+    return sorted(chosen)
+
+
+def make_rag_workload(spec: RagSpec) -> list[RagRequest]:
+    rng = random.Random(spec.seed)
+    docs = [_tokens(rng, rng.randint(*spec.doc_len), spec.vocab_size)
+            for _ in range(spec.num_documents)]
+    system = _tokens(rng, spec.system_prompt_len, spec.vocab_size)
+    weights = [1.0 / (rank + 1) ** spec.zipf_s for rank in range(spec.num_documents)]
+    t = 0.0
+    requests = []
+    for _ in range(spec.num_requests):
+        doc_ids = _zipf_sample(rng, weights, spec.docs_per_request)
+        if spec.shuffle_docs:
+            rng.shuffle(doc_ids)
+        prompt = list(system)
+        for d in doc_ids:
+            prompt.extend(docs[d])
+        prompt.extend(_tokens(rng, rng.randint(*spec.question_len), spec.vocab_size))
+        requests.append(RagRequest(prompt, spec.output_len, t, tuple(doc_ids)))
+        t += rng.expovariate(spec.rate)
+    return requests
+
+
+def theoretical_reuse(requests: list[RagRequest], block_size: int) -> float:
+    """Share of prompt tokens that an unbounded, block-granular prefix cache could serve
+    (each hit capped at prompt_len - 1, as the engine caps it), in arrival order."""
+    seen: set[int] = set()
+    reusable = total = 0
+    for request in requests:
+        hashes = chain_hashes(request.prompt_token_ids, block_size)
+        cap = (len(request.prompt_token_ids) - 1) // block_size
+        hit = 0
+        while hit < min(cap, len(hashes)) and hashes[hit] in seen:
+            hit += 1
+        reusable += hit * block_size
+        total += len(request.prompt_token_ids)
+        seen.update(hashes)
+    return reusable / total if total else 0.0
