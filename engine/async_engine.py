@@ -13,17 +13,19 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
+from lora.adapter import LoraAdapter
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -48,7 +50,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: list[tuple[str, Any, concurrent.futures.Future[None]]] = []
+        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -69,6 +71,8 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs of one request as tokens arrive; the last has finished=True.
 
@@ -79,13 +83,13 @@ class AsyncEngine:
             raise EngineDeadError("the engine thread is not running")
         request_id = request_id or f"req-{next(self._ids)}"
         request = self.engine.make_request(request_id, prompt, params or SamplingParams(),
-                                           priority)
+                                           priority, cache_salt=cache_salt, lora=lora)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        await self._submit("add", request)
+        await self.call(lambda: self._add(request))
         finished = False
         try:
             while True:
@@ -101,11 +105,21 @@ class AsyncEngine:
             if not finished:
                 with self._lock:
                     self._streams.pop(request_id, None)
-                self._command("abort", request_id)
+                self._enqueue(lambda: self._abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; returns once its blocks are free."""
-        await asyncio.wrap_future(self._command("abort", request_id))
+        await self.call(lambda: self._abort(request_id))
+
+    async def load_lora(self, name: str, path: str) -> LoraAdapter:
+        """Validate a PEFT directory off the engine thread, then register it."""
+        adapter = await asyncio.to_thread(self.engine.validate_lora, name, path)
+        await self.call(lambda: self.engine.add_lora(adapter))
+        return adapter
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run fn on the engine thread between steps; its exception is raised here."""
+        return await asyncio.wrap_future(self._enqueue(fn))
 
     def stats(self) -> EngineStats:
         """Metrics as of the end of the last step (refreshed by the engine thread)."""
@@ -113,21 +127,19 @@ class AsyncEngine:
 
     async def fresh_stats(self) -> EngineStats:
         """Metrics taken by the engine thread after every pending command was applied."""
-        await asyncio.wrap_future(self._command("noop", None))
-        return self._stats
+        return await self.call(self.engine.stats)
 
     def shutdown(self) -> None:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=30)
+        if self.engine.lora is not None:
+            self.engine.lora.shutdown()
 
-    async def _submit(self, kind: str, payload: Any) -> None:
-        await asyncio.wrap_future(self._command(kind, payload))
-
-    def _command(self, kind: str, payload: Any) -> concurrent.futures.Future[None]:
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    def _enqueue(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
-            self._commands.append((kind, payload, done))
+            self._commands.append((fn, done))
         self._wakeup.set()
         return done
 
@@ -148,6 +160,10 @@ class AsyncEngine:
                 continue
             self._stats = self.engine.stats()
             self._deliver(outputs)
+            if not outputs and self.engine.last_step_idle:
+                # Everything waits on something outside the step (an adapter loading).
+                self._wakeup.wait(0.005)
+                self._wakeup.clear()
         self._fail_all(EngineDeadError("engine shut down"))
 
     def _apply_commands(self) -> None:
@@ -155,26 +171,24 @@ class AsyncEngine:
             commands, self._commands = self._commands, []
         if not commands:
             return
-        outputs: list[RequestOutput] = []
-        errors: dict[int, Exception] = {}
-        for i, (kind, payload, _) in enumerate(commands):
+        results: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
+        for fn, done in commands:
             try:
-                if kind == "add":
-                    self._add(payload)
-                elif kind == "abort":
-                    out = self.engine.abort_request(payload)
-                    if out is not None:
-                        outputs.append(out)
+                results.append((done, fn(), None))
             except Exception as exc:
-                errors[i] = exc
+                results.append((done, None, exc))
         # Stats first, so whoever wakes up from a command sees its effect.
         self._stats = self.engine.stats()
-        self._deliver(outputs)
-        for i, (_, _, done) in enumerate(commands):
-            if i in errors:
-                done.set_exception(errors[i])
+        for done, value, error in results:
+            if error is not None:
+                done.set_exception(error)
             else:
-                done.set_result(None)
+                done.set_result(value)
+
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        if out is not None:
+            self._deliver([out])
 
     def _add(self, request: Request) -> None:
         try:

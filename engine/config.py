@@ -92,6 +92,29 @@ class EngineConfig:
     prefix_publish_every: int = 4
     """Publish every Nth block's chain hash for the gateway's prefix index."""
 
+    max_loras: int = 4
+    """Device slots for adapters: the most distinct adapters in one step (0 disables LoRA).
+    More slots batch more adapters together but take memory for their A/B buffers."""
+
+    max_cpu_loras: int = 16
+    """Adapters kept validated in host memory (LRU); others are reloaded from disk on use."""
+
+    max_lora_rank: int = 16
+    """Largest adapter rank accepted; slot buffers are sized for it."""
+
+    lora_starvation_steps: int = 32
+    """Steps a request may wait for a free adapter slot before the scheduler stops admitting
+    requests of other adapters, so busy slots drain and it gets one."""
+
+    kv_pool_shares: tuple[tuple[str, float, float], ...] = ()
+    """Per-pool (adapter name, or "base") floor and cap as fractions of the KV blocks:
+    (name, floor, cap). A floor is reserved for that pool; a cap bounds its blocks in use
+    and makes it preempt its own requests first; cached blocks above a pool's share (its
+    cap, else an equal split) are evicted first."""
+
+    kv_pool_default_cap: float = 1.0
+    """Cap (fraction of the KV blocks) of every pool not named in kv_pool_shares."""
+
     seed: int = 0
     """Seed of the generator used by sampled requests that give no seed of their own."""
 
@@ -148,6 +171,22 @@ class EngineConfig:
             raise ValueError(f"max_admission_delay_s must be >= 0, got "
                              f"{self.max_admission_delay_s}")
         _positive("prefix_publish_every", self.prefix_publish_every)
+        object.__setattr__(self, "kv_pool_shares", tuple(
+            (str(name), float(floor), float(cap)) for name, floor, cap in self.kv_pool_shares))
+        for name, floor, cap in self.kv_pool_shares:
+            if not 0.0 <= floor <= cap <= 1.0:
+                raise ValueError(f"kv_pool_shares entry {name!r} needs 0 <= floor <= cap <= 1, "
+                                 f"got floor={floor}, cap={cap}")
+        if sum(floor for _, floor, _ in self.kv_pool_shares) > 1.0:
+            raise ValueError("kv_pool_shares floors add up to more than the whole cache")
+        if not 0.0 < self.kv_pool_default_cap <= 1.0:
+            raise ValueError(f"kv_pool_default_cap must be in (0, 1], got "
+                             f"{self.kv_pool_default_cap}")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        _positive("max_cpu_loras", self.max_cpu_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        _positive("lora_starvation_steps", self.lora_starvation_steps)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
 

@@ -117,3 +117,48 @@ def make_demo_model(out_dir: str | Path, spec: DemoModelSpec | None = None) -> P
     ).save_pretrained(str(out))
     (out / "loragate_demo.json").write_text(repr(asdict(spec)) + "\n")
     return out
+
+
+DEMO_TARGETS = (
+    ("q_proj", "k_proj", "v_proj", "o_proj"),
+    ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+)
+
+
+def make_peft_adapter(base_dir: str | Path, out_dir: str | Path, rank: int,
+                      target_modules: tuple[str, ...], seed: int, lora_alpha: int | None = None,
+                      use_rslora: bool = False, b_scale: float = 1.0) -> Path:
+    """Write a seeded random LoRA adapter for base_dir, made by PEFT itself.
+
+    PEFT initialises B to zeros (a no-op adapter); with init_lora_weights=False both A and B
+    are random, so the adapter really changes outputs. b_scale shrinks B to keep the model's
+    outputs in a sane range.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    base = LlamaForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=lora_alpha if lora_alpha is not None else 2 * rank,
+                        target_modules=list(target_modules), init_lora_weights=False,
+                        use_rslora=use_rslora, lora_dropout=0.0)
+    peft_model = get_peft_model(base, config)
+    if b_scale != 1.0:
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(b_scale)
+    out = Path(out_dir)
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+def make_demo_adapters(model_dir: str | Path, count: int, seed: int = 0) -> list[Path]:
+    """``count`` adapters under model_dir/adapters/demo-<i>, ranks alternating 8 and 16."""
+    return [
+        make_peft_adapter(model_dir, Path(model_dir) / "adapters" / f"demo-{i}",
+                          rank=8 if i % 2 == 0 else 16,
+                          target_modules=DEMO_TARGETS[i % len(DEMO_TARGETS)],
+                          seed=seed + 1000 + i, b_scale=0.2)
+        for i in range(count)
+    ]

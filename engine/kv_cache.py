@@ -21,6 +21,12 @@ from engine.request import Request
 from prefix_cache.adaptive import AdaptiveConfig, HitRateTracker, PrefixCachingMode
 from prefix_cache.cache import HashBlockCache
 from prefix_cache.hashing import ROOT_HASH, chain_hashes
+from prefix_cache.pools import BASE_POOL, PoolAccounting
+
+
+def pool_of(request: Request) -> str:
+    """The KV pool a request's blocks belong to: its adapter's, or the base model's."""
+    return request.lora_name or BASE_POOL
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -60,9 +66,12 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
                  prefix_caching: PrefixCachingMode = "off",
-                 adaptive: AdaptiveConfig | None = None, publish_every: int = 4) -> None:
+                 adaptive: AdaptiveConfig | None = None, publish_every: int = 4,
+                 pool_shares: tuple[tuple[str, float, float], ...] = (),
+                 pool_default_cap: float = 1.0) -> None:
         self.block_size = block_size
-        self.pool = HashBlockCache(num_blocks, publish_every=publish_every)
+        self.pools = PoolAccounting(num_blocks, pool_shares, pool_default_cap)
+        self.pool = HashBlockCache(num_blocks, publish_every=publish_every, pools=self.pools)
         self.swap_pool = BlockPool(num_swap_blocks)
         self.tracker = HitRateTracker(prefix_caching, adaptive)
         self._tables: dict[str, list[int]] = {}
@@ -94,8 +103,11 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        return blocks_for(num_tokens, self.block_size) <= self.pool.num_blocks
+    def can_ever_fit(self, num_tokens: int, pool: str = BASE_POOL) -> bool:
+        """Whether num_tokens fit the cache and the pool's cap, with nothing else running."""
+        need = blocks_for(num_tokens, self.block_size)
+        return need <= min(self.pool.num_blocks - self.pools.floors_of_others(pool),
+                           self.pools.cap(pool))
 
     # ------------------------------------------------------------------ prefix hits
     def _update_hashes(self, request: Request) -> list[int]:
@@ -135,16 +147,31 @@ class KVCacheManager:
             cached)
         # Cached blocks nobody holds sit in the free queue: taking them shrinks it.
         reclaimed = sum(1 for b in cached if self.pool.ref_count(b) == 0)
-        if missing > self.pool.num_free - reclaimed:
+        pool = pool_of(request)
+        if missing > self.pool.num_free - reclaimed - self.pools.reserved_for_others(pool):
+            return False
+        if self._over_cap(pool, reclaimed + max(0, missing)):
             return False
         if cached:
             self.pool.acquire(cached)
             table = list(cached)
             self._num_inserted[request.request_id] = len(cached)
         if missing > 0:
-            table = table + self.pool.allocate(missing)
+            table = table + self.pool.allocate(missing, pool)
         self._tables[request.request_id] = table
         return True
+
+    def _over_cap(self, pool: str, extra_blocks: int) -> bool:
+        return self.pools.used[pool] + extra_blocks > self.pools.cap(pool)
+
+    def pool_at_cap(self, request: Request, num_new_tokens: int, start: int | None = None
+                    ) -> bool:
+        """Would covering num_new_tokens more (from ``start``, default the computed count)
+        push the request's pool over its cap?"""
+        table = self._tables.get(request.request_id, [])
+        start = request.num_computed_tokens if start is None else start
+        need = blocks_for(start + num_new_tokens, self.block_size)
+        return self._over_cap(pool_of(request), max(0, need - len(table)))
 
     def note_admitted(self, request: Request, num_hit_tokens: int) -> None:
         """Record the lookup of a newly admitted request and mark its uncached prompt
@@ -153,6 +180,8 @@ class KVCacheManager:
             self.tracker.on_admitted()
             return
         self.tracker.record(request.num_tokens, num_hit_tokens)
+        self.pools.query_tokens[pool_of(request)] += request.num_tokens
+        self.pools.hit_tokens[pool_of(request)] += num_hit_tokens
         first = num_hit_tokens // self.block_size
         mine = [h for h in request.block_hashes[first:] if h not in self._in_flight]
         for h in mine:
@@ -209,11 +238,12 @@ class KVCacheManager:
         self._forget(request_id)
         return list(zip(table[:keep], cpu_blocks, strict=True))
 
-    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Move a swapped table back into fresh device blocks; the caller checked that
         num_free_blocks suffices."""
+        request_id = request.request_id
         cpu_blocks = self._swapped_tables.pop(request_id)
-        device_blocks = self.pool.allocate(len(cpu_blocks))
+        device_blocks = self.pool.allocate(len(cpu_blocks), pool_of(request))
         self._tables[request_id] = device_blocks
         self.swap_pool.free(cpu_blocks)
         return list(zip(cpu_blocks, device_blocks, strict=True))

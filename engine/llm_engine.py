@@ -16,14 +16,17 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
 from engine.metrics import EngineMetrics, EngineStats, PrefixCacheStats, StepTiming
 from engine.model_runner import ModelRunner
-from engine.models.llama import ModelShape
 from engine.models.loader import load_hf_config, load_model, resolve_dtype
+from engine.models.shape import ModelShape
 from engine.request import Request, RequestOutput, RequestStatus, RequestTiming
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from lora.adapter import LoraAdapter
+from lora.manager import AdapterInfo, LoraManager
 from prefix_cache.adaptive import AdaptiveConfig
 from prefix_cache.cache import PrefixUpdate
 from prefix_cache.hashing import request_extra_keys
+from prefix_cache.pools import BASE_POOL
 
 
 def resolve_device(name: str) -> torch.device:
@@ -72,10 +75,15 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, self.runner.num_swap_blocks,
             prefix_caching=config.prefix_caching,
             adaptive=AdaptiveConfig(threshold=config.prefix_auto_threshold),
-            publish_every=config.prefix_publish_every)
-        self.scheduler = Scheduler(config, self.kv)
+            publish_every=config.prefix_publish_every, pool_shares=config.kv_pool_shares,
+            pool_default_cap=config.kv_pool_default_cap)
+        self.lora = (LoraManager(self.model_shape, config.max_loras, config.max_cpu_loras,
+                                 config.max_lora_rank) if config.max_loras else None)
+        self.scheduler = Scheduler(config, self.kv, self.lora)
         self.metrics = EngineMetrics()
         self._tracked: dict[str, _Tracked] = {}
+        self.last_step_idle = False
+        """The last step scheduled nothing (e.g. every request waits for an adapter load)."""
         self._arrival_counter = itertools.count()
 
     @classmethod
@@ -96,7 +104,8 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 lora: str | None = None) -> None:
         """Raise ValueError for a request that must never enter the scheduler."""
         if not prompt_token_ids:
             raise ValueError("prompt is empty")
@@ -109,14 +118,14 @@ class LLMEngine:
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"= {total} exceeds the model's context of {self.max_model_len} tokens")
-        if not self.kv.can_ever_fit(total):
+        if not self.kv.can_ever_fit(total, lora or BASE_POOL):
             raise ValueError(
                 f"prompt + max_tokens = {total} tokens exceeds the whole KV cache "
-                f"({self.kv.num_blocks * self.kv.block_size} tokens)")
+                f"({self.kv.num_blocks * self.kv.block_size} tokens) or its pool's cap")
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int = 0, arrival_time: float | None = None,
-                     cache_salt: str | None = None) -> Request:
+                     cache_salt: str | None = None, lora: str | None = None) -> Request:
         """Tokenize and validate; safe to call from any thread (touches no engine state)."""
         if isinstance(prompt, str):
             if not prompt:
@@ -124,7 +133,13 @@ class LLMEngine:
             prompt_ids = self.tokenize(prompt)
         else:
             prompt_ids = list(prompt)
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, lora)
+        lora_identity = None
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError(f"adapter {lora!r} requested but LoRA is disabled "
+                                 f"(max_loras=0)")
+            lora_identity = self.lora.identity(lora)
         return Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -132,15 +147,17 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             arrival_seq=0,
             priority=priority,
-            extra_keys=request_extra_keys(cache_salt=cache_salt),
+            lora_name=lora,
+            extra_keys=request_extra_keys(lora=lora_identity, cache_salt=cache_salt),
             timing=RequestTiming(arrival=arrival_time or time.monotonic()),
         )
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    lora: str | None = None) -> None:
         self.add(self.make_request(request_id, prompt, params or SamplingParams(), priority,
-                                   arrival_time, cache_salt))
+                                   arrival_time, cache_salt, lora))
 
     def add(self, request: Request) -> None:
         """Admit a request built by make_request()."""
@@ -162,23 +179,75 @@ class LLMEngine:
         self.runner.sampler.release([request_id])
         return self._output(self._tracked[request_id], finished_here=True)
 
+    # --------------------------------------------------------------------- adapters
+    def _lora_manager(self) -> LoraManager:
+        if self.lora is None:
+            raise ValueError("LoRA is disabled (max_loras=0)")
+        return self.lora
+
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        """Validate a PEFT directory and register it (validation is the slow part: callers
+        on another thread use validate_lora() there and add_lora() here)."""
+        adapter = self.validate_lora(name, path)
+        self.add_lora(adapter)
+        return adapter
+
+    def validate_lora(self, name: str, path: str) -> LoraAdapter:
+        """Thread-safe: reads and checks the adapter, touches no engine state."""
+        return self._lora_manager().validate(name, path)
+
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        self._lora_manager().add(adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister an adapter; refused while any request (running or queued) uses it."""
+        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_name == name]
+        if users:
+            raise ValueError(f"adapter {name!r} is in use by {len(users)} request(s)")
+        self._lora_manager().remove(name)
+
+    def pin_lora(self, name: str, pinned: bool = True) -> None:
+        self._lora_manager().pin(name, pinned)
+
+    def list_loras(self) -> list[AdapterInfo]:
+        return self.lora.infos() if self.lora is not None else []
+
+    def _fail_broken_adapter_requests(self) -> list[RequestOutput]:
+        """Requests waiting for an adapter whose weights failed to load end with an error."""
+        assert self.lora is not None
+        self.lora.poll()
+        if not self.lora.load_errors:
+            return []
+        outputs = []
+        for request in list(self.scheduler.waiting) + list(self.scheduler.swapped):
+            error = self.lora.load_errors.get(request.lora_name or "")
+            if error is not None:
+                self.scheduler.finish(request.request_id, "error")
+                self.runner.sampler.release([request.request_id])
+                out = self._output(self._tracked[request.request_id], finished_here=True)
+                out.error = error
+                outputs.append(out)
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        failed = self._fail_broken_adapter_requests() if self.lora is not None else []
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
+        self.last_step_idle = sched.is_empty
         if sched.is_empty:
             self.runner.sampler.release(sched.finished_request_ids)
-            return []
+            return failed
         result = self.runner.execute(sched)
         t2 = time.perf_counter()
         updated = self.scheduler.update(sched, result.sampled)
         now = time.monotonic()
-        outputs = [self._on_new_token(self._tracked[r.request_id], result.logprobs, now)
-                   for r in updated]
+        outputs = failed + [self._on_new_token(self._tracked[r.request_id], result.logprobs,
+                                               now) for r in updated]
         t3 = time.perf_counter()
         prefill_tokens = sum(c.num_tokens for c in sched.chunks if not c.sample or
                              c.num_tokens > 1)
@@ -264,6 +333,7 @@ class LLMEngine:
                 evictions=self.kv.pool.num_evictions,
                 switches=tracker.num_switches,
             ),
+            kv_pools=self.kv.pools.stats(),
         )
 
     def publish_prefixes(self, cursor: int = 0) -> PrefixUpdate:

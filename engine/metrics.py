@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from prefix_cache.pools import PoolStats
+
 
 @dataclass(frozen=True)
 class StepTiming:
@@ -67,6 +69,8 @@ class EngineStats:
     recent_itl: tuple[float, ...]
     phase_seconds: dict[str, float]
     prefix_cache: PrefixCacheStats
+    kv_pools: dict[str, PoolStats]
+    """Per adapter (and "base"): blocks used / cached, evictions, hit rate, floor, cap."""
 
 
 @dataclass

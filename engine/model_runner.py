@@ -13,6 +13,8 @@ from engine.config import EngineConfig
 from engine.models.llama import LlamaForFlatBatch
 from engine.sampler import Sampler
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from lora.layers import LoraSlots
+from lora.ops import LoraBatchMetadata, build_lora_metadata
 
 
 @dataclass
@@ -61,6 +63,8 @@ class ModelRunner:
             for _ in range(s.num_layers)
         ] if self.num_swap_blocks else []
         self.sampler = Sampler(config.seed, device)
+        self.lora_slots = (LoraSlots(model, config.max_loras, config.max_lora_rank, dtype,
+                                     device) if config.max_loras else None)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -68,12 +72,15 @@ class ModelRunner:
         self.sampler.release(sched.finished_request_ids)
         t0 = time.perf_counter()
         self._swap(sched)
+        for slot, adapter in sched.lora_loads:
+            assert self.lora_slots is not None
+            self.lora_slots.load(slot, adapter)
         if not sched.chunks:
             return out
         chunks = sorted(sched.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
-        input_ids, positions, meta, sample_rows = self._prepare(chunks)
+        input_ids, positions, meta, sample_rows, lora = self._prepare(chunks)
         t1 = self._sync_time()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
         logits = self.model.compute_logits(hidden[sample_rows])
         t2 = self._sync_time()
         sampled_chunks = [c for c in chunks if c.sample]
@@ -88,15 +95,18 @@ class ModelRunner:
         out.prepare_seconds, out.forward_seconds, out.sample_seconds = t1 - t0, t2 - t1, t3 - t2
         return out
 
-    def _prepare(self, chunks: list[ScheduledChunk]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[
+            torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
+            LoraBatchMetadata | None]:
         token_ids: list[int] = []
+        token_slots: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
         decodes: list[tuple[list[int], int]] = []
         prefills: list[tuple[list[int], int, int]] = []
         for c in chunks:
             token_ids.extend(c.token_ids)
+            token_slots.extend([c.lora_slot] * c.num_tokens)
             positions.extend(range(c.start_pos, c.context_len))
             if c.sample:
                 sample_rows.append(len(token_ids) - 1)
@@ -111,6 +121,8 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             meta,
             torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+            build_lora_metadata(token_slots, self.device)
+            if any(s >= 0 for s in token_slots) else None,
         )
 
     def _swap(self, sched: SchedulerOutput) -> None:

@@ -50,6 +50,12 @@ class Request:
     arrival_seq: int
     """Monotonic admission number; the tie-breaker of every queue order ("newest" = largest)."""
     priority: int = 0
+    lora_name: str | None = None
+    """Adapter the request runs with (None: the base model)."""
+    lora_slot: int = -1
+    """Device slot of lora_name while the request runs; -1 otherwise."""
+    lora_waits: int = 0
+    """Steps this request was passed over for want of an adapter slot."""
     extra_keys: tuple[ExtraKey, ...] = ()
     """Typed keys mixed into every block hash (adapter identity, cache salt)."""
     block_hashes: list[int] = field(default_factory=list)

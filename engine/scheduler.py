@@ -19,9 +19,10 @@ import time
 from collections.abc import Callable, Iterable
 
 from engine.config import EngineConfig
-from engine.kv_cache import KVCacheManager, blocks_for
+from engine.kv_cache import KVCacheManager, blocks_for, pool_of
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from lora.manager import LoraManager
 
 QueueKey = tuple[int, int]
 
@@ -32,9 +33,14 @@ class Scheduler:
     Not thread-safe: one thread (the engine's step loop) drives it.
     """
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager,
+                 lora: LoraManager | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.lora = lora
+        # An adapter whose requests waited lora_starvation_steps for a slot: until it gets
+        # one, requests of other adapters are not admitted, so busy slots drain.
+        self._starving_lora: str | None = None
         self.waiting: list[Request] = []  # sorted by _queue_key
         self.running: list[Request] = []  # admission order
         self.swapped: list[Request] = []  # sorted by _queue_key
@@ -52,11 +58,11 @@ class Scheduler:
 
     # ----------------------------------------------------------------- queue management
     def add(self, request: Request) -> None:
-        if not self.kv.can_ever_fit(request.max_num_tokens):
+        if not self.kv.can_ever_fit(request.max_num_tokens, pool_of(request)):
             raise ValueError(
                 f"request {request.request_id!r} needs up to {request.max_num_tokens} tokens "
-                f"of KV cache, more than the whole cache holds "
-                f"({self.kv.num_blocks * self.kv.block_size} tokens)"
+                f"of KV cache, more than the whole cache (or its pool "
+                f"{pool_of(request)!r}) can hold"
             )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -86,6 +92,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledChunk] = {}
         self._swapped_in_this_step.clear()
+        if self._starving_lora is not None and not any(
+                r.lora_name == self._starving_lora for r in self.waiting):
+            self._starving_lora = None
 
         budget = self._schedule_running(out, scheduled, budget)
         if not out.preempted_request_ids:
@@ -106,7 +115,10 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.kv.allocate_slots(request, n):
-                victim = self._pick_victim(self.running)
+                # A pool at its cap gives up its own blocks before anyone else's.
+                same_pool = [r for r in self.running if pool_of(r) == pool_of(request)]
+                victim = self._pick_victim(
+                    same_pool if self.kv.pool_at_cap(request, n) else self.running)
                 budget += self._preempt(victim, out, scheduled)
                 if victim is request:
                     break
@@ -124,9 +136,11 @@ class Scheduler:
             need = blocks_for(request.num_computed_tokens + n, self.kv.block_size)
             if n == 0 or need > self.kv.num_free_blocks:
                 break
+            if not self._take_lora_slot(request, out):
+                break
             self.swapped.pop(0)
             self._swapped_in_this_step.add(request.request_id)
-            out.blocks_to_swap_in.extend(self.kv.swap_in(request.request_id))
+            out.blocks_to_swap_in.extend(self.kv.swap_in(request))
             allocated = self.kv.allocate_slots(request, n)
             assert allocated, "checked free blocks above"
             self._run(request)
@@ -149,8 +163,13 @@ class Scheduler:
             n = self._num_new_tokens(request, budget, start)
             if n == 0:
                 break  # does not fit this step's budget: it stays first in line
+            if not self._take_lora_slot(request, out):
+                continue  # its adapter has no slot (or is loading): others may run
             refund = self._allocate_for_waiting(request, n, hit, out, scheduled)
             if refund is None:
+                self._drop_lora_slot(request)
+                if self.kv.pool_at_cap(request, n, start):
+                    continue  # only its own pool is full: other pools' requests may fit
                 break
             budget += refund
             self.waiting.remove(request)
@@ -201,6 +220,36 @@ class Scheduler:
             refund += self._preempt(self._pick_victim(lower), out, scheduled)
         return refund
 
+    # -------------------------------------------------------------------- adapters
+    def _take_lora_slot(self, request: Request, out: SchedulerOutput) -> bool:
+        """Give the request its adapter's slot, or say it must wait."""
+        name = request.lora_name
+        if name is None:
+            return True
+        assert self.lora is not None, "requests with an adapter need a LoraManager"
+        if self._starving_lora not in (None, name):
+            return False
+        got = self.lora.acquire(name)
+        if got is None:
+            request.lora_waits += 1
+            if (self._starving_lora is None
+                    and request.lora_waits >= self.config.lora_starvation_steps):
+                self._starving_lora = name
+            return False
+        slot, adapter = got
+        if adapter is not None:
+            out.lora_loads.append((slot, adapter))
+        request.lora_slot = slot
+        if self._starving_lora == name:
+            self._starving_lora = None
+        return True
+
+    def _drop_lora_slot(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            assert self.lora is not None and request.lora_name is not None
+            self.lora.release(request.lora_name)
+            request.lora_slot = -1
+
     # ------------------------------------------------------------------------ helpers
     def _num_new_tokens(self, request: Request, budget: int, start: int | None = None) -> int:
         """Tokens of the request's gap to run now (from ``start``, default its computed
@@ -231,6 +280,7 @@ class Scheduler:
             block_table=list(self.kv.block_table(request.request_id)),
             sample=start + n == request.num_tokens,
             sampling_params=request.sampling_params,
+            lora_slot=request.lora_slot,
         )
 
     def _pick_victim(self, candidates: Iterable[Request]) -> Request:
@@ -242,6 +292,7 @@ class Scheduler:
     ) -> int:
         """Preempt victim; returns the budget its already-scheduled chunk gave back."""
         self.running.remove(victim)
+        self._drop_lora_slot(victim)
         self.num_preemptions += 1
         victim.num_preemptions += 1
         out.preempted_request_ids.append(victim.request_id)
@@ -277,6 +328,7 @@ class Scheduler:
         }.get(request.status)
         if queue is not None:
             queue.remove(request)
+        self._drop_lora_slot(request)
         self.kv.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from lora.adapter import LoraAdapter
 
 
 @dataclass
@@ -23,6 +24,8 @@ class ScheduledChunk:
     block_table: list[int]
     sample: bool
     sampling_params: SamplingParams
+    lora_slot: int = -1
+    """Adapter slot of every token of the chunk (-1: base model only)."""
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +49,8 @@ class SchedulerOutput:
     """(device block, cpu block) pairs to copy out."""
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(cpu block, device block) pairs to copy in."""
+    lora_loads: list[tuple[int, LoraAdapter]] = field(default_factory=list)
+    """(slot, adapter) weights to copy into the slot buffers before the forward."""
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests that ended since the previous step; the runner drops their sampler state."""
@@ -56,4 +61,5 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+        return not (self.chunks or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.lora_loads)

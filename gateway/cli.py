@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 
 def _make_demo(args: argparse.Namespace) -> int:
-    from engine.demo_model import DemoModelSpec, make_demo_model
+    from engine.demo_model import DemoModelSpec, make_demo_adapters, make_demo_model
 
     spec = DemoModelSpec(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size,
@@ -18,6 +18,8 @@ def _make_demo(args: argparse.Namespace) -> int:
     )
     out = make_demo_model(args.dir, spec)
     print(f"demo model written to {out}")
+    for path in make_demo_adapters(out, args.adapters, seed=args.seed):
+        print(f"demo adapter written to {path}")
     return 0
 
 
@@ -82,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         demo.add_argument(f"--{name.replace('_', '-')}", type=int,
                           default=getattr(defaults, name),
                           help=f"(default {getattr(defaults, name)})")
+    demo.add_argument("--adapters", type=int, default=4,
+                      help="seeded random PEFT LoRA adapters to write under DIR/adapters "
+                           "(ranks 8 and 16; default 4)")
     demo.set_defaults(func=_make_demo)
 
     gen = sub.add_parser("generate", help="offline generation for a few prompts")

@@ -18,6 +18,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from prefix_cache.pools import BASE_POOL, PoolAccounting
+
 
 @dataclass(frozen=True)
 class PrefixUpdate:
@@ -56,7 +58,8 @@ class BlockCache(ABC):
     def acquire(self, block_ids: Sequence[int]) -> None: ...
 
     @abstractmethod
-    def allocate(self, n: int) -> list[int]: ...
+    def allocate(self, n: int, pool: str = BASE_POOL) -> list[int]:
+        """n fresh blocks owned by ``pool`` (see prefix_cache.pools)."""
 
     @abstractmethod
     def release(self, block_ids: Sequence[int]) -> None: ...
@@ -83,11 +86,16 @@ class HashBlockCache(BlockCache):
 
     The free queue is an OrderedDict used as a doubly linked list: allocation pops the head,
     release appends to the tail, and a cache hit on a free block removes it from the middle,
-    all in O(1).
+    all in O(1). Cached free blocks are also queued per pool, so that a pool above its share
+    can be evicted first (prefix_cache.pools).
     """
 
-    def __init__(self, num_blocks: int, publish_every: int = 4, log_size: int = 65536) -> None:
+    def __init__(self, num_blocks: int, publish_every: int = 4, log_size: int = 65536,
+                 pools: PoolAccounting | None = None) -> None:
         self.num_blocks = num_blocks
+        self.pools = pools or PoolAccounting(num_blocks)
+        self._pool_of: list[str] = [BASE_POOL] * num_blocks
+        self._cached_free: dict[str, OrderedDict[int, None]] = {}
         self._ref = [0] * num_blocks
         self._hash_of: list[int | None] = [None] * num_blocks
         self._index_of = [0] * num_blocks
@@ -123,17 +131,34 @@ class HashBlockCache(BlockCache):
         for b in block_ids:
             if self._ref[b] == 0:
                 del self._free[b]
+                pool = self._pool_of[b]
+                if self._hash_of[b] is not None:
+                    del self._cached_free[pool][b]
+                    self.pools.cached[pool] -= 1
+                self.pools.used[pool] += 1
             self._ref[b] += 1
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, pool: str = BASE_POOL) -> list[int]:
         assert n <= len(self._free), "caller must check num_free first"
         blocks = []
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
+            b = self._take_free_block()
             self._evict(b)
             self._ref[b] = 1
+            self._pool_of[b] = pool
+            self.pools.used[pool] += 1
             blocks.append(b)
         return blocks
+
+    def _take_free_block(self) -> int:
+        """The global LRU head, unless some pool's cached blocks exceed its share: then
+        that pool's least recently freed cached block."""
+        over = self.pools.most_over_share()
+        if over is not None:
+            b = next(iter(self._cached_free[over]))
+            del self._free[b]
+            return b
+        return self._free.popitem(last=False)[0]
 
     def release(self, block_ids: Sequence[int]) -> None:
         for b in block_ids:
@@ -141,6 +166,11 @@ class HashBlockCache(BlockCache):
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 self._free[b] = None
+                pool = self._pool_of[b]
+                self.pools.used[pool] -= 1
+                if self._hash_of[b] is not None:
+                    self.pools.cached[pool] += 1
+                    self._cached_free.setdefault(pool, OrderedDict())[b] = None
 
     def insert(self, block_id: int, block_hash: int, block_index: int) -> bool:
         if block_hash in self._block_of or self._hash_of[block_id] is not None:
@@ -152,9 +182,14 @@ class HashBlockCache(BlockCache):
         return True
 
     def _evict(self, block_id: int) -> None:
+        """Drop the hash of a free block that is being reused."""
         h = self._hash_of[block_id]
         if h is None:
             return
+        pool = self._pool_of[block_id]
+        del self._cached_free[pool][block_id]
+        self.pools.cached[pool] -= 1
+        self.pools.evictions[pool] += 1
         del self._block_of[h]
         self._hash_of[block_id] = None
         self.num_evictions += 1

@@ -129,7 +129,7 @@ def test_swap_out_and_in_return_exact_block_pairs() -> None:
     assert kv.allocate_slots(make_request("c", 4), 4)
     assert kv.block_table("c") == [5]
 
-    assert kv.swap_in("b") == [(0, 4), (1, 3), (2, 2)]  # (cpu, device)
+    assert kv.swap_in(b) == [(0, 4), (1, 3), (2, 2)]  # (cpu, device)
     assert kv.block_table("b") == [4, 3, 2]
     assert kv.swap_pool.num_free == 4
     assert kv.num_free_blocks == 0

@@ -7,75 +7,15 @@ attention needs to know where one request ends (AttentionMetadata).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, paged_attention
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a checkpoint's config that the engine needs."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    sliding_window: int | None
-
-    @classmethod
-    def from_hf_config(cls, config: PretrainedConfig) -> ModelShape:
-        model_type = config.model_type
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model type {model_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        sliding_window: int | None = None
-        if model_type == "mistral":
-            sliding_window = getattr(config, "sliding_window", None)
-        if model_type == "qwen2":
-            attention_bias = True  # Qwen2 has q/k/v biases and no o bias, by definition
-            if getattr(config, "use_sliding_window", False):
-                raise ValueError("Qwen2 with use_sliding_window=True is not supported")
-        return cls(
-            model_type=model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            max_position_embeddings=config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=attention_bias,
-            o_bias=attention_bias and model_type != "qwen2",
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            sliding_window=sliding_window,
-        )
+from engine.models.shape import ModelShape
+from lora.layers import LoraLinear
+from lora.ops import LoraBatchMetadata
 
 
 def rope_cos_sin(config: PretrainedConfig, head_dim: int, max_positions: int
@@ -127,10 +67,10 @@ class Attention(nn.Module):
             shape.num_heads, shape.num_kv_heads, shape.head_dim)
         self.sliding_window = shape.sliding_window
         h = shape.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=shape.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=shape.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=shape.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=shape.o_bias)
+        self.q_proj = LoraLinear(h, self.num_heads * self.head_dim, bias=shape.qkv_bias)
+        self.k_proj = LoraLinear(h, self.num_kv_heads * self.head_dim, bias=shape.qkv_bias)
+        self.v_proj = LoraLinear(h, self.num_kv_heads * self.head_dim, bias=shape.qkv_bias)
+        self.o_proj = LoraLinear(self.num_heads * self.head_dim, h, bias=shape.o_bias)
         self.scale = self.head_dim ** -0.5
 
     def forward(
@@ -140,15 +80,16 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        lora: LoraBatchMetadata | None,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x, lora).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, lora).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, lora).view(t, self.num_kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim), lora)
 
 
 class MLP(nn.Module):
@@ -157,12 +98,13 @@ class MLP(nn.Module):
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         h, i, b = shape.hidden_size, shape.intermediate_size, shape.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=b)
-        self.up_proj = nn.Linear(h, i, bias=b)
-        self.down_proj = nn.Linear(i, h, bias=b)
+        self.gate_proj = LoraLinear(h, i, bias=b)
+        self.up_proj = LoraLinear(h, i, bias=b)
+        self.down_proj = LoraLinear(i, h, bias=b)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, lora: LoraBatchMetadata | None) -> torch.Tensor:
+        gated = nn.functional.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora)
+        return self.down_proj(gated, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -176,10 +118,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-                ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                lora: LoraBatchMetadata | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class DecoderModel(nn.Module):
@@ -212,12 +154,13 @@ class LlamaForFlatBatch(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora: LoraBatchMetadata | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, head_dim]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, cos, sin, kv_cache, meta, lora)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 
-from engine.models.llama import LlamaForFlatBatch, ModelShape, rope_cos_sin
+from engine.models.llama import LlamaForFlatBatch, rope_cos_sin
+from engine.models.shape import ModelShape
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

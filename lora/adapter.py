@@ -1,0 +1,177 @@
+"""Load and validate PEFT LoRA directories; identity = name + digest of the content.
+
+A PEFT directory holds adapter_config.json and adapter_model.safetensors with keys like
+``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`` ([r, in]) and
+``...lora_B.weight`` ([out, r]). The delta of one module is ``x @ A.T @ B.T * scaling``
+with scaling = lora_alpha / r, or lora_alpha / sqrt(r) under rsLoRA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from engine.models.shape import ModelShape
+
+SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj")
+
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+                  r"\.lora_([AB])\.weight$")
+
+# Config switches that select LoRA variants we do not implement: (key, value that is fine).
+_UNSUPPORTED_SWITCHES: tuple[tuple[str, Any], ...] = (
+    ("use_dora", False), ("lora_bias", False), ("use_qalora", False),
+    ("fan_in_fan_out", False), ("alora_invocation_tokens", None), ("modules_to_save", None),
+    ("layer_replication", None), ("trainable_token_indices", None),
+    ("target_parameters", None), ("use_bdlora", None),
+)
+
+
+def module_dims(shape: ModelShape, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a target module of the base model."""
+    q_out = shape.num_heads * shape.head_dim
+    kv_out = shape.num_kv_heads * shape.head_dim
+    return {
+        "q_proj": (shape.hidden_size, q_out),
+        "k_proj": (shape.hidden_size, kv_out),
+        "v_proj": (shape.hidden_size, kv_out),
+        "o_proj": (q_out, shape.hidden_size),
+        "gate_proj": (shape.hidden_size, shape.intermediate_size),
+        "up_proj": (shape.hidden_size, shape.intermediate_size),
+        "down_proj": (shape.intermediate_size, shape.hidden_size),
+    }[module]
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A validated adapter in CPU memory.
+
+    weights[(layer, module)] = (A [r, in], B_scaled [out, r]) in float32, with the scaling
+    already folded into B.
+    """
+
+    name: str
+    path: str
+    digest: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def identity(self) -> tuple[str, str]:
+        return (self.name, self.digest)
+
+    @property
+    def target_modules(self) -> frozenset[str]:
+        return frozenset(m for _, m in self.weights)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise ValueError(f"adapter directory {str(path)!r} has no adapter_config.json")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"adapter_config.json in {str(path)!r} is not valid JSON: {exc}"
+                         ) from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"adapter_config.json in {str(path)!r} is not a JSON object")
+    return config
+
+
+def _check_config(config: dict[str, Any], where: str, max_rank: int) -> tuple[int, float, bool]:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: peft_type {config.get('peft_type')!r} is not supported "
+                         f"(only LORA)")
+    for key, fine in _UNSUPPORTED_SWITCHES:
+        value = config.get(key, fine)
+        if value not in (fine, None, False, [], {}):
+            raise ValueError(f"{where}: {key}={value!r} is a LoRA variant loragate does not "
+                             f"implement")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"{where}: bias={config['bias']!r} is not supported (only 'none')")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise ValueError(f"{where}: per-module {key} is not supported")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{where}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise ValueError(f"{where}: rank {rank} exceeds max_lora_rank {max_rank}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    return rank, float(alpha), bool(config.get("use_rslora", False))
+
+
+def load_adapter(name: str, path: str | Path, shape: ModelShape, max_rank: int) -> LoraAdapter:
+    """Read, validate and digest a PEFT directory. Every problem is a ValueError naming it."""
+    if not name or not re.fullmatch(r"[A-Za-z0-9._:/-]{1,128}", name):
+        raise ValueError(f"adapter name {name!r} must be 1-128 of [A-Za-z0-9._:/-]")
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"adapter directory {str(path)!r} does not exist")
+    where = f"adapter {name!r}"
+    config = _read_config(path)
+    rank, alpha, use_rslora = _check_config(config, where, max_rank)
+    weights_file = path / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        raise ValueError(f"{where}: {str(path)!r} has no adapter_model.safetensors")
+    raw = weights_file.read_bytes()
+    try:
+        tensors = load_file(str(weights_file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"{where}: adapter_model.safetensors is corrupt: {exc}") from exc
+
+    scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise ValueError(f"{where}: unexpected weight {key!r} (only LoRA A/B of "
+                             f"{', '.join(SUPPORTED_MODULES)} are supported)")
+        layer, module, half = int(match[1]), match[3], match[4]
+        if module not in SUPPORTED_MODULES:
+            raise ValueError(f"{where}: target module {module!r} is not supported")
+        if layer >= shape.num_layers:
+            raise ValueError(f"{where}: weight for layer {layer}, the base model has "
+                             f"{shape.num_layers} layers")
+        pairs.setdefault((layer, module), {})[half] = tensor
+    if not pairs:
+        raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")
+
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), halves in sorted(pairs.items()):
+        if set(halves) != {"A", "B"}:
+            raise ValueError(f"{where}: layer {layer} {module} lacks lora_"
+                             f"{'B' if 'A' in halves else 'A'}")
+        a, b = halves["A"], halves["B"]
+        fan_in, fan_out = module_dims(shape, module)
+        if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
+            raise ValueError(
+                f"{where}: layer {layer} {module} has A {tuple(a.shape)} and B "
+                f"{tuple(b.shape)}; the base model and r={rank} need A {(rank, fan_in)} and "
+                f"B {(fan_out, rank)}")
+        weights[(layer, module)] = (a.float().contiguous(), (b.float() * scaling).contiguous())
+
+    # The digest covers everything that changes the KV an adapter produces.
+    digest = hashlib.sha256(raw)
+    digest.update(json.dumps({"r": rank, "alpha": alpha, "rslora": use_rslora},
+                             sort_keys=True).encode())
+    return LoraAdapter(name=name, path=str(path), digest=digest.hexdigest()[:32], rank=rank,
+                       alpha=alpha, use_rslora=use_rslora, weights=weights)

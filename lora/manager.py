@@ -1,0 +1,205 @@
+"""Adapter registry, CPU tier (max_cpu_loras, LRU) and device slots (max_loras, LRU, pin).
+
+Three places an adapter can be:
+
+    registry   name -> (path, digest): every adapter a request may name
+    CPU tier   validated weights in host memory, LRU over max_cpu_loras entries
+    slots      max_loras device slots; a slot is evictable only when no running request
+               uses it and it is not pinned
+
+The engine thread owns the tier and slot state. Reading adapters from disk happens on a
+loader thread, off the step loop: a request whose adapter is still loading waits while the
+others run. Slot assignment is bookkeeping only; the copies into the slot buffers are done
+by the model runner from SchedulerOutput.lora_loads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+from engine.models.shape import ModelShape
+from lora.adapter import LoraAdapter, load_adapter
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What list_adapters() reports for one adapter."""
+
+    name: str
+    path: str
+    digest: str
+    rank: int
+    in_cpu: bool
+    slot: int | None
+    pinned: bool
+    running_requests: int
+
+
+@dataclass(frozen=True)
+class _Record:
+    path: str
+    digest: str
+    rank: int
+
+
+class LoraManager:
+    """See the module docstring. Methods other than register()/identity() must be called
+    from the engine thread."""
+
+    def __init__(self, shape: ModelShape, max_loras: int, max_cpu_loras: int, max_rank: int
+                 ) -> None:
+        self.shape = shape
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self.max_rank = max_rank
+        self._lock = threading.Lock()  # guards _registry (read by request validation)
+        self._registry: dict[str, _Record] = {}
+        self._cpu: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._loading: dict[str, concurrent.futures.Future[LoraAdapter]] = {}
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lora-load")
+        self._slot_names: list[str | None] = [None] * max_loras
+        self._slot_of: dict[str, int] = {}
+        self._slot_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))
+        self._running: Counter[str] = Counter()
+        self._pinned: set[str] = set()
+        self.load_errors: dict[str, str] = {}
+        self.num_slot_loads = 0
+
+    # ---------------------------------------------------------------- any thread
+    def validate(self, name: str, path: str) -> LoraAdapter:
+        """Load and validate a PEFT directory (slow: reads the weights)."""
+        return load_adapter(name, path, self.shape, self.max_rank)
+
+    def identity(self, name: str) -> tuple[str, str]:
+        """(name, digest) of a registered adapter; ValueError if unknown."""
+        with self._lock:
+            record = self._registry.get(name)
+        if record is None:
+            raise ValueError(f"unknown adapter {name!r}")
+        return (name, record.digest)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._registry)
+
+    # --------------------------------------------------------------- engine thread
+    def add(self, adapter: LoraAdapter) -> None:
+        """Register a validated adapter (replacing a same-named idle one) into the CPU tier."""
+        old = self._registry.get(adapter.name)
+        if old is not None and old.digest != adapter.digest:
+            self.remove(adapter.name)
+        with self._lock:
+            self._registry[adapter.name] = _Record(adapter.path, adapter.digest, adapter.rank)
+        self.load_errors.pop(adapter.name, None)
+        self._put_cpu(adapter)
+
+    def remove(self, name: str) -> None:
+        """Forget an adapter; refused while running requests use it."""
+        if name not in self._registry:
+            raise ValueError(f"unknown adapter {name!r}")
+        if self._running[name]:
+            raise ValueError(f"adapter {name!r} is in use by {self._running[name]} running "
+                             f"request(s)")
+        with self._lock:
+            del self._registry[name]
+        self._cpu.pop(name, None)
+        self._pinned.discard(name)
+        slot = self._slot_of.pop(name, None)
+        if slot is not None:
+            self._slot_names[slot] = None
+            self._slot_lru.move_to_end(slot, last=False)  # reuse the emptied slot first
+
+    def pin(self, name: str, pinned: bool = True) -> None:
+        if name not in self._registry:
+            raise ValueError(f"unknown adapter {name!r}")
+        if pinned and name not in self._pinned and len(self._pinned) >= self.max_loras:
+            raise ValueError(f"cannot pin {name!r}: all {self.max_loras} slots are pinned")
+        (self._pinned.add if pinned else self._pinned.discard)(name)
+
+    def poll(self) -> None:
+        """Move finished background loads into the CPU tier."""
+        for name, future in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[name]
+            record = self._registry.get(name)
+            try:
+                adapter = future.result()
+            except ValueError as exc:
+                self.load_errors[name] = str(exc)
+                continue
+            if record is None or adapter.digest != record.digest:
+                self.load_errors[name] = (f"adapter {name!r} changed on disk since it was "
+                                          f"registered; register it again")
+                continue
+            self._put_cpu(adapter)
+
+    def acquire(self, name: str) -> tuple[int, LoraAdapter | None] | None:
+        """A slot for one more running request of ``name``: (slot, adapter to copy into the
+        slot, or None if it is already there), or None when the request must wait (weights
+        still loading, or every slot busy or pinned)."""
+        slot = self._slot_of.get(name)
+        if slot is not None:
+            self._running[name] += 1
+            self._slot_lru.move_to_end(slot)
+            return (slot, None)
+        adapter = self._cpu.get(name)
+        if adapter is None:
+            self._start_load(name)
+            return None
+        slot = self._free_slot()
+        if slot is None:
+            return None
+        old = self._slot_names[slot]
+        if old is not None:
+            del self._slot_of[old]
+        self._slot_names[slot] = name
+        self._slot_of[name] = slot
+        self._slot_lru.move_to_end(slot)
+        self._cpu.move_to_end(name)
+        self._running[name] += 1
+        self.num_slot_loads += 1
+        return (slot, adapter)
+
+    def release(self, name: str) -> None:
+        """One running request of ``name`` ended or was preempted."""
+        assert self._running[name] > 0, f"release of {name!r} without acquire"
+        self._running[name] -= 1
+
+    def is_resident(self, name: str) -> bool:
+        return name in self._slot_of
+
+    def infos(self) -> list[AdapterInfo]:
+        return [
+            AdapterInfo(name=name, path=r.path, digest=r.digest, rank=r.rank,
+                        in_cpu=name in self._cpu, slot=self._slot_of.get(name),
+                        pinned=name in self._pinned, running_requests=self._running[name])
+            for name, r in sorted(self._registry.items())
+        ]
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------- helpers
+    def _free_slot(self) -> int | None:
+        for slot in self._slot_lru:  # least recently used first
+            name = self._slot_names[slot]
+            if name is None or (not self._running[name] and name not in self._pinned):
+                return slot
+        return None
+
+    def _start_load(self, name: str) -> None:
+        record = self._registry.get(name)
+        if record is None or name in self._loading or name in self.load_errors:
+            return
+        self._loading[name] = self._loader.submit(load_adapter, name, record.path, self.shape,
+                                                  self.max_rank)
+
+    def _put_cpu(self, adapter: LoraAdapter) -> None:
+        self._cpu[adapter.name] = adapter
+        self._cpu.move_to_end(adapter.name)
+        while len(self._cpu) > self.max_cpu_loras:
+            self._cpu.popitem(last=False)  # the device slot, if any, keeps its own copy

@@ -1,0 +1,80 @@
+"""Per-adapter KV pools: floors, caps, preemption inside a capped pool, eviction by share."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from prefix_cache.cache import HashBlockCache
+from prefix_cache.pools import PoolAccounting
+
+BS = 4
+
+
+def make_request(request_id: str, n: int, lora: str | None = None, seq: int = 0,
+                 max_tokens: int = 8, first_token: int = 0) -> Request:
+    return Request(request_id=request_id,
+                   prompt_token_ids=list(range(first_token, first_token + n)),
+                   sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   eos_token_ids=frozenset(), arrival_seq=seq, lora_name=lora)
+
+
+def test_floor_reserves_blocks_for_its_pool() -> None:
+    kv = KVCacheManager(8, BS, pool_shares=(("ad", 0.5, 1.0),))
+    base = make_request("base", 40)
+    assert not kv.allocate_slots(base, 20)  # 5 blocks > 8 - 4 reserved for "ad"
+    assert kv.allocate_slots(base, 16)  # 4 blocks
+    ad = make_request("a", 16, lora="ad")
+    assert kv.allocate_slots(ad, 16)  # the floor is still there for "ad"
+    assert kv.pools.used == {"base": 4, "ad": 4}
+    assert not kv.can_ever_fit(20) and kv.can_ever_fit(20, "ad")
+
+
+def test_cap_bounds_a_pool() -> None:
+    kv = KVCacheManager(8, BS, pool_shares=(("ad", 0.0, 0.25),))
+    a = make_request("a", 8, lora="ad")
+    assert kv.allocate_slots(a, 8)  # 2 blocks = the cap
+    b = make_request("b", 4, lora="ad")
+    assert kv.pool_at_cap(b, 4) and not kv.allocate_slots(b, 4)
+    assert kv.allocate_slots(make_request("base", 16), 16)  # others are not capped
+    assert not kv.can_ever_fit(12, "ad")
+
+
+def test_over_share_pool_is_evicted_first() -> None:
+    pools = PoolAccounting(8)
+    cache = HashBlockCache(8, pools=pools)
+    hog = cache.allocate(6, "hog")
+    for i, b in enumerate(hog):
+        cache.insert(b, 1000 + i, i)
+    mine = cache.allocate(2, "base")
+    for i, b in enumerate(mine):
+        cache.insert(b, 2000 + i, i)
+    cache.release(mine[::-1])  # base's cached blocks are the LRU head...
+    cache.release(hog[::-1])
+    assert pools.cached == {"hog": 6, "base": 2}
+    # ...but "hog" holds 6 of 8 blocks, over its fair half: its blocks go first.
+    taken = cache.allocate(2, "base")
+    assert set(taken) <= set(hog)
+    assert cache.match([2000, 2001]) == mine
+    assert pools.evictions == {"hog": 2}
+
+
+def test_pool_stats_in_engine_config_and_errors() -> None:
+    with pytest.raises(ValueError, match="needs 0 <= floor <= cap <= 1"):
+        EngineConfig(model="m", kv_pool_shares=(("ad", 0.6, 0.5),))
+    with pytest.raises(ValueError, match="floors add up to more than the whole cache"):
+        EngineConfig(model="m", kv_pool_shares=(("a", 0.6, 1.0), ("b", 0.6, 1.0)))
+    kv = KVCacheManager(8, BS, prefix_caching="on", pool_shares=(("ad", 0.25, 0.5),))
+    a = make_request("a", 9, lora="ad")
+    assert kv.allocate_slots(a, 9)
+    kv.note_admitted(a, 0)
+    a.num_computed_tokens = 9
+    kv.cache_full_blocks(a)
+    kv.free("a")
+    stats = kv.pools.stats()["ad"]
+    assert (stats.used_blocks, stats.cached_blocks, stats.floor_blocks, stats.cap_blocks) == (
+        0, 2, 2, 4)
+    assert stats.query_tokens == 9 and stats.hit_rate == 0.0
