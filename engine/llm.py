@@ -23,13 +23,20 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **config))
         self._next_id = 0
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Register a PEFT adapter directory under ``name``."""
+        self.engine.load_lora(name, path)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priorities: Sequence[int] | None = None,
+        lora: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
+        """Generate for every prompt; ``lora`` names one adapter for all prompts or one per
+        prompt (None: the base model). Adapters must be loaded first (load_lora())."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -44,12 +51,17 @@ class LLM:
             raise ValueError(f"got {len(params_list)} sampling params for "
                              f"{len(prompt_list)} prompts")
         prio = list(priorities) if priorities is not None else [0] * len(prompt_list)
+        loras = ([lora] * len(prompt_list) if lora is None or isinstance(lora, str)
+                 else list(lora))
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"got {len(loras)} adapters for {len(prompt_list)} prompts")
 
         # Validate everything before admitting anything: a bad prompt fails the call whole.
         requests = []
-        for prompt, params, priority in zip(prompt_list, params_list, prio, strict=True):
+        for prompt, params, priority, adapter in zip(prompt_list, params_list, prio, loras,
+                                                     strict=True):
             requests.append(self.engine.make_request(f"llm-{self._next_id}", prompt, params,
-                                                     priority))
+                                                     priority, lora=adapter))
             self._next_id += 1
         order = {r.request_id: i for i, r in enumerate(requests)}
         for request in requests:

@@ -372,3 +372,36 @@ def test_capped_adapter_pool_preempts_its_own_requests_first(
     pools = engine.stats().kv_pools
     assert pools["ad0"].cap_blocks == 4 and pools["base"].cap_blocks == 16
     assert pools["ad0"].used_blocks == pools["base"].used_blocks == 0
+
+
+def test_offline_and_async_front_ends_take_adapters(tiny_model_dir: Path,
+                                                    adapters: dict[str, Path]) -> None:
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=32, max_lora_rank=32)
+    llm.load_lora("ad3", str(adapters["ad3"]))
+    offline = llm.generate(["same prompt"] * 2, params, lora=["ad3", None], use_tqdm=False)
+    assert offline[0].token_ids != offline[1].token_ids
+
+    engine = AsyncEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=32,
+                                                  max_lora_rank=32))
+    try:
+        async def main() -> list[int]:
+            adapter = await engine.load_lora("ad3", str(adapters["ad3"]))
+            assert adapter.rank == 32
+            with pytest.raises(ValueError, match="unknown adapter 'nope'"):
+                async for _ in engine.generate("same prompt", params, lora="nope"):
+                    pass
+            outs = [o async for o in engine.generate("same prompt", params, lora="ad3")]
+            infos = await engine.call(engine.engine.list_loras)
+            assert [(i.name, i.running_requests) for i in infos] == [("ad3", 0)]
+            return outs[-1].token_ids
+
+        assert asyncio.run(main()) == offline[0].token_ids
+    finally:
+        engine.shutdown()
