@@ -33,7 +33,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priorities: Sequence[int] | None = None,
-        lora: str | None | Sequence[str | None] = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; ``lora`` names one adapter for all prompts or one per
         prompt (None: the base model). Adapters must be loaded first (load_lora())."""

@@ -1,0 +1,1 @@
+"""Benchmarks of the loragate engine: seeded workloads and throughput comparisons."""
