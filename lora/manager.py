@@ -137,6 +137,10 @@ class LoraManager:
                 continue
             self._put_cpu(adapter)
 
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until the disk loads started so far are done (tests, drain)."""
+        concurrent.futures.wait(list(self._loading.values()), timeout=timeout)
+
     def acquire(self, name: str) -> tuple[int, LoraAdapter | None] | None:
         """A slot for one more running request of ``name``: (slot, adapter to copy into the
         slot, or None if it is already there), or None when the request must wait (weights
