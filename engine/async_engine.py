@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -79,19 +79,40 @@ class AsyncEngine:
         Bad input raises ValueError before the request enters the scheduler. Closing the
         iterator early (client gone, task cancelled) aborts the request.
         """
+        request = self.make_request(prompt, params, request_id, priority, lora, cache_salt)
+        # aclosing: closing this iterator must close (and so abort) the inner one now.
+        async with contextlib.aclosing(self.stream(request)) as outputs:
+            async for out in outputs:
+                yield out
+
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Tokenize and validate without touching engine state (ValueError for bad input)."""
+        return self.engine.make_request(request_id or f"req-{next(self._ids)}", prompt,
+                                        params or SamplingParams(), priority,
+                                        cache_salt=cache_salt, lora=lora)
+
+    async def stream(self, request: Request) -> AsyncGenerator[RequestOutput, None]:
+        """Admit a request built by make_request() and yield its outputs (see generate())."""
         if not self._thread.is_alive():
             raise EngineDeadError("the engine thread is not running")
-        request_id = request_id or f"req-{next(self._ids)}"
-        request = self.engine.make_request(request_id, prompt, params or SamplingParams(),
-                                           priority, cache_salt=cache_salt, lora=lora)
+        request_id = request.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        await self.call(lambda: self._add(request))
         finished = False
         try:
+            # Inside the try: a cancellation while the add is queued still aborts it.
+            await self.call(lambda: self._add(request))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -120,6 +141,10 @@ class AsyncEngine:
     async def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread between steps; its exception is raised here."""
         return await asyncio.wrap_future(self._enqueue(fn))
+
+    def is_alive(self) -> bool:
+        """False once the engine thread has stopped (shutdown or a fatal error)."""
+        return self._thread.is_alive()
 
     def stats(self) -> EngineStats:
         """Metrics as of the end of the last step (refreshed by the engine thread)."""

@@ -1,10 +1,21 @@
-"""The `loragate` command line: make-demo, generate (offline), chat (interactive)."""
+"""The `loragate` command line: serve, engine, make-demo, generate (offline), chat.
+
+Every engine and gateway knob is a flag (see `loragate serve --help`), an environment
+variable LORAGATE_<NAME> or a key of the --config file (TOML or YAML); flags win over the
+environment, which wins over the file.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+DEMO_HOME = Path(os.environ.get("LORAGATE_HOME", Path.home() / ".cache" / "loragate"))
 
 
 def _make_demo(args: argparse.Namespace) -> int:
@@ -68,6 +79,91 @@ def _chat(args: argparse.Namespace) -> int:
         engine.shutdown()
 
 
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
+
+
+def parse_adapters(specs: Sequence[str], adapter_dir: str | None) -> dict[str, str]:
+    """--lora NAME=PATH (repeatable) and --adapter-dir DIR (each PEFT directory inside is an
+    adapter named after it) -> name -> absolute path."""
+    adapters: dict[str, str] = {}
+    if adapter_dir:
+        root = Path(adapter_dir)
+        if not root.is_dir():
+            raise ValueError(f"--adapter-dir {adapter_dir!r} is not a directory")
+        for child in sorted(root.iterdir()):
+            if (child / "adapter_config.json").is_file():
+                adapters[child.name] = str(child.resolve())
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora expects NAME=PATH, got {spec!r}")
+        adapters[name] = str(Path(path).resolve())
+    return adapters
+
+
+def _configs(args: argparse.Namespace, model: str | None) -> tuple[Any, Any]:
+    from engine.config import EngineConfig
+    from gateway.config import GatewayConfig
+    from gateway.config_args import build_config, load_config_file
+
+    file_values = load_config_file(args.config)
+    known = ({f for f in EngineConfig.__dataclass_fields__} |
+             {f for f in GatewayConfig.__dataclass_fields__} |
+             {"instances", "engine", "lora", "adapter_dir", "instance_id"})
+    unknown = sorted(set(file_values) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) in {args.config}: {', '.join(unknown)}")
+    gateway = (build_config(GatewayConfig, args, file_values)
+               if hasattr(args, "routing") else None)
+    engine = build_config(EngineConfig, args, file_values, model=model) if model else None
+    return gateway, engine
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from engine.demo_model import make_demo_adapters, make_demo_model
+    from gateway.serve import serve
+
+    _setup_logging()
+    model = args.model
+    if model is None and not args.engine:
+        model = str(DEMO_HOME / "demo-model")
+        if not (Path(model) / "config.json").is_file():
+            print(f"no --model given: building the demo model in {model} (once)", flush=True)
+            make_demo_model(model)
+            make_demo_adapters(model, 4)
+    if model is None:
+        raise ValueError("--engine needs --model too: the gateway tokenizes with the model's "
+                         "tokenizer (a local copy of the model directory is enough)")
+    adapters = parse_adapters(args.lora, args.adapter_dir)
+    demo_adapters = Path(model) / "adapters"
+    if not adapters and args.adapter_dir is None and demo_adapters.is_dir():
+        adapters = parse_adapters([], str(demo_adapters))
+    gateway_config, engine_config = _configs(args, model)
+    serve(gateway_config, engine_config, args.instances, args.engine, model, adapters)
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from engine.server import serve
+
+    _setup_logging()
+    _, engine_config = _configs(args, args.model)
+    serve(engine_config, args.host, args.port, args.instance_id,
+          adapters=parse_adapters(args.lora, args.adapter_dir))
+    return 0
+
+
+def _add_adapter_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                        help="register a PEFT adapter directory under NAME (repeatable)")
+    parser.add_argument("--adapter-dir", default=None, metavar="DIR",
+                        help="register every PEFT directory inside DIR, named after it")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="TOML or YAML file of settings (keys are the flag names)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.demo_model import DemoModelSpec
 
@@ -88,6 +184,36 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seeded random PEFT LoRA adapters to write under DIR/adapters "
                            "(ranks 8 and 16; default 4)")
     demo.set_defaults(func=_make_demo)
+
+    from engine.config import EngineConfig
+    from gateway.config import GatewayConfig
+    from gateway.config_args import add_config_args
+
+    serve = sub.add_parser(
+        "serve", help="start engine instances and the OpenAI-compatible gateway",
+        description="Start --instances local engine processes (or attach to --engine URLs) "
+                    "and the gateway in front of them. Without --model, a demo model with 4 "
+                    "adapters is built once under $LORAGATE_HOME (~/.cache/loragate).")
+    serve.add_argument("--model", default=None,
+                       help="local Hugging Face model directory (default: the demo model)")
+    serve.add_argument("--instances", type=int, default=1,
+                       help="local engine processes to start (default 1)")
+    serve.add_argument("--engine", action="append", default=[], metavar="URL",
+                       help="attach to a running `loragate engine` instead (repeatable)")
+    _add_adapter_args(serve)
+    add_config_args(serve, GatewayConfig, title="gateway")
+    add_config_args(serve, EngineConfig, skip=("model",), title="engine (every instance)")
+    serve.set_defaults(func=_serve)
+
+    engine = sub.add_parser("engine", help="one engine instance behind its HTTP API")
+    engine.add_argument("--model", required=True, help="local Hugging Face model directory")
+    engine.add_argument("--host", default="127.0.0.1")
+    engine.add_argument("--port", type=int, default=8100)
+    engine.add_argument("--instance-id", default=None,
+                        help="name in metrics and routing logs (default HOST:PORT)")
+    _add_adapter_args(engine)
+    add_config_args(engine, EngineConfig, skip=("model",), title="engine")
+    engine.set_defaults(func=_engine)
 
     gen = sub.add_parser("generate", help="offline generation for a few prompts")
     gen.add_argument("--model", required=True, help="local Hugging Face model directory")
@@ -113,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         print(f"loragate: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,85 @@
+"""HTTP errors in OpenAI's schema, shared by the engine server and the gateway.
+
+Every error any of our HTTP servers returns has the body
+``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``,
+including FastAPI's own request-validation errors (400 here, not FastAPI's 422, as OpenAI
+does) and unexpected exceptions (500, message without internals).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+          403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+          409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 502: "server_error", 503: "service_unavailable",
+          504: "timeout_error"}
+
+
+class ApiError(Exception):
+    """An error with an HTTP status, raised anywhere below a route and rendered by the app."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, code=self.code, param=self.param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(status: int, message: str, *, code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    problems = []
+    first_param: str | None = None
+    for err in exc.errors():
+        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+        where = ".".join(loc) or "body"
+        first_param = first_param or (loc[-1] if loc else None)
+        problems.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(problems) or "invalid request body", first_param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Render ApiError, validation errors, HTTP errors and crashes in OpenAI's schema."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _describe_validation(exc)
+        return JSONResponse(error_body(400, message, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(500, f"internal error ({type(exc).__name__})"),
+                            status_code=500)

@@ -1,0 +1,315 @@
+"""The engine's own HTTP API, spoken by the gateway (and by benchmarks going direct).
+
+    POST   /generate                 one request; NDJSON stream (or one JSON with stream=false)
+    POST   /abort                    {"request_id"}: end a request, free its blocks
+    GET    /state?cursor=N           load, KV use, adapters, prefix hashes published since N
+    GET    /adapters                 registered adapters (slot, pinned, running requests)
+    POST   /adapters                 {"name", "path"}: validate and register a PEFT directory
+    DELETE /adapters/{name}          unregister (409 while requests use it)
+    POST   /adapters/{name}/pin      {"pinned": bool}
+    GET    /health                   200 ready, 503 draining
+    GET    /metrics                  Prometheus
+
+Stream lines are StreamChunk objects (see _chunk): request_id, delta_text, delta_token_ids,
+finished, finish_reason, logprobs (of the delta tokens), prompt_tokens, completion_tokens,
+error. Bad input is refused with 400 before the stream starts; a failure after it started
+is a last line with ``error`` set. A client that disconnects aborts its request.
+
+Draining (SIGTERM): /health turns 503 and /generate refuses new requests with 503, while
+requests already in flight finish; then the process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.config import EngineConfig
+from engine.http_errors import ApiError, install_error_handlers
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.server_metrics import EngineCollector, EngineMetricsRegistry
+from lora.manager import AdapterInfo
+
+log = logging.getLogger(__name__)
+
+
+class SamplingBody(BaseModel):
+    """Sampling fields of /generate (the engine's SamplingParams, validated there too)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=256)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+
+class GenerateBody(BaseModel):
+    """POST /generate: exactly one of prompt / prompt_token_ids."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str | None = Field(default=None, max_length=256)
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    params: SamplingBody = Field(default_factory=SamplingBody)
+    lora: str | None = None
+    cache_salt: str | None = Field(default=None, max_length=256)
+    priority: int = 0
+    stream: bool = True
+
+
+class AbortBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: str
+
+
+class AdapterBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=128)
+    path: str
+
+
+class PinBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pinned: bool = True
+
+
+class EngineServer:
+    """State of one engine process behind its HTTP API."""
+
+    def __init__(self, engine: AsyncEngine, instance_id: str, model_name: str) -> None:
+        self.engine = engine
+        self.instance_id = instance_id
+        self.model_name = model_name
+        self.draining = False
+        self.in_flight = 0
+        self._adapters: list[AdapterInfo] = engine.engine.list_loras()
+        config = engine.engine.config
+        self.metrics = EngineMetricsRegistry(EngineCollector(
+            engine.stats, lambda: self._adapters, config.max_loras))
+
+    async def refresh_adapters(self) -> list[AdapterInfo]:
+        self._adapters = await self.engine.call(self.engine.engine.list_loras)
+        return self._adapters
+
+    def observe(self, out: RequestOutput, new_tokens: int) -> None:
+        timing = out.timing
+        if timing is None or timing.first_token is None:
+            return
+        itl = timing.inter_token_latencies
+        if new_tokens and len(out.token_ids) == new_tokens:  # first output of the request
+            self.metrics.ttft.observe(timing.first_token - timing.arrival)
+            recent = itl
+        else:
+            recent = itl[-new_tokens:] if new_tokens else []
+        for gap in recent:
+            self.metrics.itl.observe(gap)
+        if out.finished and timing.last_token is not None:
+            self.metrics.e2e.observe(timing.last_token - timing.arrival)
+
+
+def _chunk(out: RequestOutput, logprob_start: int) -> dict[str, Any]:
+    logprobs = None
+    if out.logprobs is not None:
+        logprobs = [{str(k): v for k, v in step.items()} for step in out.logprobs[logprob_start:]]
+    return {
+        "request_id": out.request_id, "delta_text": out.delta_text,
+        "delta_token_ids": out.delta_token_ids, "finished": out.finished,
+        "finish_reason": out.finish_reason, "logprobs": logprobs,
+        "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
+        "error": None if out.error is None else {"message": out.error, "type": "server_error"},
+    }
+
+
+def _error_chunk(request_id: str, message: str) -> dict[str, Any]:
+    return {"request_id": request_id, "delta_text": "", "delta_token_ids": [], "finished": True,
+            "finish_reason": "error", "logprobs": None, "prompt_tokens": 0,
+            "completion_tokens": 0, "error": {"message": message, "type": "server_error"}}
+
+
+def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
+               model_name: str | None = None) -> FastAPI:
+    """The engine API over a running AsyncEngine (the app owns it: shut down on exit)."""
+    state = EngineServer(engine, instance_id,
+                         model_name or engine.engine.config.model.rstrip("/").split("/")[-1])
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="loragate engine", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+
+    @app.post("/generate")
+    async def generate(body: GenerateBody) -> Response:
+        if state.draining:
+            raise ApiError(503, "engine is draining", code="draining")
+        if (body.prompt is None) == (body.prompt_token_ids is None):
+            raise ApiError(400, "give exactly one of prompt and prompt_token_ids",
+                           param="prompt")
+        try:
+            params = SamplingParams(**body.params.model_dump())
+            request = engine.make_request(
+                body.prompt if body.prompt is not None else list(body.prompt_token_ids or []),
+                params, body.request_id, body.priority, body.lora, body.cache_salt)
+        except (ValueError, TypeError) as exc:
+            raise ApiError(400, str(exc)) from None
+        outputs = engine.stream(request)
+        if body.stream:
+            return StreamingResponse(_ndjson(state, request.request_id, outputs),
+                                     media_type="application/x-ndjson")
+        final: dict[str, Any] | None = None
+        text: list[str] = []
+        async with contextlib.aclosing(_chunks(state, request.request_id, outputs)) as chunks:
+            async for chunk in chunks:
+                text.append(chunk["delta_text"])
+                final = chunk
+        assert final is not None
+        return JSONResponse({**final, "text": "".join(text)})
+
+    @app.post("/abort")
+    async def abort(body: AbortBody) -> dict[str, bool]:
+        request_id = body.request_id
+        known = await engine.call(lambda: request_id in engine.engine.scheduler.requests)
+        await engine.abort(request_id)
+        return {"aborted": known}
+
+    @app.get("/state")
+    async def get_state(cursor: int = 0) -> dict[str, Any]:
+        stats = engine.stats()
+        config = engine.engine.config
+        adapters = await state.refresh_adapters()
+        update = await engine.call(lambda: engine.engine.publish_prefixes(cursor))
+        return {
+            "instance_id": state.instance_id, "model": state.model_name,
+            "draining": state.draining, "in_flight": state.in_flight,
+            "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+            "num_swapped": stats.num_swapped, "kv_blocks_used": stats.kv_blocks_used,
+            "kv_blocks_total": stats.kv_blocks_total, "max_loras": config.max_loras,
+            "max_num_seqs": config.max_num_seqs, "block_size": config.block_size,
+            "publish_every": config.prefix_publish_every,
+            "max_model_len": engine.engine.max_model_len,
+            "prefix_hit_rate": stats.prefix_cache.hit_rate,
+            "adapters": [asdict(a) for a in adapters],
+            "prefix": {"cursor": update.cursor, "full": update.full,
+                       "added": [format(h, "x") for h in update.added],
+                       "removed": [format(h, "x") for h in update.removed]},
+        }
+
+    @app.get("/adapters")
+    async def list_adapters() -> list[dict[str, Any]]:
+        return [asdict(a) for a in await state.refresh_adapters()]
+
+    @app.post("/adapters")
+    async def load_adapter(body: AdapterBody) -> dict[str, Any]:
+        try:
+            adapter = await engine.load_lora(body.name, body.path)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="path") from None
+        await state.refresh_adapters()
+        return {"name": adapter.name, "digest": adapter.digest, "rank": adapter.rank}
+
+    @app.delete("/adapters/{name}")
+    async def unload_adapter(name: str) -> dict[str, str]:
+        try:
+            await engine.call(lambda: engine.engine.remove_lora(name))
+        except ValueError as exc:
+            status = 409 if "in use" in str(exc) else 404
+            raise ApiError(status, str(exc)) from None
+        await state.refresh_adapters()
+        return {"name": name, "status": "unloaded"}
+
+    @app.post("/adapters/{name}/pin")
+    async def pin_adapter(name: str, body: PinBody) -> dict[str, Any]:
+        try:
+            await engine.call(lambda: engine.engine.pin_lora(name, body.pinned))
+        except ValueError as exc:
+            raise ApiError(404, str(exc)) from None
+        return {"name": name, "pinned": body.pinned}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        alive = engine.is_alive()
+        status = "draining" if state.draining else "ready" if alive else "dead"
+        return JSONResponse({"status": status, "in_flight": state.in_flight},
+                            status_code=200 if status == "ready" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await state.refresh_adapters()
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _chunks(state: EngineServer, request_id: str, outputs: AsyncGenerator[RequestOutput, None]
+                  ) -> AsyncGenerator[dict[str, Any], None]:
+    """Chunks of one request; closing this iterator aborts the request in the engine."""
+    state.in_flight += 1
+    reported = 0
+    try:
+        async with contextlib.aclosing(outputs) as stream:
+            async for out in stream:
+                state.observe(out, len(out.delta_token_ids))
+                yield _chunk(out, reported)
+                reported = len(out.token_ids)
+    except (EngineDeadError, ValueError) as exc:
+        yield _error_chunk(request_id, str(exc))
+    finally:
+        state.in_flight -= 1
+
+
+async def _ndjson(state: EngineServer, request_id: str,
+                  outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(_chunks(state, request_id, outputs)) as chunks:
+        async for chunk in chunks:
+            yield json.dumps(chunk, separators=(",", ":")).encode() + b"\n"
+
+
+def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = None,
+          model_name: str | None = None, adapters: dict[str, str] | None = None,
+          drain_timeout_s: float = 30.0) -> None:
+    """Build the engine, register adapters, serve until SIGTERM/SIGINT, then drain."""
+    engine = AsyncEngine.from_config(config)
+    for name, path in (adapters or {}).items():
+        engine.engine.load_lora(name, path)
+    app = create_app(engine, instance_id or f"{host}:{port}", model_name)
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=int(drain_timeout_s)))
+    server.on_drain = lambda: setattr(app.state.server, "draining", True)
+    log.info("engine %s listening on http://%s:%d", instance_id, host, port)
+    server.run()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT calls on_drain (the app turns away new
+    work) before uvicorn's own graceful shutdown: stop accepting, finish in-flight
+    responses (up to timeout_graceful_shutdown), run the lifespan shutdown, exit."""
+
+    on_drain: Callable[[], None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.on_drain is not None and not self.should_exit:
+            self.on_drain()
+        super().handle_exit(sig, frame)

@@ -1,0 +1,114 @@
+"""The gateway's FastAPI app: OpenAI routes, health, metrics, instance view.
+
+    GET  /health        200 while at least one instance is ready and the gateway is not
+                        draining, else 503
+    GET  /metrics       Prometheus (gateway series)
+    GET  /instances     what the router sees of every instance (debugging, benchmarks)
+    /v1/...             see gateway/openai_api.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from transformers import AutoTokenizer
+
+from engine.http_errors import ApiError, error_body, install_error_handlers
+from gateway.config import GatewayConfig
+from gateway.instances import InstancePool
+from gateway.metrics import GatewayMetrics
+from gateway.openai_api import build_router
+from gateway.router import Router, RouterWeights
+from gateway.service import Gateway
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 8 << 20
+"""Request bodies above this are refused with 413 before they are parsed."""
+
+
+def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
+               adapters: dict[str, str] | None = None, base_model: str | None = None
+               ) -> FastAPI:
+    """A gateway over engine servers at engine_urls; adapters (name -> PEFT dir as the
+    engines see it) are registered on every instance as it comes up."""
+    if not engine_urls:
+        raise ValueError("the gateway needs at least one engine URL")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    pool_holder: dict[str, InstancePool] = {}
+    metrics = GatewayMetrics(lambda: pool_holder.get("pool"))
+    name = base_model or config.served_model_name or tokenizer_dir.rstrip("/").split("/")[-1]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+        async with httpx.AsyncClient(limits=limits) as http:
+            pool = InstancePool(engine_urls, http, config.eject_after_failures, adapters)
+            pool_holder["pool"] = pool
+            router = Router(config.routing, RouterWeights(
+                config.prefix_weight, config.load_weight, config.imbalance))
+            gateway = Gateway(config, pool, router, metrics, name)
+            app.state.gateway = gateway
+            await pool.poll()
+            poller = asyncio.create_task(pool.run(config.poll_interval_s))
+            try:
+                yield
+            finally:
+                poller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await poller
+
+    app = FastAPI(title="loragate", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible gateway over loragate engine instances.")
+    app.state.draining = False
+    install_error_handlers(app)
+    app.include_router(build_router(lambda: app.state.gateway, tokenizer))
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]
+                    ) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return JSONResponse(error_body(413, f"request body over {MAX_BODY_BYTES} bytes"),
+                                status_code=413)
+        if app.state.draining and request.url.path.startswith("/v1/") \
+                and request.method == "POST":
+            return ApiError(503, "the gateway is shutting down", code="draining",
+                            headers={"Retry-After": str(config.retry_after_s)}).response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        pool = pool_holder.get("pool")
+        ready = len(pool.healthy()) if pool else 0
+        status = "draining" if app.state.draining else "ready" if ready else "no_instances"
+        return JSONResponse({"status": status, "ready_instances": ready},
+                            status_code=200 if status == "ready" else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/instances")
+    async def instances() -> list[dict[str, Any]]:
+        pool = pool_holder.get("pool")
+        if pool is None:
+            return []
+        return [{"instance_id": i.instance_id, "healthy": i.healthy, "draining": i.draining,
+                 "in_flight": i.in_flight, "num_running": i.num_running,
+                 "num_waiting": i.num_waiting, "kv_usage": i.kv_usage,
+                 "max_loras": i.max_loras, "resident": sorted(i.resident),
+                 "prefix_hit_rate": i.prefix_hit_rate,
+                 "adapters": {name: asdict(a) for name, a in i.adapters.items()}}
+                for i in pool.instances.values()]
+
+    return app

@@ -1,0 +1,64 @@
+"""GatewayConfig: the knobs of the HTTP gateway, frozen and validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+RoutingPolicyName = Literal["score", "round_robin"]
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Configuration of one gateway process; see each field's comment for what it trades."""
+
+    host: str = "127.0.0.1"
+    """Address the gateway listens on."""
+    port: int = 8000
+    """Port the gateway listens on."""
+    routing: RoutingPolicyName = "score"
+    """"score": adapter residency, prefix overlap and load (see gateway/router.py);
+    "round_robin": rotate over healthy instances (a baseline)."""
+    max_in_flight_per_instance: int = 256
+    """Admission bound: requests this gateway keeps in flight on one instance. When every
+    healthy instance is at it, new requests get 429 with Retry-After."""
+    retry_after_s: int = 1
+    """Retry-After (seconds) sent with 429 and 503."""
+    request_timeout_s: float = 600.0
+    """A request still running after this many seconds is aborted (504 or a stream error)."""
+    poll_interval_s: float = 0.5
+    """How often every instance's /state (health, load, adapters, prefixes) is polled."""
+    eject_after_failures: int = 2
+    """Failed polls in a row that take an instance out of rotation."""
+    max_attempts: int = 3
+    """Instances one request may be tried on before its first token (retries on failure)."""
+    startup_timeout_s: float = 300.0
+    """How long serve waits for engine instances to become ready."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM: how long in-flight requests may take to finish before exit."""
+    served_model_name: str | None = None
+    """Name of the base model in the API (default: the model directory's name)."""
+    prefix_weight: float = 2.0
+    """Router: weight of the matched-prefix fraction (0 ignores prefixes)."""
+    load_weight: float = 1.0
+    """Router: weight of load (in-flight / max_num_seqs + KV usage)."""
+    imbalance: float = 0.5
+    """Router: load gap beyond which an instance's prefix affinity stops counting."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.routing not in ("score", "round_robin"):
+            raise ValueError(f"routing must be 'score' or 'round_robin', got {self.routing!r}")
+        for name in ("max_in_flight_per_instance", "eject_after_failures", "max_attempts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("request_timeout_s", "poll_interval_s", "startup_timeout_s",
+                     "drain_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if min(self.prefix_weight, self.load_weight, self.imbalance) < 0:
+            raise ValueError("prefix_weight, load_weight and imbalance must be >= 0")

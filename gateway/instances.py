@@ -1,0 +1,191 @@
+"""The engine instances a gateway routes to: health, ejection, state and the prefix index.
+
+A background task polls every instance's /state (one call carries health, load, resident
+adapters and the prefix hashes published since the last poll). An instance that fails
+``eject_after`` polls in a row, or whose connection fails under a request, is ejected: it
+gets no traffic and its prefix entries are dropped, until a poll succeeds again. When an
+instance comes (back) up, every adapter the gateway knows is registered on it, so any
+instance can serve any adapter; which ones are resident in its slots is the router's affair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from gateway.engine_client import EngineClient, EngineRejected, EngineUnavailable
+from prefix_cache.cache import PrefixUpdate
+from prefix_cache.index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AdapterState:
+    """One adapter as an engine reported it in /state."""
+
+    name: str
+    digest: str
+    slot: int | None
+    pinned: bool
+    running_requests: int
+
+
+@dataclass
+class Instance:
+    """What the gateway knows of one engine instance."""
+
+    instance_id: str
+    client: EngineClient
+    healthy: bool = False
+    draining: bool = False
+    consecutive_failures: int = 0
+    in_flight: int = 0
+    """Requests this gateway sent and that have not ended (its own admission count)."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    max_loras: int = 0
+    max_num_seqs: int = 1
+    max_model_len: int = 0
+    block_size: int = 16
+    publish_every: int = 4
+    prefix_hit_rate: float = 0.0
+    adapters: dict[str, AdapterState] = field(default_factory=dict)
+    last_ok: float = 0.0
+
+    @property
+    def resident(self) -> frozenset[str]:
+        return frozenset(a.name for a in self.adapters.values() if a.slot is not None)
+
+    @property
+    def busy_adapters(self) -> frozenset[str]:
+        """Resident adapters that cannot be evicted now (requests running, or pinned)."""
+        return frozenset(a.name for a in self.adapters.values()
+                         if a.slot is not None and (a.running_requests or a.pinned))
+
+
+class InstancePool:
+    """Engine instances, kept current by poll()."""
+
+    def __init__(self, urls: list[str], http: httpx.AsyncClient, eject_after: int = 2,
+                 adapters: dict[str, str] | None = None) -> None:
+        self.instances = {url.rstrip("/"): Instance(url.rstrip("/"),
+                                                    EngineClient(url, http))
+                          for url in urls}
+        self.eject_after = eject_after
+        self.adapter_paths: dict[str, str] = dict(adapters or {})
+        """Adapters registered on every instance: name -> PEFT directory (on the engines'
+        filesystem)."""
+        self.index: PrefixIndex | None = None
+        self._cursors: dict[str, int] = {}
+        self._registered: dict[str, set[str]] = {}
+
+    def healthy(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.healthy and not i.draining]
+
+    def digest_of(self, adapter: str) -> str | None:
+        """The adapter's content digest as any instance reports it."""
+        for instance in self.instances.values():
+            state = instance.adapters.get(adapter)
+            if state is not None:
+                return state.digest
+        return None
+
+    async def poll(self) -> None:
+        await asyncio.gather(*(self._poll_one(i) for i in self.instances.values()))
+
+    async def run(self, interval_s: float) -> None:
+        """Poll forever (the app runs this as a background task)."""
+        while True:
+            try:
+                await self.poll()
+            except Exception:  # never let the poller die: routing would freeze
+                log.exception("instance poll failed")
+            await asyncio.sleep(interval_s)
+
+    def mark_failed(self, instance: Instance, reason: str) -> None:
+        """A request could not reach the instance: eject it now rather than at next poll."""
+        if instance.healthy:
+            log.warning("ejecting %s: %s", instance.instance_id, reason)
+        instance.healthy = False
+        instance.consecutive_failures = max(instance.consecutive_failures, self.eject_after)
+        self._forget(instance)
+
+    async def _poll_one(self, instance: Instance) -> None:
+        try:
+            state = await instance.client.state(self._cursors.get(instance.instance_id, 0))
+        except (EngineUnavailable, ValueError) as exc:
+            instance.consecutive_failures += 1
+            if instance.consecutive_failures >= self.eject_after and instance.healthy:
+                log.warning("ejecting %s after %d failed polls: %s", instance.instance_id,
+                            instance.consecutive_failures, exc)
+                instance.healthy = False
+                self._forget(instance)
+            return
+        was_healthy = instance.healthy
+        self._apply_state(instance, state)
+        if not was_healthy:
+            await self._register_adapters(instance)
+            log.info("instance %s is up", instance.instance_id)
+        instance.healthy = not instance.draining
+        instance.consecutive_failures = 0
+        instance.last_ok = time.monotonic()
+
+    def _apply_state(self, instance: Instance, state: dict[str, Any]) -> None:
+        instance.draining = bool(state["draining"])
+        instance.num_running = int(state["num_running"])
+        instance.num_waiting = int(state["num_waiting"])
+        total = int(state["kv_blocks_total"]) or 1
+        instance.kv_usage = int(state["kv_blocks_used"]) / total
+        instance.max_loras = int(state["max_loras"])
+        instance.max_num_seqs = int(state["max_num_seqs"])
+        instance.max_model_len = int(state["max_model_len"])
+        instance.block_size = int(state["block_size"])
+        instance.publish_every = int(state["publish_every"])
+        instance.prefix_hit_rate = float(state.get("prefix_hit_rate", 0.0))
+        instance.adapters = {
+            a["name"]: AdapterState(a["name"], a["digest"], a["slot"], a["pinned"],
+                                    a["running_requests"])
+            for a in state["adapters"]}
+        if self.index is None:
+            self.index = PrefixIndex(instance.block_size, instance.publish_every)
+        prefix = state["prefix"]
+        self.index.apply(instance.instance_id, PrefixUpdate(
+            cursor=int(prefix["cursor"]), full=bool(prefix["full"]),
+            added=[int(h, 16) for h in prefix["added"]],
+            removed=[int(h, 16) for h in prefix["removed"]]))
+        self._cursors[instance.instance_id] = int(prefix["cursor"])
+
+    def _forget(self, instance: Instance) -> None:
+        """Drop what a dead instance had published: a restarted engine starts empty."""
+        self._cursors.pop(instance.instance_id, None)
+        if self.index is not None:
+            self.index.remove_engine(instance.instance_id)
+
+    async def _register_adapters(self, instance: Instance) -> None:
+        for name, path in self.adapter_paths.items():
+            if name in instance.adapters:
+                continue
+            try:
+                await instance.client.load_adapter(name, path)
+            except (EngineRejected, EngineUnavailable) as exc:
+                log.error("instance %s refused adapter %s (%s): %s", instance.instance_id,
+                          name, path, exc)
+
+    async def register_adapter(self, name: str, path: str) -> None:
+        """Register an adapter on every healthy instance (and on instances that come up)."""
+        errors = []
+        for instance in self.healthy():
+            try:
+                await instance.client.load_adapter(name, path)
+            except EngineRejected as exc:
+                errors.append(exc.message)
+        if errors:
+            raise ValueError(errors[0])
+        self.adapter_paths[name] = path

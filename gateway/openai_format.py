@@ -1,0 +1,150 @@
+"""Engine stream chunks -> OpenAI response objects (completion, chat, their stream chunks).
+
+One formatter per request: it accumulates text, token ids, logprobs and the finish reason as
+chunks arrive, emits stream events on the way, and builds the final object at the end.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from transformers import PreTrainedTokenizerBase
+
+Endpoint = Literal["completions", "chat"]
+# Engine finish reasons -> OpenAI's ("abort" and "error" never reach a successful response).
+_FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+class ResponseFormatter:
+    """Builds one request's OpenAI objects; ``top_logprobs`` None means no logprobs."""
+
+    def __init__(self, endpoint: Endpoint, model: str, tokenizer: PreTrainedTokenizerBase,
+                 top_logprobs: int | None) -> None:
+        self.endpoint = endpoint
+        self.model = model
+        self.tokenizer = tokenizer
+        self.top_logprobs = top_logprobs
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprob_entries: list[tuple[int, dict[int, float]]] = []
+        self.finish_reason: str | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self._role_sent = False
+
+    # ------------------------------------------------------------- accumulation
+    def add(self, chunk: dict[str, Any]) -> tuple[list[tuple[int, dict[int, float]]], str]:
+        """Take one engine chunk; returns its logprob entries and text."""
+        ids = [int(t) for t in chunk.get("delta_token_ids") or []]
+        self.token_ids.extend(ids)
+        text = chunk.get("delta_text") or ""
+        self.text.append(text)
+        entries: list[tuple[int, dict[int, float]]] = []
+        for token_id, step in zip(ids, chunk.get("logprobs") or [], strict=False):
+            entries.append((token_id, {int(k): float(v) for k, v in step.items()}))
+        self.logprob_entries.extend(entries)
+        self.prompt_tokens = int(chunk.get("prompt_tokens") or self.prompt_tokens)
+        self.completion_tokens = int(chunk.get("completion_tokens") or self.completion_tokens)
+        if chunk.get("finished"):
+            self.finish_reason = _FINISH.get(chunk.get("finish_reason") or "stop", "stop")
+        return entries, text
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    # ------------------------------------------------------------------ logprobs
+    def _token(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+    def _alternatives(self, step: dict[int, float]) -> list[tuple[int, float]]:
+        ranked = sorted(step.items(), key=lambda kv: kv[1], reverse=True)
+        return ranked[: self.top_logprobs or 0]
+
+    def _completion_logprobs(self, entries: list[tuple[int, dict[int, float]]],
+                             offset: int) -> dict[str, Any]:
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token_id, step in entries:
+            token = self._token(token_id)
+            tokens.append(token)
+            token_logprobs.append(step.get(token_id))
+            tops.append({self._token(t): lp for t, lp in self._alternatives(step)})
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, entries: list[tuple[int, dict[int, float]]]) -> dict[str, Any]:
+        content = []
+        for token_id, step in entries:
+            token = self._token(token_id)
+            content.append({
+                "token": token, "logprob": step.get(token_id),
+                "bytes": list(token.encode()),
+                "top_logprobs": [{"token": self._token(t), "logprob": lp,
+                                  "bytes": list(self._token(t).encode())}
+                                 for t, lp in self._alternatives(step)],
+            })
+        return {"content": content}
+
+    def _logprobs(self, entries: list[tuple[int, dict[int, float]]], offset: int = 0
+                  ) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        if self.endpoint == "chat":
+            return self._chat_logprobs(entries)
+        return self._completion_logprobs(entries, offset)
+
+    # ------------------------------------------------------------------- objects
+    def final(self) -> dict[str, Any]:
+        text = "".join(self.text)
+        logprobs = self._logprobs(self.logprob_entries)
+        if self.endpoint == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
+                                                              "content": text},
+                                      "logprobs": logprobs, "finish_reason": self.finish_reason}
+            kind = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs,
+                      "finish_reason": self.finish_reason}
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage()}
+
+    def stream_events(self, chunk: dict[str, Any], include_usage: bool
+                      ) -> list[dict[str, Any]]:
+        """The SSE payloads for one engine chunk (none when it carries nothing)."""
+        offset = sum(len(t) for t in self.text)
+        entries, text = self.add(chunk)
+        finish = self.finish_reason if chunk.get("finished") else None
+        if not text and not entries and finish is None and self._role_sent:
+            return []
+        logprobs = self._logprobs(entries, offset)
+        if self.endpoint == "chat":
+            delta: dict[str, Any] = {"content": text}
+            if not self._role_sent:
+                delta = {"role": "assistant", "content": text}
+                self._role_sent = True
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": finish}
+            kind = "chat.completion.chunk"
+        else:
+            self._role_sent = True
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            kind = "text_completion"
+        event: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created,
+                                 "model": self.model, "choices": [choice]}
+        if include_usage:
+            event["usage"] = None
+        return [event]
+
+    def usage_event(self) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": [], "usage": self.usage()}

@@ -1,0 +1,181 @@
+"""`loragate serve`: local engine processes + the gateway in this process.
+
+Engines are child processes (`loragate engine` on free loopback ports) so a crash in one
+never takes the gateway or the others down. Shutdown order on SIGTERM/SIGINT: the gateway
+drains (stops admitting, finishes in-flight streams), then the engines are sent SIGTERM and
+drain in turn; an engine still alive after the drain timeout is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from engine.config import EngineConfig
+from engine.server import DrainingServer
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """Flags that make `loragate engine` build this exact config (non-defaults only)."""
+    flags: list[str] = []
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(config, f.name)
+        default = (f.default if f.default is not dataclasses.MISSING
+                   else f.default_factory() if f.default_factory is not dataclasses.MISSING
+                   else None)
+        if f.name == "model" or value == default:
+            continue
+        if isinstance(value, tuple):
+            text = ",".join(":".join(map(str, v)) if isinstance(v, tuple) else str(v)
+                            for v in value)
+        else:
+            text = str(value)
+        flags += [f"--{f.name.replace('_', '-')}", text]
+    return flags
+
+
+@dataclass
+class EngineProcess:
+    """One child `loragate engine` process and where its log goes."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def start_engines(config: EngineConfig, count: int, log_dir: Path,
+                  adapters: dict[str, str]) -> list[EngineProcess]:
+    engines = []
+    for index in range(count):
+        port = free_port()
+        log_path = log_dir / f"engine-{index}.log"
+        command = [sys.executable, "-m", "gateway.cli", "engine", "--model", config.model,
+                   "--host", "127.0.0.1", "--port", str(port),
+                   "--instance-id", f"engine-{index}", *engine_flags(config)]
+        for name, path in adapters.items():
+            command += ["--lora", f"{name}={path}"]
+        with open(log_path, "wb") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        engines.append(EngineProcess(f"http://127.0.0.1:{port}", process, log_path))
+    return engines
+
+
+def wait_ready(engines: list[EngineProcess], timeout_s: float) -> None:
+    """Block until every engine answers /health with 200; RuntimeError if one dies."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(engines)
+    with httpx.Client(timeout=2.0) as client:
+        while pending:
+            for engine in list(pending):
+                if engine.process.poll() is not None:
+                    raise RuntimeError(f"engine {engine.url} exited with code "
+                                       f"{engine.process.returncode}:\n{engine.log_tail()}")
+                try:
+                    if client.get(engine.url + "/health").status_code == 200:
+                        pending.remove(engine)
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"engines not ready after {timeout_s:g}s: "
+                                   f"{[e.url for e in pending]}")
+            if pending:
+                time.sleep(0.2)
+
+
+def stop_engines(engines: list[EngineProcess], timeout_s: float) -> None:
+    for engine in engines:
+        if engine.process.poll() is None:
+            engine.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for engine in engines:
+        try:
+            engine.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            engine.process.kill()
+            engine.process.wait()
+
+
+def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
+                adapters: dict[str, str], banner: str | None = None) -> None:
+    """Serve the gateway until SIGTERM/SIGINT, then drain."""
+    app = create_app(config, engine_urls, tokenizer_dir, adapters)
+    server = DrainingServer(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level="warning",
+        timeout_graceful_shutdown=int(config.drain_timeout_s)))
+    server.on_drain = lambda: setattr(app.state, "draining", True)
+
+    async def main() -> None:
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if server.started and banner:
+            print(banner, flush=True)
+        await serving
+
+    asyncio.run(main())
+    if not server.started:
+        raise RuntimeError(f"the gateway could not listen on {config.host}:{config.port}")
+
+
+def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, instances: int,
+          engine_urls: list[str], tokenizer_dir: str, adapters: dict[str, str]) -> None:
+    """Start local engines (unless engine_urls are given) and the gateway in front."""
+    engines: list[EngineProcess] = []
+    log_dir = Path(tempfile.mkdtemp(prefix="loragate-engines-"))
+    try:
+        if not engine_urls:
+            assert engine_config is not None
+            print(f"starting {instances} engine instance(s) on {engine_config.model} "
+                  f"(logs in {log_dir})", flush=True)
+            engines = start_engines(engine_config, instances, log_dir, adapters)
+            wait_ready(engines, gateway_config.startup_timeout_s)
+            engine_urls = [e.url for e in engines]
+        run_gateway(gateway_config, engine_urls, tokenizer_dir, adapters,
+                    banner=ready_banner(gateway_config, tokenizer_dir, adapters))
+    finally:
+        stop_engines(engines, gateway_config.drain_timeout_s)
+
+
+def ready_banner(config: GatewayConfig, tokenizer_dir: str, adapters: dict[str, str]) -> str:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    base = f"http://{host}:{config.port}"
+    model = config.served_model_name or os.path.basename(tokenizer_dir.rstrip("/"))
+    lines = [f"loragate gateway listening on {base} (OpenAI API under {base}/v1)",
+             f"models: {model} (base){''.join(', ' + a for a in sorted(adapters))}",
+             "try:",
+             f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\",
+             f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
+             f"\"content\": \"Hello!\"}}], \"max_tokens\": 32}}'"]
+    if adapters:
+        lines.append(f"  (set \"model\" to an adapter name, e.g. \"{sorted(adapters)[0]}\", "
+                     f"to use it)")
+    return "\n".join(lines)

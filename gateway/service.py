@@ -1,0 +1,191 @@
+"""The gateway's request path below the HTTP routes: resolve the model, route, dispatch,
+retry before the first token, time out, abort on disconnect, count.
+
+Every request ends in exactly one of: a finished stream, an ApiError raised before anything
+was sent (the route turns it into a 4xx/5xx), or a final error chunk in the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.http_errors import ApiError
+from gateway.config import GatewayConfig
+from gateway.engine_client import (
+    ACCEPTED,
+    EngineRejected,
+    EngineStreamBroken,
+    EngineUnavailable,
+)
+from gateway.instances import Instance, InstancePool
+from gateway.metrics import GatewayMetrics
+from gateway.router import Candidate, Router, RoutingDecision
+from prefix_cache.hashing import request_extra_keys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """One generation as the gateway dispatches it."""
+
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    adapter: str | None
+    cache_salt: str | None
+    priority: int
+    endpoint: str
+    request_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex}")
+    arrival: float = field(default_factory=time.monotonic)
+    instance_id: str | None = None
+    decision: RoutingDecision | None = None
+
+
+class Gateway:
+    """Dispatches jobs to engine instances through the router."""
+
+    def __init__(self, config: GatewayConfig, pool: InstancePool, router: Router,
+                 metrics: GatewayMetrics, base_model: str) -> None:
+        self.config = config
+        self.pool = pool
+        self.router = router
+        self.metrics = metrics
+        self.base_model = base_model
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ models
+    def adapter_names(self) -> list[str]:
+        return sorted(self.pool.adapter_paths)
+
+    def resolve_model(self, model: str) -> str | None:
+        """The adapter a `model` field names (None: the base model); 404 if unknown."""
+        if model == self.base_model:
+            return None
+        if model in self.pool.adapter_paths:
+            return model
+        raise ApiError(404, f"The model '{model}' does not exist", code="model_not_found",
+                       param="model")
+
+    def max_model_len(self) -> int:
+        lengths = [i.max_model_len for i in self.pool.healthy() if i.max_model_len]
+        return min(lengths) if lengths else 0
+
+    # ---------------------------------------------------------------- routing
+    def _candidates(self, job: Job, instances: list[Instance]) -> list[Candidate]:
+        matched: dict[str, int] = {}
+        index = self.pool.index
+        if index is not None and self.config.prefix_weight > 0:
+            digest = self.pool.digest_of(job.adapter) if job.adapter else None
+            lora = (job.adapter, digest) if job.adapter and digest else None
+            chain = index.request_chain(job.prompt_token_ids,
+                                        request_extra_keys(lora=lora, cache_salt=job.cache_salt))
+            matched = index.match(chain, [i.instance_id for i in instances])
+        return [Candidate(
+            instance_id=i.instance_id, in_flight=i.in_flight,
+            max_in_flight=self.config.max_in_flight_per_instance,
+            max_num_seqs=i.max_num_seqs, kv_usage=i.kv_usage, max_loras=i.max_loras,
+            resident=i.resident, busy_adapters=i.busy_adapters,
+            matched_tokens=matched.get(i.instance_id, 0)) for i in instances]
+
+    def _route(self, job: Job, tried: set[str]) -> Instance:
+        instances = [i for i in self.pool.healthy() if i.instance_id not in tried]
+        if not instances:
+            raise ApiError(503, "no engine instance is ready; retry later", code="unavailable",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+        decision = self.router.choose(self._candidates(job, instances), job.adapter,
+                                      len(job.prompt_token_ids))
+        if decision is None:
+            raise ApiError(429, "every engine instance is at its admission limit; retry "
+                           "later", code="overloaded",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+        self.metrics.routing.labels(decision.reason).inc()
+        log.debug("route %s: %s", job.request_id, decision.explain())
+        job.decision = decision
+        return self.pool.instances[decision.instance_id]
+
+    # --------------------------------------------------------------- dispatch
+    async def stream(self, job: Job) -> AsyncGenerator[dict[str, Any], None]:
+        """Yield ACCEPTED once an instance took the job, then the engine's chunks. Raises
+        ApiError before ACCEPTED; after it, failures end the stream with an error chunk."""
+        tried: set[str] = set()
+        deadline = job.arrival + self.config.request_timeout_s
+        for _ in range(self.config.max_attempts):
+            instance = self._route(job, tried)
+            tried.add(instance.instance_id)
+            job.instance_id = instance.instance_id
+            body = {"request_id": job.request_id, "prompt_token_ids": job.prompt_token_ids,
+                    "params": job.params, "lora": job.adapter, "cache_salt": job.cache_salt,
+                    "priority": job.priority}
+            tokens_sent = False
+            accepted = False
+            instance.in_flight += 1
+            chunks = instance.client.generate(body)
+            try:
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError
+                    try:
+                        chunk = await asyncio.wait_for(anext(chunks), remaining)
+                    except StopAsyncIteration:
+                        return
+                    if chunk is ACCEPTED:
+                        if not accepted:
+                            accepted = True
+                            self.metrics.queue_time.observe(time.monotonic() - job.arrival)
+                            yield chunk
+                        continue
+                    tokens_sent = tokens_sent or bool(chunk.get("delta_token_ids"))
+                    yield chunk
+            except (EngineUnavailable, EngineStreamBroken) as exc:
+                self.pool.mark_failed(instance, str(exc))
+                if tokens_sent:
+                    yield _error_chunk(job, "the engine instance failed mid-response: "
+                                       f"{exc}")
+                    return
+                self.metrics.retries.labels(type(exc).__name__).inc()
+                log.warning("retrying %s elsewhere: %s", job.request_id, exc)
+                continue
+            except EngineRejected as exc:
+                if accepted:
+                    yield _error_chunk(job, exc.message)
+                    return
+                raise ApiError(exc.status, exc.message) from None
+            except TimeoutError:
+                self._abort_later(instance, job.request_id)
+                message = f"request timed out after {self.config.request_timeout_s:g}s"
+                if not accepted:
+                    raise ApiError(504, message, code="timeout") from None
+                yield _error_chunk(job, message)
+                return
+            except (asyncio.CancelledError, GeneratorExit):
+                # Client gone: the closed connection already aborts on the engine; the
+                # explicit abort covers a connection that lingers in the pool.
+                self._abort_later(instance, job.request_id)
+                raise
+            finally:
+                instance.in_flight -= 1
+                with contextlib.suppress(Exception):
+                    await chunks.aclose()
+        raise ApiError(503, f"no engine instance could take the request after "
+                       f"{len(tried)} attempt(s)", code="unavailable",
+                       headers={"Retry-After": str(self.config.retry_after_s)})
+
+    def _abort_later(self, instance: Instance, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(instance.client.abort(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _error_chunk(job: Job, message: str) -> dict[str, Any]:
+    return {"request_id": job.request_id, "delta_text": "", "delta_token_ids": [],
+            "finished": True, "finish_reason": "error", "logprobs": None,
+            "prompt_tokens": len(job.prompt_token_ids), "completion_tokens": 0,
+            "error": {"message": message, "type": "server_error"}}
