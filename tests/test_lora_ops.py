@@ -156,8 +156,24 @@ def test_metadata_groups_tokens_by_slot_stably() -> None:
         HostSegment(slot=2, start=4, length=3, row_start=0, contiguous=False),
     )
     assert meta.max_slot == 2
-    for tensor in (meta.sorted_token_ids, meta.seg_starts, meta.seg_lens, meta.seg_slots):
+    # Grouped layout: segments padded to length 3, holes point at the zero row T = 8.
+    assert meta.padded_rows.tolist() == [3, 4, 5, 7, 8, 8, 0, 1, 6]
+    assert meta.padded_valid.tolist() == [0, 1, 2, 3, 6, 7, 8]
+    assert meta.padding_ratio == 9 / 7
+    for tensor in (meta.sorted_token_ids, meta.seg_starts, meta.seg_lens, meta.seg_slots,
+                   meta.padded_rows, meta.padded_valid):
         assert tensor.dtype == torch.int64
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per_segment"])
+def test_reference_forms_agree(grouped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both torch forms give the oracle's answer on a decode batch over many slots."""
+    from lora.ops import sgmv_reference
+
+    monkeypatch.setattr(sgmv_reference, "GROUPED_MIN_SEGMENTS", 1 if grouped else 10**9)
+    slots = make_token_slots("uniform", 133, "decode")
+    assert sgmv_reference._grouped(build_lora_metadata(slots, "cpu")) is grouped
+    check_ops(shrink_reference, expand_reference, slots, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("token_slots", [[-1, -1, -1], []])

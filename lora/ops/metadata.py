@@ -12,6 +12,14 @@ a stable sort, so within a segment rows keep their flat-batch order:
 
 Tokens with slot -1 are in no segment, so a request without an adapter costs nothing.
 
+For the torch path's grouped (batched-matmul) form, segments are also laid out padded to
+the longest one, segment-major, with the dummy row T (a zero row appended by the op) in the
+holes; with the example (T = 8, longest segment 3):
+
+    padded_rows       = [ 3  4  5 | 7  8  8 | 0  1  6 ]   [S * max_seg_len] rows into x_ext
+    padded_valid      = [ 0  1  2 | 3 |       6  7  8 ]   positions of real rows, in the
+                                                          order of sorted_token_ids
+
 The device arrays travel in one host-to-device copy; `host_segments` mirrors them on the host
 so the torch path and the launchers never read a device tensor back (no sync per layer).
 This module also holds the argument checks shared by the torch and Triton paths.
@@ -58,6 +66,9 @@ class LoraBatchMetadata:
         num_segments:     distinct slots in the batch; 0 makes every op a no-op
         max_seg_len:      longest segment (sizes the kernels' row-tile grid)
         host_segments:    the segments again, as Python ints
+    Grouped layout (device, int64; see the module docstring):
+        padded_rows:      [num_segments * max_seg_len]
+        padded_valid:     [num_lora_tokens]
     """
 
     sorted_token_ids: torch.Tensor
@@ -69,6 +80,13 @@ class LoraBatchMetadata:
     num_segments: int
     max_seg_len: int
     host_segments: tuple[HostSegment, ...]
+    padded_rows: torch.Tensor
+    padded_valid: torch.Tensor
+
+    @property
+    def padding_ratio(self) -> float:
+        """Rows of the grouped layout per real LoRA row (1.0: no padding)."""
+        return self.num_segments * self.max_seg_len / max(1, self.num_lora_tokens)
 
     @property
     def device(self) -> torch.device:
@@ -120,19 +138,30 @@ def build_lora_metadata(
         )
     )
 
-    # One transfer for all four arrays, then views into it.
+    # Grouped layout: real row k (segment i, offset j) sits at padded position i * L + j.
     n, s = sorted_ids.numel(), seg_slots.numel()
-    packed = torch.cat([sorted_ids, seg_starts, seg_lens, seg_slots]).to(device)
+    max_len = int(seg_lens.max()) if s else 0
+    seg_of_row = torch.repeat_interleave(torch.arange(s), seg_lens)           # [N]
+    offset_in_seg = torch.arange(n) - seg_starts[seg_of_row]                 # [N]
+    padded_valid = seg_of_row * max_len + offset_in_seg                      # [N]
+    padded_rows = torch.full((s * max_len,), slots.numel(), dtype=torch.int64)
+    padded_rows[padded_valid] = sorted_ids
+
+    # One transfer for all arrays, then views into it.
+    packed = torch.cat([sorted_ids, seg_starts, seg_lens, seg_slots, padded_valid,
+                        padded_rows]).to(device)
     return LoraBatchMetadata(
         sorted_token_ids=packed[:n],
         seg_starts=packed[n:n + s],
         seg_lens=packed[n + s:n + 2 * s],
-        seg_slots=packed[n + 2 * s:],
+        seg_slots=packed[n + 2 * s:n + 3 * s],
         num_tokens=slots.numel(),
         num_lora_tokens=n,
         num_segments=s,
-        max_seg_len=max((seg.length for seg in host_segments), default=0),
+        max_seg_len=max_len,
         host_segments=host_segments,
+        padded_valid=packed[n + 3 * s:2 * n + 3 * s],
+        padded_rows=packed[2 * n + 3 * s:],
     )
 
 

@@ -1,10 +1,14 @@
-"""Torch reference of the segmented LoRA ops: one matmul per distinct slot in the batch.
+"""Torch reference of the segmented LoRA ops: the default path off CUDA and the semantics the
+Triton kernels are tested against. Two forms, chosen per call, same results:
 
-This is the default path off CUDA and the semantics the Triton kernels are tested against.
-A batch holds few distinct slots (at most max_loras), so looping over segments is cheap:
-each segment gathers its rows (or slices them when they are one contiguous range, the
-common case of a single request or a batch sorted by adapter), does one matmul in the input
-dtype (torch accumulates low-precision matmuls in fp32) and writes or adds the rows back.
+- per segment: one matmul per distinct slot; each segment gathers its rows (or slices them
+  when they are one contiguous range, as for one long prefill) and writes or adds them back.
+  Few ops when a batch holds few slots or long segments.
+- grouped: every segment padded to the longest one and done in one batched matmul with the
+  slots' weights gathered, so a decode batch spread over many adapters costs a handful of
+  ops instead of three per slot (on a CPU, per-op overhead dominates those tiny matmuls).
+  Used when there are several segments and padding at most doubles the rows.
+Both multiply in the input dtype (torch accumulates low-precision matmuls in fp32).
 """
 
 from __future__ import annotations
@@ -32,6 +36,13 @@ def shrink_reference(x: torch.Tensor, lora_a: torch.Tensor, meta: LoraBatchMetad
         out = x.new_zeros(meta.num_tokens, rank)                       # [T, R]
     elif meta.num_lora_tokens < meta.num_tokens:
         out.zero_()
+    if _grouped(meta):
+        s, length = meta.num_segments, meta.max_seg_len
+        x_pad = _padded(x, meta).view(s, length, x.shape[1])           # [S, L, H_in]
+        a = lora_a.index_select(0, meta.seg_slots)                     # [S, R, H_in]
+        t_pad = torch.bmm(x_pad, a.transpose(1, 2)).view(s * length, rank)
+        out.index_copy_(0, meta.sorted_token_ids, t_pad.index_select(0, meta.padded_valid))
+        return out
     for seg in meta.host_segments:
         a_t = lora_a[seg.slot].t()                                     # [H_in, R]
         if seg.contiguous:
@@ -56,6 +67,14 @@ def expand_reference(t: torch.Tensor, lora_b: torch.Tensor, meta: LoraBatchMetad
     Dtypes: float32, float16 or bfloat16, all the same. Scaling is pre-folded into lora_b.
     """
     check_expand_args(t, lora_b, meta, y)
+    if _grouped(meta):
+        s, length = meta.num_segments, meta.max_seg_len
+        t_pad = _padded(t, meta).view(s, length, t.shape[1])           # [S, L, R]
+        b = lora_b.index_select(0, meta.seg_slots)                     # [S, H_out, R]
+        y_pad = torch.bmm(t_pad, b.transpose(1, 2)).view(s * length, y.shape[1])
+        # index_add_ here: index_put_(accumulate=True) is far slower for many rows on CPU.
+        y.index_add_(0, meta.sorted_token_ids, y_pad.index_select(0, meta.padded_valid))
+        return
     for seg in meta.host_segments:
         b_t = lora_b[seg.slot].t()                                     # [R, H_out]
         if seg.contiguous:
@@ -66,3 +85,19 @@ def expand_reference(t: torch.Tensor, lora_b: torch.Tensor, meta: LoraBatchMetad
             # index_put_ over index_add_: same result (ids are distinct), far less overhead
             # for small row counts on CPU.
             y.index_put_((ids,), t.index_select(0, ids) @ b_t, accumulate=True)
+
+
+GROUPED_MIN_SEGMENTS = 3
+GROUPED_MAX_PADDING = 2.0
+
+
+def _grouped(meta: LoraBatchMetadata) -> bool:
+    """Whether the grouped form is the cheaper one for this batch."""
+    return (meta.num_segments >= GROUPED_MIN_SEGMENTS
+            and meta.padding_ratio <= GROUPED_MAX_PADDING)
+
+
+def _padded(rows: torch.Tensor, meta: LoraBatchMetadata) -> torch.Tensor:
+    """rows laid out as meta.padded_rows says, holes (index T) filled with zeros."""
+    extended = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])   # [T + 1, C]
+    return extended.index_select(0, meta.padded_rows)                 # [S * L, C]

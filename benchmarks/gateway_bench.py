@@ -1,0 +1,199 @@
+"""Serving benchmarks of issue 5, each measured side by side in one run.
+
+    python -m benchmarks.gateway_bench --model DIR [--quick] [--part overhead|routing|all]
+
+1. Gateway overhead: one engine process; the same workload (short prompts, 16 output
+   tokens, a few requests in flight) sent straight to the engine's /generate and through
+   the gateway's /v1/completions, alternating A/B/A/B; reports the added TTFT / E2E p50 and
+   p99 (target: added TTFT p50 <= 5 ms). Prefix caching is off so repeats cost the same.
+2. Routing: the RAG workload (Zipf documents) spread over 8 adapters, served by 2 engine
+   instances behind the gateway with round-robin routing and with our scoring router (fresh
+   engines for each, so caches start cold), plus 1 instance for reference; reports
+   throughput and the prefix hit rate summed over the instances' /metrics (target: router's
+   hit rate >= 1.5x round-robin's).
+
+Engines and the gateway are real processes on loopback ports (`loragate engine`,
+`loragate serve --engine URL`). On a small CPU box every instance shares the same cores, so
+2 instances add no compute there; the hit rate is what routing changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.rag_workload import RagSpec, make_rag_workload
+from benchmarks.serving import (
+    BenchConfig,
+    BenchResult,
+    assign_adapters,
+    from_workload,
+    run_benchmark,
+)
+from benchmarks.serving_client import ServingRequest
+from benchmarks.workloads import LengthRange, WorkloadSpec, generate
+from engine.config import EngineConfig
+from engine.models.loader import load_hf_config
+from gateway.serve import EngineProcess, free_port, start_engines, stop_engines, wait_ready
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "gateway_bench.json"
+
+
+@dataclass
+class Gateway:
+    url: str
+    process: subprocess.Popen[bytes]
+
+
+def start_gateway(model: str, engine_urls: list[str], adapters: dict[str, str],
+                  log_dir: Path, *extra: str) -> Gateway:
+    port = free_port()
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--model", model,
+               "--port", str(port), "--poll-interval-s", "0.2", *extra]
+    for url in engine_urls:
+        command += ["--engine", url]
+    for name, path in adapters.items():
+        command += ["--lora", f"{name}={path}"]
+    with open(log_dir / f"gateway-{port}.log", "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    gateway = Gateway(f"http://127.0.0.1:{port}", process)
+    wait_ready([EngineProcess(gateway.url, process, log_dir / f"gateway-{port}.log")], 120)
+    return gateway
+
+
+def stop_gateway(gateway: Gateway) -> None:
+    gateway.process.terminate()
+    try:
+        gateway.process.wait(30)
+    except subprocess.TimeoutExpired:
+        gateway.process.kill()
+
+
+def _summary(result: BenchResult) -> dict[str, Any]:
+    m = result.metrics
+    out: dict[str, Any] = {
+        "completed": m.completed, "failed": m.failed, "duration_s": m.duration_s,
+        "request_throughput": m.request_throughput, "output_throughput": m.output_throughput,
+        "ttft_p50_ms": m.ttft.median_ms, "ttft_p99_ms": m.ttft.p99_ms,
+        "e2e_p50_ms": m.e2e.median_ms, "e2e_p99_ms": m.e2e.p99_ms,
+        "itl_p50_ms": m.itl.median_ms, "failures": m.failures}
+    if result.prefix_cache is not None:
+        out["prefix_hit_rate"] = result.prefix_cache.hit_rate
+        out["prefix_hit_tokens"] = result.prefix_cache.hit_tokens
+    return out
+
+
+def overhead(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    num = 40 if args.quick else 200
+    vocab = load_hf_config(args.model).vocab_size
+    requests = from_workload(generate(WorkloadSpec(num, LengthRange(32, 96), LengthRange(16, 16),
+                                                   vocab, seed=1)))
+    config = EngineConfig(model=args.model, prefix_caching="off")
+    engines = start_engines(config, 1, log_dir, {})
+    gateway = None
+    try:
+        wait_ready(engines, 300)
+        gateway = start_gateway(args.model, [engines[0].url], {}, log_dir)
+        direct = BenchConfig(engines[0].url, "engine", rate=args.overhead_rate, seed=2)
+        routed = BenchConfig(gateway.url, "openai", rate=args.overhead_rate, seed=2)
+        runs: dict[str, list[dict[str, Any]]] = {"direct": [], "gateway": []}
+        for round_ in range(2):
+            for name, cfg in (("direct", direct), ("gateway", routed)):
+                print(f"overhead round {round_ + 1}: {name}", flush=True)
+                runs[name].append(_summary(asyncio.run(run_benchmark(cfg, requests))))
+    finally:
+        if gateway is not None:
+            stop_gateway(gateway)
+        stop_engines(engines, 30)
+
+    def best(name: str, key: str) -> float:
+        return min(run[key] for run in runs[name])
+
+    added = {key: best("gateway", key) - best("direct", key)
+             for key in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")}
+    print(f"gateway added TTFT p50 {added['ttft_p50_ms']:.2f} ms (target <= 5), "
+          f"p99 {added['ttft_p99_ms']:.2f} ms; E2E p50 {added['e2e_p50_ms']:.2f} ms")
+    return {"requests": num, "rate": args.overhead_rate, "runs": runs, "added_ms": added}
+
+
+def routing_run(args: argparse.Namespace, log_dir: Path, instances: int, policy: str,
+                requests: list[ServingRequest], adapters: dict[str, str]) -> dict[str, Any]:
+    threads = str(max(1, (os.cpu_count() or 2) // instances))
+    os.environ["OMP_NUM_THREADS"] = threads  # instances split the cores, not fight for them
+    config = EngineConfig(model=args.model, max_loras=args.max_loras,
+                          max_num_batched_tokens=512, max_num_seqs=32)
+    engines = start_engines(config, instances, log_dir, adapters)
+    gateway = None
+    try:
+        wait_ready(engines, 300)
+        gateway = start_gateway(args.model, [e.url for e in engines], adapters, log_dir,
+                                "--routing", policy)
+        bench = BenchConfig(gateway.url, "openai", rate=args.rag_rate, seed=3,
+                            metrics_urls=tuple(e.url + "/metrics" for e in engines))
+        print(f"routing: {instances} instance(s), {policy}", flush=True)
+        result = _summary(asyncio.run(run_benchmark(bench, requests)))
+    finally:
+        if gateway is not None:
+            stop_gateway(gateway)
+        stop_engines(engines, 30)
+        os.environ.pop("OMP_NUM_THREADS", None)
+    print(f"  {result['request_throughput']:.2f} req/s, hit rate "
+          f"{result.get('prefix_hit_rate', 0.0):.1%}, TTFT p50 {result['ttft_p50_ms']:.0f} ms",
+          flush=True)
+    return {"instances": instances, "policy": policy, **result}
+
+
+def routing(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    adapter_dir = Path(args.model) / "bench-adapters"
+    names = [f"bench-{i}" for i in range(8)]
+    missing = [n for n in names if not (adapter_dir / n / "adapter_config.json").is_file()]
+    if missing:
+        raise SystemExit(f"missing {missing}: run `python -m benchmarks.lora_throughput "
+                         f"--model {args.model} --quick` once to write the bench adapters")
+    adapters = {n: str(adapter_dir / n) for n in names}
+    spec = RagSpec(num_requests=40 if args.quick else args.rag_requests, num_documents=32,
+                   vocab_size=load_hf_config(args.model).vocab_size, seed=4)
+    requests = assign_adapters(from_workload(make_rag_workload(spec)), names, seed=5)
+    runs = [routing_run(args, log_dir, n, policy, requests, adapters)
+            for n, policy in ((2, "round_robin"), (2, "score"), (1, "score"))]
+    rr, ours = runs[0], runs[1]
+    ratio = ours.get("prefix_hit_rate", 0.0) / max(1e-9, rr.get("prefix_hit_rate", 0.0))
+    print(f"hit rate router / round-robin: {ratio:.2f}x (target >= 1.5x); throughput "
+          f"{ours['request_throughput'] / max(1e-9, rr['request_throughput']):.2f}x")
+    return {"requests": len(requests), "adapters": names, "rate": args.rag_rate,
+            "runs": runs, "hit_rate_ratio": ratio}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--part", choices=("overhead", "routing", "all"), default="all")
+    parser.add_argument("--quick", action="store_true", help="small runs (smoke test)")
+    parser.add_argument("--overhead-rate", type=float, default=4.0)
+    parser.add_argument("--rag-requests", type=int, default=120)
+    parser.add_argument("--rag-rate", type=float, default=1.0)
+    parser.add_argument("--max-loras", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    log_dir = Path(tempfile.mkdtemp(prefix="loragate-bench-"))
+    print(f"process logs in {log_dir}", flush=True)
+    report: dict[str, Any] = {}
+    if args.part in ("overhead", "all"):
+        report["overhead"] = overhead(args, log_dir)
+    if args.part in ("routing", "all"):
+        report["routing"] = routing(args, log_dir)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str))
+    return report
+
+
+if __name__ == "__main__":
+    main()
