@@ -1,11 +1,16 @@
 """RAG prefix-caching benchmark: caching off / on / auto on one workload, in one run.
 
-    python -m benchmarks.prefix_cache --model DIR [--num-requests 200] [--rate 4] [--quick]
+    python -m benchmarks.prefix_cache --model DIR [--num-requests 200] [--load 0.8] [--quick]
 
-Requests arrive on a Poisson clock in real time; the engine steps as fast as it can. For
-each mode it reports prompt tokens computed, hit rate beside the workload's theoretical
-reusable fraction, TTFT p50/p99 and throughput, then the on/off ratios against the issue's
-targets; a variant with shuffled document order shows what an unstable layout costs.
+Each mode serves the same requests twice:
+1. throughput: every request queued at once, the engine steps as fast as it can; reports
+   requests/s and output tokens/s (its capacity), prompt tokens computed and the hit rate
+   beside the workload's theoretical reusable fraction;
+2. latency: Poisson arrivals in real time at ``--load`` x the capacity the cached ("on")
+   engine measured in (1), so TTFT reflects a load the cached engine sustains; reports TTFT
+   p50/p99. (``--rate R`` fixes the rate instead.)
+Then the on/off ratios against the issue's targets; a variant with shuffled document order
+shows what an unstable layout costs.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from engine.sampling_params import SamplingParams
 class ModeResult:
     mode: str
     layout: str
+    phase: str
     requests: int
     prompt_tokens: int
     prompt_tokens_computed: int
@@ -45,7 +51,13 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_mode(model: str, mode: str, requests: list[RagRequest], layout: str,
-             engine_kwargs: dict[str, object]) -> ModeResult:
+             engine_kwargs: dict[str, object], rate: float | None = None) -> ModeResult:
+    """Serve requests; rate None queues them all at once, else Poisson at that rate."""
+    if rate is None:
+        requests = [replace(r, arrival_s=0.0) for r in requests]
+    else:
+        scale = requests[-1].arrival_s / max(1e-9, (len(requests) - 1) / rate)
+        requests = [replace(r, arrival_s=r.arrival_s / scale) for r in requests]
     engine = LLMEngine.from_model(model, prefix_caching=mode, **engine_kwargs)
     # Warm the code paths (not the cache: a different document) before the clock starts.
     engine.add_request("warmup", list(range(100, 400)), SamplingParams(max_tokens=4,
@@ -78,7 +90,8 @@ def run_mode(model: str, mode: str, requests: list[RagRequest], layout: str,
     prompt_tokens = after.prompt_tokens - before.prompt_tokens
     hit_tokens = after.prefix_cache.hit_tokens - before.prefix_cache.hit_tokens
     return ModeResult(
-        mode=mode, layout=layout, requests=len(requests), prompt_tokens=prompt_tokens,
+        mode=mode, layout=layout, phase="throughput" if rate is None else f"rate {rate:.3f}",
+        requests=len(requests), prompt_tokens=prompt_tokens,
         prompt_tokens_computed=after.prompt_tokens_computed - before.prompt_tokens_computed,
         hit_rate=hit_tokens / prompt_tokens,
         theoretical_reuse=theoretical_reuse(requests, engine.config.block_size),
@@ -90,12 +103,12 @@ def run_mode(model: str, mode: str, requests: list[RagRequest], layout: str,
 
 
 def _print_table(results: list[ModeResult]) -> None:
-    print(f"{'layout':<9}{'mode':<6}{'computed':>10}{'hit rate':>10}{'theory':>8}"
+    print(f"{'layout':<9}{'mode':<6}{'phase':<12}{'computed':>10}{'hit rate':>10}{'theory':>8}"
           f"{'TTFT p50':>10}{'TTFT p99':>10}{'req/s':>8}{'tok/s':>8}")
     for r in results:
-        print(f"{r.layout:<9}{r.mode:<6}{r.prompt_tokens_computed:>10}{r.hit_rate:>10.1%}"
-              f"{r.theoretical_reuse:>8.1%}{r.ttft_p50_s:>9.2f}s{r.ttft_p99_s:>9.2f}s"
-              f"{r.throughput_rps:>8.2f}{r.output_tokens_per_s:>8.1f}")
+        print(f"{r.layout:<9}{r.mode:<6}{r.phase:<12}{r.prompt_tokens_computed:>10}"
+              f"{r.hit_rate:>10.1%}{r.theoretical_reuse:>8.1%}{r.ttft_p50_s:>9.2f}s"
+              f"{r.ttft_p99_s:>9.2f}s{r.throughput_rps:>8.2f}{r.output_tokens_per_s:>8.1f}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -104,39 +117,58 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--model", required=True)
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--num-documents", type=int, default=64)
-    parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
+    parser.add_argument("--load", type=float, default=0.8,
+                        help="latency phase rate as a fraction of the cached engine's capacity")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="fixed Poisson rate (req/s) for the latency phase instead")
     parser.add_argument("--quick", action="store_true", help="60 requests")
     parser.add_argument("--out", default="benchmarks/results/prefix_cache.json")
     args = parser.parse_args(argv)
 
     num_requests = 60 if args.quick else args.num_requests
     spec = RagSpec(num_requests=num_requests, num_documents=args.num_documents,
-                   rate=args.rate, vocab_size=load_hf_config(args.model).vocab_size)
+                   vocab_size=load_hf_config(args.model).vocab_size)
     engine_kwargs: dict[str, object] = dict(max_num_batched_tokens=512, max_num_seqs=64)
     stable = make_rag_workload(spec)
     shuffled = make_rag_workload(replace(spec, shuffle_docs=True))
 
-    results = [run_mode(args.model, m, stable, "stable", engine_kwargs)
-               for m in ("off", "on", "auto")]
-    results.append(run_mode(args.model, "on", shuffled, "shuffled", engine_kwargs))
+    def run(mode: str, layout: str, rate: float | None) -> ModeResult:
+        print(f"{layout} / {mode} / {'all at once' if rate is None else f'{rate:.3f} req/s'}",
+              flush=True)
+        result = run_mode(args.model, mode, stable if layout == "stable" else shuffled,
+                          layout, engine_kwargs, rate)
+        print(f"  {result.throughput_rps:.3f} req/s, hit rate {result.hit_rate:.1%}, TTFT p50 "
+              f"{result.ttft_p50_s:.2f}s", flush=True)
+        return result
+
+    capacity = {m: run(m, "stable", None) for m in ("on", "off", "auto")}
+    rate = args.rate or args.load * capacity["on"].throughput_rps
+    latency = {m: run(m, "stable", rate) for m in ("off", "on", "auto")}
+    shuffled_results = [run("on", "shuffled", None), run("on", "shuffled", rate)]
+    results = [*capacity.values(), *latency.values(), *shuffled_results]
     _print_table(results)
 
-    by_mode = {r.mode: r for r in results if r.layout == "stable"}
-    off, on = by_mode["off"], by_mode["on"]
+    off, on = latency["off"], latency["on"]
     summary = {
-        "auto_hit_rate": by_mode["auto"].hit_rate,
-        "hit_rate_over_theoretical": on.hit_rate / on.theoretical_reuse,
+        "latency_rate_rps": rate,
+        "auto_hit_rate": capacity["auto"].hit_rate,
+        "hit_rate_over_theoretical": capacity["on"].hit_rate / capacity["on"].theoretical_reuse,
         "ttft_p50_on_over_off": on.ttft_p50_s / off.ttft_p50_s,
-        "throughput_on_over_off": on.throughput_rps / off.throughput_rps,
-        "shuffled_hit_rate": results[-1].hit_rate,
+        "throughput_on_over_off": capacity["on"].throughput_rps / capacity["off"].throughput_rps,
+        "prompt_tokens_computed_off_over_on": capacity["off"].prompt_tokens_computed
+        / max(1, capacity["on"].prompt_tokens_computed),
+        "shuffled_hit_rate": shuffled_results[0].hit_rate,
     }
     print(f"\nhit rate / theoretical: {summary['hit_rate_over_theoretical']:.3f} "
           f"(target >= 0.95)")
-    print(f"TTFT p50 on/off:        {summary['ttft_p50_on_over_off']:.3f} (target <= 0.25)")
-    print(f"throughput on/off:      {summary['throughput_on_over_off']:.2f}x (target >= 3x)")
+    print(f"TTFT p50 on/off at {rate:.3f} req/s: {summary['ttft_p50_on_over_off']:.3f} "
+          f"(target <= 0.25)")
+    print(f"throughput on/off (capacity): {summary['throughput_on_over_off']:.2f}x "
+          f"(target >= 3x); prompt tokens computed off/on "
+          f"{summary['prompt_tokens_computed_off_over_on']:.2f}x")
     print(f"shuffled layout hit rate: {summary['shuffled_hit_rate']:.1%} "
-          f"(stable: {on.hit_rate:.1%})")
-    report = {"spec": asdict(spec), "engine": engine_kwargs,
+          f"(stable: {capacity['on'].hit_rate:.1%})")
+    report: dict[str, object] = {"spec": asdict(spec), "engine": engine_kwargs,
               "results": [asdict(r) for r in results], "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
