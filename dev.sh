@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The two quick-start commands of the README:
-#   ./dev.sh serve [flags]   set everything up, build the demo model once, serve it
+#   ./dev.sh serve [flags]   set everything up, then `loragate serve` (builds the demo model
+#                            and its adapters once under ~/.cache/loragate without --model)
 #   ./dev.sh test            set everything up, then run tests, ruff and mypy
 # Needs only Python 3.11+ and pip. Everything goes into ./.venv.
 set -euo pipefail
@@ -38,12 +39,10 @@ case "$cmd" in
         ;;
     serve)
         setup
-        # Until the HTTP gateway lands, serving means the engine in-process behind a prompt.
-        [ -f demo-model/config.json ] || .venv/bin/loragate make-demo demo-model
-        exec .venv/bin/loragate chat --model demo-model "$@"
+        exec .venv/bin/loragate serve "$@"
         ;;
     *)
-        echo "usage: ./dev.sh test [pytest args] | ./dev.sh serve [loragate chat flags]" >&2
+        echo "usage: ./dev.sh test [pytest args] | ./dev.sh serve [loragate serve flags]" >&2
         exit 2
         ;;
 esac
