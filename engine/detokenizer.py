@@ -10,9 +10,10 @@ class IncrementalDetokenizer:
 
     Each new token decodes only a short window (prefix_offset..end), so the cost per token is
     constant. A window whose text ends in U+FFFD is an incomplete UTF-8 sequence: nothing is
-    emitted until the next token completes it. While stop strings are set, the last
-    (longest stop - 1) characters are held back, since they may still become a stop string;
-    a matched stop string and everything after it is cut.
+    emitted until the next token completes it (or the request finishes: then it is text, as
+    in a full decode). While stop strings are set, the last (longest stop - 1) characters
+    are held back, since they may still become a stop string; a matched stop string and
+    everything after it is cut.
     """
 
     def __init__(self, decoder: PreTrainedTokenizerBase, stop: tuple[str, ...],
@@ -34,20 +35,29 @@ class IncrementalDetokenizer:
             if self.stopped:
                 return
             self._ids.append(token_id)
-            prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
-            window = self._decode(self._ids[self._prefix_offset:])
-            if len(window) > len(prefix) and not window.endswith("\ufffd"):
-                before = len(self.text)
-                self.text += window[len(prefix):]
-                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-                self._check_stop(before)
+            self._decode_window(final=False)
+
+    def _decode_window(self, final: bool) -> None:
+        """Append the text of the tokens past the read offset; unless final, wait while it
+        ends in an incomplete UTF-8 sequence (U+FFFD)."""
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        window = self._decode(self._ids[self._prefix_offset:])
+        if len(window) > len(prefix) and (final or not window.endswith("\ufffd")):
+            before = len(self.text)
+            self.text += window[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._check_stop(before)
 
     @property
     def emitted_text(self) -> str:
         return self.text[:self._emitted]
 
     def take_delta(self, finished: bool) -> str:
-        """Text not yet handed out that can no longer turn into a stop string."""
+        """Text not yet handed out that can no longer turn into a stop string. When
+        finished, bytes that never completed a character are flushed as U+FFFD, as a full
+        decode of the token ids would show them."""
+        if finished and not self.stopped and self._read_offset < len(self._ids):
+            self._decode_window(final=True)
         end = len(self.text) if (finished or self.stopped) else len(self.text) - self._holdback
         if end <= self._emitted:
             return ""

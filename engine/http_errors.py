@@ -52,13 +52,34 @@ def error_body(status: int, message: str, *, code: str | None = None,
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     problems = []
-    first_param: str | None = None
+    locs: list[tuple[str, ...]] = []
     for err in exc.errors():
-        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
-        where = ".".join(loc) or "body"
-        first_param = first_param or (loc[-1] if loc else None)
-        problems.append(f"{where}: {err.get('msg', 'invalid')}")
-    return "; ".join(problems) or "invalid request body", first_param
+        if err.get("type") == "json_invalid":  # loc is ("body", character offset): no param
+            detail = (err.get("ctx") or {}).get("error", "JSON decode error")
+            at = err.get("loc", ())[-1]
+            problems.append(f"the request body is not valid JSON: {detail} (at character {at})")
+            continue
+        loc = tuple(str(part) for part in err.get("loc", ()) if part != "body")
+        locs.append(loc)
+        problems.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+    return "; ".join(problems) or "invalid request body", _param(locs)
+
+
+def _param(locs: list[tuple[str, ...]]) -> str | None:
+    """The field the first error is about. A union field fails once per member, each loc
+    tagged with the member's type ("prompt.str", "prompt.list[int]"): the param is the last
+    name on the path those errors share, never a type tag or a list index."""
+    if not locs:
+        return None
+    path = locs[0]
+    for loc in locs[1:]:
+        if loc[:1] == path[:1]:
+            shared = 0
+            while shared < min(len(path), len(loc)) and path[shared] == loc[shared]:
+                shared += 1
+            path = path[:shared]
+    names = [part for part in path if not part.isdigit()]
+    return names[-1] if names else None
 
 
 def install_error_handlers(app: FastAPI) -> None:

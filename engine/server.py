@@ -313,3 +313,7 @@ class DrainingServer(uvicorn.Server):
         if self.on_drain is not None and not self.should_exit:
             self.on_drain()
         super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals after its shutdown, which would kill the process
+        # by the signal (and skip `loragate serve` stopping its engines): a drain is a clean
+        # exit (status 0).
+        self._captured_signals.clear()

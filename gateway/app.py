@@ -21,6 +21,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import AutoTokenizer
 
 from engine.http_errors import ApiError, error_body, install_error_handlers
@@ -72,6 +74,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     app.state.draining = False
     install_error_handlers(app)
     app.include_router(build_router(lambda: app.state.gateway, tokenizer))
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]
@@ -108,7 +111,39 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                  "num_waiting": i.num_waiting, "kv_usage": i.kv_usage,
                  "max_loras": i.max_loras, "resident": sorted(i.resident),
                  "prefix_hit_rate": i.prefix_hit_rate,
+                 "prefix_cursor": pool.index.cursor(i.instance_id) if pool.index else 0,
+                 "prefix_hashes": pool.index.size(i.instance_id) if pool.index else 0,
                  "adapters": {name: asdict(a) for name, a in i.adapters.items()}}
                 for i in pool.instances.values()]
 
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: a request body that grows past max_bytes while it is read fails
+    with 413. The guard refuses a too-long Content-Length up front; this catches bodies
+    sent without one (chunked uploads), before they are parsed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # An HTTPException: FastAPI passes it on from body parsing, and the
+                    # error handlers render it in OpenAI's schema.
+                    raise StarletteHTTPException(413, f"request body over {self.max_bytes} "
+                                                      f"bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)

@@ -56,9 +56,9 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         for name in ("request_timeout_s", "poll_interval_s", "startup_timeout_s",
                      "drain_timeout_s"):
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:  # `not >` also refuses NaN
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
-        if min(self.prefix_weight, self.load_weight, self.imbalance) < 0:
+        if not all(w >= 0 for w in (self.prefix_weight, self.load_weight, self.imbalance)):
             raise ValueError("prefix_weight, load_weight and imbalance must be >= 0")

@@ -90,6 +90,8 @@ def convert(value: Any, annotation: Any) -> Any:
     kind = _base_type(annotation)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "")
                          and kind is not str):
+        if type(None) not in typing.get_args(annotation):  # not Optional: None would slip
+            raise ValueError(f"needs a value, got {value!r}")  # past the dataclass checks
         return None
     if typing.get_origin(kind) is typing.Literal:
         choices = typing.get_args(kind)

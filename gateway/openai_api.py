@@ -28,6 +28,9 @@ from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, Sa
 from gateway.service import Gateway, Job
 
 DISCONNECT_POLL_S = 0.25
+ERROR_STATUS = {"timeout": 504, "unavailable": 503, "overloaded": 429}
+"""HTTP status of a non-streamed response whose stream ended in an error chunk, by code
+(default 500)."""
 
 
 def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokenizerBase
@@ -165,7 +168,12 @@ async def _collect(gateway: Gateway, job: Job, stream: AsyncGenerator[dict[str, 
         async for chunk in stream:
             timer.tick(chunk)
             if chunk.get("error"):
-                raise ApiError(500, chunk["error"]["message"], code="engine_error")
+                error = chunk["error"]
+                code = error.get("code") or "engine_error"
+                status = ERROR_STATUS.get(code, 500)
+                raise ApiError(status, error["message"], code=code, headers=(
+                    {"Retry-After": str(gateway.config.retry_after_s)} if status in (429, 503)
+                    else None))
             fmt.add(chunk)
         timer.done()
     return fmt.final()
@@ -181,7 +189,7 @@ async def _sse(gateway: Gateway, job: Job, stream: AsyncGenerator[dict[str, Any]
                 timer.tick(chunk)
                 if chunk.get("error"):
                     status = "500"
-                    yield _event({"error": {**chunk["error"], "code": "engine_error"}})
+                    yield _event({"error": {"code": "engine_error", **chunk["error"]}})
                     break
                 for event in fmt.stream_events(chunk, include_usage):
                     yield _event(event)

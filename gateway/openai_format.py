@@ -36,6 +36,7 @@ class ResponseFormatter:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self._role_sent = False
+        self._text_offset = 0  # text_offset of the next streamed token (completions)
 
     # ------------------------------------------------------------- accumulation
     def add(self, chunk: dict[str, Any]) -> tuple[list[tuple[int, dict[int, float]]], str]:
@@ -120,12 +121,16 @@ class ResponseFormatter:
     def stream_events(self, chunk: dict[str, Any], include_usage: bool
                       ) -> list[dict[str, Any]]:
         """The SSE payloads for one engine chunk (none when it carries nothing)."""
-        offset = sum(len(t) for t in self.text)
         entries, text = self.add(chunk)
         finish = self.finish_reason if chunk.get("finished") else None
         if not text and not entries and finish is None and self._role_sent:
             return []
-        logprobs = self._logprobs(entries, offset)
+        # Offsets count token strings, as in final(), so both report the same logprobs
+        # (a token's string and its share of the text differ for partial UTF-8 and skipped
+        # special tokens).
+        logprobs = self._logprobs(entries, self._text_offset)
+        if logprobs is not None and self.endpoint == "completions":
+            self._text_offset += sum(len(token) for token in logprobs["tokens"])
         if self.endpoint == "chat":
             delta: dict[str, Any] = {"content": text}
             if not self._role_sent:

@@ -116,15 +116,21 @@ class Gateway:
         ApiError before ACCEPTED; after it, failures end the stream with an error chunk."""
         tried: set[str] = set()
         deadline = job.arrival + self.config.request_timeout_s
+        accepted = False  # ACCEPTED went to the caller (once, whatever the attempt)
         for _ in range(self.config.max_attempts):
-            instance = self._route(job, tried)
+            try:
+                instance = self._route(job, tried)
+            except ApiError as exc:  # a retry found no instance left
+                if not accepted:
+                    raise
+                yield _error_chunk(job, exc.message, code=exc.code or "unavailable")
+                return
             tried.add(instance.instance_id)
             job.instance_id = instance.instance_id
             body = {"request_id": job.request_id, "prompt_token_ids": job.prompt_token_ids,
                     "params": job.params, "lora": job.adapter, "cache_salt": job.cache_salt,
                     "priority": job.priority}
             tokens_sent = False
-            accepted = False
             instance.in_flight += 1
             chunks = instance.client.generate(body)
             try:
@@ -163,7 +169,7 @@ class Gateway:
                 message = f"request timed out after {self.config.request_timeout_s:g}s"
                 if not accepted:
                     raise ApiError(504, message, code="timeout") from None
-                yield _error_chunk(job, message)
+                yield _error_chunk(job, message, code="timeout")
                 return
             except (asyncio.CancelledError, GeneratorExit):
                 # Client gone: the closed connection already aborts on the engine; the
@@ -174,9 +180,11 @@ class Gateway:
                 instance.in_flight -= 1
                 with contextlib.suppress(Exception):
                     await chunks.aclose()
-        raise ApiError(503, f"no engine instance could take the request after "
-                       f"{len(tried)} attempt(s)", code="unavailable",
-                       headers={"Retry-After": str(self.config.retry_after_s)})
+        message = f"no engine instance could take the request after {len(tried)} attempt(s)"
+        if not accepted:
+            raise ApiError(503, message, code="unavailable",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+        yield _error_chunk(job, message, code="unavailable")
 
     def _abort_later(self, instance: Instance, request_id: str) -> None:
         task = asyncio.get_running_loop().create_task(instance.client.abort(request_id))
@@ -184,8 +192,12 @@ class Gateway:
         task.add_done_callback(self._background.discard)
 
 
-def _error_chunk(job: Job, message: str) -> dict[str, Any]:
+def _error_chunk(job: Job, message: str, code: str = "engine_error") -> dict[str, Any]:
+    """A final chunk with ``error``; its code sets a non-streamed response's status
+    (openai_api.ERROR_STATUS)."""
+    kind = {"timeout": "timeout_error", "unavailable": "service_unavailable",
+            "overloaded": "rate_limit_error"}.get(code, "server_error")
     return {"request_id": job.request_id, "delta_text": "", "delta_token_ids": [],
             "finished": True, "finish_reason": "error", "logprobs": None,
             "prompt_tokens": len(job.prompt_token_ids), "completion_tokens": 0,
-            "error": {"message": message, "type": "server_error"}}
+            "error": {"message": message, "type": kind, "code": code}}

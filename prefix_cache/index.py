@@ -44,6 +44,11 @@ class PrefixIndex:
             entry.hashes.difference_update(update.removed)
         entry.cursor = update.cursor
 
+    def size(self, engine_id: str) -> int:
+        """Sparse hashes engine_id has published and not withdrawn."""
+        entry = self._engines.get(engine_id)
+        return len(entry.hashes) if entry else 0
+
     def remove_engine(self, engine_id: str) -> None:
         self._engines.pop(engine_id, None)
 

@@ -1,0 +1,98 @@
+"""Small HTTP helpers for tests against live engine and gateway processes (tests/live_servers).
+
+Waiting is always polling a condition against a deadline: `poll` fails the test with the last
+value it saw when the deadline passes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import httpx
+
+T = TypeVar("T")
+DEADLINE_S = 30.0
+
+
+def poll(check: Callable[[], T | None], what: str, timeout_s: float = DEADLINE_S,
+         interval_s: float = 0.02) -> T:
+    """Call check() until it returns something truthy (returned) or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while True:
+        try:
+            last = check()
+        except httpx.HTTPError as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}; last "
+                                 f"seen: {last!r}")
+        time.sleep(interval_s)
+
+
+def engine_state(url: str) -> dict[str, Any]:
+    response = httpx.get(url + "/state", timeout=5.0)
+    response.raise_for_status()
+    return dict(response.json())
+
+
+def engine_is_idle(url: str) -> bool:
+    """Nothing running or queued, and every KV block back (free or cached)."""
+    s = engine_state(url)
+    return (s["num_running"], s["num_waiting"], s["num_swapped"], s["kv_blocks_used"]) == (
+        0, 0, 0, 0)
+
+
+def wait_engines_idle(*urls: str) -> None:
+    for url in urls:
+        poll(functools.partial(engine_is_idle, url), f"{url} to be idle (no requests, no KV "
+             f"blocks used)")
+
+
+def instances(gateway_url: str) -> dict[str, dict[str, Any]]:
+    """GET /instances of a gateway, keyed by instance id (the engine's URL)."""
+    response = httpx.get(gateway_url + "/instances", timeout=5.0)
+    response.raise_for_status()
+    return {i["instance_id"]: i for i in response.json()}
+
+
+def sse_events(response: httpx.Response) -> Iterator[Any]:
+    """The data payloads of an SSE response: parsed JSON, or the string "[DONE]"."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def route_reason(response: httpx.Response) -> str:
+    """The `reason=` of the gateway's x-loragate-route header."""
+    match = re.search(r"\breason=(\S+)", response.headers["x-loragate-route"])
+    assert match is not None, response.headers["x-loragate-route"]
+    return match.group(1)
+
+
+def route_scores(response: httpx.Response) -> dict[str, float]:
+    """The per-instance scores of the gateway's x-loragate-route header."""
+    text = response.headers["x-loragate-route"].split(" scores=", 1)[1]
+    return {k: float(v) for k, v in (part.rsplit("=", 1) for part in text.split(","))}
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the Prometheus samples of `name` whose labels include `labels` (0.0 if none)."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        sample, value = line.rsplit(" ", 1)
+        found = dict(re.findall(r'(\w+)="([^"]*)"', sample))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(value)
+    return total

@@ -1,0 +1,476 @@
+"""The gateway's OpenAI-compatible API, driven by the official `openai` client.
+
+One live engine (tiny model, two adapters) behind one live gateway for the module. Bad input
+must come back as the client's typed errors with OpenAI error bodies and leave the server
+healthy; when the module ends, every KV block of the engine is free again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionTokenLogprob
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.demo_model import make_peft_adapter
+from tests.live_servers import LiveServer, start_engine, start_gateway
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONTEXT = 1024  # the tiny model's max_position_embeddings
+MAX_TOKENS = 12
+NO_EOS = {"ignore_eos": True}  # finish_reason "length" and exact token counts
+PROMPT = "The quick brown fox"
+MESSAGES: list[Any] = [{"role": "system", "content": "Be brief."},
+                       {"role": "user", "content": "hello world"}]
+DEADLINE_S = 20.0
+GREEDY: dict[str, Any] = {"temperature": 0}
+SEEDED: dict[str, Any] = {"temperature": 0.8, "seed": 1234}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("openai-adapters")
+    return {
+        "a0": make_peft_adapter(tiny_model_dir, root / "a0", rank=8,
+                                target_modules=("q_proj", "v_proj"), seed=100, b_scale=0.5),
+        "a1": make_peft_adapter(tiny_model_dir, root / "a1", rank=8, target_modules=ALL,
+                                seed=101, b_scale=0.5),
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path, adapters: dict[str, Path],
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, LiveServer]]:
+    """(engine, gateway), started together: the gateway polls until the engine is up."""
+    logs = tmp_path_factory.mktemp("openai-logs")
+    engine = start_engine(tiny_model_dir, logs, "--num-kv-blocks", "128", adapters=adapters)
+    gateway = start_gateway(tiny_model_dir, [engine.url], logs, adapters=adapters)
+    try:
+        engine.wait_ready()
+        gateway.wait_ready()
+        yield engine, gateway
+        # Every request of the module has ended: no engine block may still be in use.
+        assert _wait_engine_idle(engine.url)["kv_blocks_total"] == 128
+    finally:
+        gateway.stop()
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(servers: tuple[LiveServer, LiveServer]) -> LiveServer:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def gateway(servers: tuple[LiveServer, LiveServer]) -> LiveServer:
+    return servers[1]
+
+
+@pytest.fixture(scope="module")
+def client(gateway: LiveServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=60.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def base_model(tiny_model_dir: Path) -> str:
+    return tiny_model_dir.name
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+# ----------------------------------------------------------------------------- helpers
+def _wait_engine_idle(engine_url: str) -> dict[str, Any]:
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        state: dict[str, Any] = httpx.get(engine_url + "/state", timeout=5.0).json()
+        if (state["num_running"], state["num_waiting"], state["kv_blocks_used"],
+                state["in_flight"]) == (0, 0, 0, 0):
+            return state
+        assert time.monotonic() < deadline, f"engine not idle: {state}"
+        time.sleep(0.02)
+
+
+def _assert_healthy(gateway: LiveServer, client: openai.OpenAI, base_model: str) -> None:
+    assert httpx.get(gateway.url + "/health").json() == {"status": "ready",
+                                                         "ready_instances": 1}
+    done = client.completions.create(model=base_model, prompt="hi", max_tokens=2,
+                                     extra_body=NO_EOS)
+    assert done.usage is not None and done.usage.completion_tokens == 2
+
+
+def _chat_prompt_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[Any]) -> int:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    return len(ids)
+
+
+def _model(name: str, base_model: str) -> str:
+    return base_model if name == "base" else name
+
+
+# -------------------------------------------------------------------------------- models
+def test_models_lists_the_base_model_and_every_adapter(client: openai.OpenAI,
+                                                       base_model: str) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [base_model, "a0", "a1"]
+    assert all(m.object == "model" and m.owned_by == "loragate" for m in models)
+    assert [getattr(m, "parent", None) for m in models] == [None, base_model, base_model]
+
+
+# --------------------------------------------------------------------------- completions
+@pytest.mark.parametrize("model", ["base", "a0"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_completion_stream_matches_the_whole_response(
+        client: openai.OpenAI, tokenizer: PreTrainedTokenizerBase, base_model: str,
+        model: str, sampling: dict[str, Any]) -> None:
+    request: dict[str, Any] = {"model": _model(model, base_model), "prompt": PROMPT,
+                               "max_tokens": MAX_TOKENS, "extra_body": NO_EOS, **sampling}
+    whole = client.completions.create(**request)
+    assert whole.object == "text_completion" and whole.model == request["model"]
+    (choice,) = whole.choices
+    assert (choice.index, choice.finish_reason, choice.logprobs) == (0, "length", None)
+    prompt_tokens = len(tokenizer(PROMPT)["input_ids"])
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens,
+            whole.usage.total_tokens) == (prompt_tokens, MAX_TOKENS,
+                                          prompt_tokens + MAX_TOKENS)
+
+    chunks = list(client.completions.create(**request, stream=True,
+                                            stream_options={"include_usage": True}))
+    *text_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].text for c in text_chunks) == choice.text
+    assert [c.choices[0].finish_reason for c in text_chunks] == \
+        [None] * (len(text_chunks) - 1) + ["length"]
+    assert all(c.usage is None and c.object == "text_completion" for c in text_chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+
+
+# ---------------------------------------------------------------------------------- chat
+@pytest.mark.parametrize("model", ["base", "a1"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_chat_stream_matches_the_whole_response(
+        client: openai.OpenAI, tokenizer: PreTrainedTokenizerBase, base_model: str,
+        model: str, sampling: dict[str, Any]) -> None:
+    request: dict[str, Any] = {"model": _model(model, base_model), "messages": MESSAGES,
+                               "max_tokens": MAX_TOKENS, "extra_body": NO_EOS, **sampling}
+    whole = client.chat.completions.create(**request)
+    assert whole.object == "chat.completion" and whole.model == request["model"]
+    (choice,) = whole.choices
+    assert (choice.index, choice.finish_reason, choice.logprobs) == (0, "length", None)
+    assert choice.message.role == "assistant" and choice.message.content is not None
+    prompt_tokens = _chat_prompt_tokens(tokenizer, MESSAGES)
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens,
+            whole.usage.total_tokens) == (prompt_tokens, MAX_TOKENS,
+                                          prompt_tokens + MAX_TOKENS)
+
+    chunks = list(client.chat.completions.create(**request, stream=True,
+                                                 stream_options={"include_usage": True}))
+    *deltas, usage_chunk = chunks
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in deltas[1:])
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == \
+        choice.message.content
+    assert [c.choices[0].finish_reason for c in deltas] == \
+        [None] * (len(deltas) - 1) + ["length"]
+    assert all(c.usage is None and c.object == "chat.completion.chunk" for c in deltas)
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+
+
+def test_max_tokens_and_max_completion_tokens_end_with_length(client: openai.OpenAI,
+                                                              base_model: str) -> None:
+    short = client.completions.create(model=base_model, prompt=PROMPT, max_tokens=3,
+                                      extra_body=NO_EOS)
+    assert short.choices[0].finish_reason == "length"
+    assert short.usage is not None and short.usage.completion_tokens == 3
+    chat = client.chat.completions.create(model=base_model, messages=MESSAGES,
+                                          max_completion_tokens=4, extra_body=NO_EOS)
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage is not None and chat.usage.completion_tokens == 4
+
+
+def test_stop_strings_end_the_text_before_them(client: openai.OpenAI,
+                                               base_model: str) -> None:
+    request: dict[str, Any] = {"model": base_model, "prompt": PROMPT, "max_tokens": 16,
+                               "temperature": 0, "extra_body": NO_EOS}
+    full = client.completions.create(**request).choices[0].text
+    stop = full[6:8]
+    expected = full[:full.index(stop)]
+    cut = client.completions.create(**request, stop=stop)
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (expected, "stop")
+    assert cut.usage is not None and cut.usage.completion_tokens < 16
+    streamed = list(client.completions.create(**request, stop=[stop, "never-generated"],
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+    chat_request: dict[str, Any] = {"model": base_model, "messages": MESSAGES,
+                                    "max_tokens": 16, "temperature": 0, "extra_body": NO_EOS}
+    content = client.chat.completions.create(**chat_request).choices[0].message.content
+    assert content is not None
+    stop = content[4:6]
+    chat = client.chat.completions.create(**chat_request, stop=[stop])
+    assert chat.choices[0].message.content == content[:content.index(stop)]
+    assert chat.choices[0].finish_reason == "stop"
+
+
+def test_an_adapter_changes_the_greedy_output(client: openai.OpenAI, base_model: str) -> None:
+    texts = {model: client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
+                                              temperature=0, extra_body=NO_EOS
+                                              ).choices[0].text
+             for model in (base_model, "a0", "a1")}
+    assert len(set(texts.values())) == 3, texts
+    again = client.completions.create(model="a0", prompt=PROMPT, max_tokens=8, temperature=0,
+                                      extra_body=NO_EOS)
+    assert again.choices[0].text == texts["a0"]
+
+
+# ------------------------------------------------------------------------------ logprobs
+def test_completion_logprobs_are_shaped_like_openai(client: openai.OpenAI,
+                                                    base_model: str) -> None:
+    request: dict[str, Any] = {"model": base_model, "prompt": "hello world",
+                               "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2,
+                               "extra_body": NO_EOS}
+    whole = client.completions.create(**request)
+    logprobs = whole.choices[0].logprobs
+    assert logprobs is not None
+    tokens, chosen = logprobs.tokens, logprobs.token_logprobs
+    tops, offsets = logprobs.top_logprobs, logprobs.text_offset
+    assert tokens is not None and chosen is not None and tops is not None
+    assert offsets is not None
+    assert len(tokens) == len(chosen) == len(tops) == len(offsets) == MAX_TOKENS
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(MAX_TOKENS)]
+    for token, logprob, top in zip(tokens, chosen, tops, strict=True):
+        assert isinstance(token, str) and logprob is not None and logprob <= 0.0
+        assert 1 <= len(top) <= 2  # two alternatives (fewer if both decode alike)
+        assert max(top.values()) == logprob and top.get(token) == logprob  # greedy: top-1
+
+    chunks = list(client.completions.create(**request, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens or []] == tokens
+    streamed_tops = [t for lp in streamed for t in lp.top_logprobs or []]
+    assert [list(t) for t in streamed_tops] == [list(t) for t in tops]
+    # Values agree to float32 rounding (a request may hit blocks the previous one cached).
+    assert [t for lp in streamed for t in lp.token_logprobs or []] == pytest.approx(chosen,
+                                                                                    abs=1e-4)
+    assert [v for t in streamed_tops for v in t.values()] == pytest.approx(
+        [v for t in tops for v in t.values()], abs=1e-4)
+    assert [t for lp in streamed for t in lp.text_offset or []] == offsets
+
+
+def test_chat_logprobs_are_shaped_like_openai(client: openai.OpenAI, base_model: str) -> None:
+    request: dict[str, Any] = {"model": base_model, "messages": MESSAGES,
+                               "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True,
+                               "top_logprobs": 2, "extra_body": NO_EOS}
+    whole = client.chat.completions.create(**request)
+    logprobs = whole.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert len(logprobs.content) == MAX_TOKENS
+    for entry in logprobs.content:
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        first, second = entry.top_logprobs
+        assert (first.token, first.logprob) == (entry.token, entry.logprob)  # greedy
+        assert entry.logprob <= 0.0 and second.logprob <= first.logprob
+        assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs)
+
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    streamed = [e for c in chunks if c.choices[0].logprobs is not None
+                for e in c.choices[0].logprobs.content or []]
+    assert _shape(streamed) == _shape(logprobs.content)
+    # Values agree to float32 rounding: the second request may hit the prefix cache.
+    assert _values(streamed) == pytest.approx(_values(logprobs.content), abs=1e-4)
+
+    plain = client.chat.completions.create(**{**request, "top_logprobs": None})
+    assert plain.choices[0].logprobs is not None
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content or [])
+
+
+def _shape(entries: list[ChatCompletionTokenLogprob]) -> list[tuple[Any, ...]]:
+    return [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs])
+            for e in entries]
+
+
+def _values(entries: list[ChatCompletionTokenLogprob]) -> list[float]:
+    return [v for e in entries for v in (e.logprob, *(t.logprob for t in e.top_logprobs))]
+
+
+# --------------------------------------------------------------------------- async client
+def test_async_client_concurrent_requests_match_sequential_ones(
+        gateway: LiveServer, client: openai.OpenAI, base_model: str) -> None:
+    models = [base_model, "a0", "a1"]
+    sequential = [client.chat.completions.create(
+        model=m, messages=MESSAGES, max_tokens=8, temperature=0, extra_body=NO_EOS
+    ).choices[0].message.content for m in models]
+
+    async def run() -> tuple[list[str | None], list[str]]:
+        async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused",
+                                      max_retries=0, timeout=60.0) as aclient:
+            async def whole(model: str) -> str | None:
+                done = await aclient.chat.completions.create(
+                    model=model, messages=MESSAGES, max_tokens=8, temperature=0,
+                    extra_body=NO_EOS)
+                return done.choices[0].message.content
+
+            async def streamed(model: str) -> str:
+                stream = await aclient.chat.completions.create(
+                    model=model, messages=MESSAGES, max_tokens=8, temperature=0,
+                    extra_body=NO_EOS, stream=True)
+                return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+            results = await asyncio.gather(*(whole(m) for m in models),
+                                           *(streamed(m) for m in models))
+            return list(results[:3]), [str(r) for r in results[3:]]
+
+    together, streamed_together = asyncio.run(run())
+    assert together == sequential
+    assert streamed_together == sequential
+
+
+def test_client_disconnect_mid_stream_frees_engine_blocks(
+        client: openai.OpenAI, engine: LiveServer, base_model: str) -> None:
+    stream = client.completions.create(model=base_model, prompt=PROMPT, max_tokens=900,
+                                       extra_body=NO_EOS, stream=True)
+    chunks = iter(stream)
+    assert next(chunks).choices[0].finish_reason is None
+    running = httpx.get(engine.url + "/state").json()
+    assert running["num_running"] == 1 and running["kv_blocks_used"] > 0
+    stream.close()
+    _wait_engine_idle(engine.url)
+
+
+# ----------------------------------------------------------------------------- bad input
+def _bad_completion(client: openai.OpenAI, base_model: str, **changes: Any
+                    ) -> openai.APIStatusError:
+    request: dict[str, Any] = {"model": base_model, "prompt": "hi", "max_tokens": 4, **changes}
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(**request)
+    return caught.value
+
+
+def _bad_chat(client: openai.OpenAI, base_model: str, **changes: Any) -> openai.APIStatusError:
+    request: dict[str, Any] = {"model": base_model, "messages": MESSAGES, "max_tokens": 4,
+                               **changes}
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(**request)
+    return caught.value
+
+
+def _body(error: openai.APIStatusError) -> dict[str, Any]:
+    assert isinstance(error.body, dict)
+    assert set(error.body) == {"message", "type", "param", "code"}
+    return error.body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_unknown_model_is_404_model_not_found(client: openai.OpenAI, gateway: LiveServer,
+                                              base_model: str, stream: bool) -> None:
+    for error in (_bad_completion(client, base_model, model="nope", stream=stream),
+                  _bad_chat(client, base_model, model="nope", stream=stream)):
+        assert isinstance(error, openai.NotFoundError)
+        assert _body(error) == {"message": "The model 'nope' does not exist",
+                                "type": "not_found_error", "param": "model",
+                                "code": "model_not_found"}
+    _assert_healthy(gateway, client, base_model)
+
+
+def test_prompt_longer_than_the_context_is_400(client: openai.OpenAI, gateway: LiveServer,
+                                               tokenizer: PreTrainedTokenizerBase,
+                                               base_model: str) -> None:
+    prompt = "a " * CONTEXT
+    prompt_tokens = len(tokenizer(prompt)["input_ids"])
+    error = _bad_completion(client, base_model, prompt=prompt)
+    assert isinstance(error, openai.BadRequestError)
+    assert _body(error) == {
+        "message": f"This model's maximum context length is {CONTEXT} tokens; the prompt has "
+                   f"{prompt_tokens} tokens",
+        "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+    messages = [{"role": "user", "content": prompt}]
+    error = _bad_chat(client, base_model, messages=messages, stream=True)
+    assert isinstance(error, openai.BadRequestError)
+    assert (_body(error)["param"], error.code) == ("messages", "context_length_exceeded")
+    _assert_healthy(gateway, client, base_model)
+
+
+@pytest.mark.parametrize(("endpoint", "changes", "param"), [
+    ("completions", {"max_tokens": "x"}, "max_tokens"),
+    ("completions", {"temperature": "hot"}, "temperature"),
+    ("completions", {"prompt": 5}, "prompt"),  # a union: one error per member type
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"max_tokens": 10**9}, None),
+    ("completions", {"n": 2}, None),
+    ("completions", {"logprobs": 6}, "logprobs"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ("chat", {"max_tokens": "x"}, "max_tokens"),
+    ("chat", {"max_tokens": 10**9}, None),
+    ("chat", {"n": 2}, None),
+    ("chat", {"top_logprobs": 2}, None),
+], ids=["max-tokens-str", "temperature-str", "prompt-int", "max-tokens-0",
+        "max-tokens-huge", "n-2", "logprobs-6", "chat-no-messages", "chat-bad-role",
+        "chat-max-tokens-str", "chat-max-tokens-huge", "chat-n-2", "chat-top-logprobs-alone"])
+def test_invalid_requests_are_400(client: openai.OpenAI, gateway: LiveServer,
+                                  base_model: str, endpoint: str, changes: dict[str, Any],
+                                  param: str | None) -> None:
+    bad = _bad_completion if endpoint == "completions" else _bad_chat
+    for stream in (False, True):
+        error = bad(client, base_model, stream=stream, **changes)
+        assert isinstance(error, openai.BadRequestError), error
+        body = _body(error)
+        assert (body["type"], body["param"]) == ("invalid_request_error", param)
+        assert body["message"]
+    _assert_healthy(gateway, client, base_model)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (b'{"model": "m", "prompt": "hi",', "the request body is not valid JSON: Expecting "
+                                        "property name enclosed in double quotes (at "
+                                        "character 30)"),
+    (b"not json", "the request body is not valid JSON: Expecting value (at character 0)"),
+    (b"[]", "body: Input should be a valid dictionary or object to extract fields from"),
+], ids=["truncated", "garbage", "array"])
+def test_malformed_json_is_400(gateway: LiveServer, client: openai.OpenAI, base_model: str,
+                               raw: bytes, message: str) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = httpx.post(gateway.url + path, content=raw,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 400
+        assert response.json() == {"error": {"message": message,
+                                             "type": "invalid_request_error", "param": None,
+                                             "code": None}}
+    _assert_healthy(gateway, client, base_model)
+
+
+def test_a_body_over_8_mib_is_413(gateway: LiveServer, client: openai.OpenAI,
+                                  base_model: str) -> None:
+    huge = "x" * (9 << 20)
+    error = _bad_completion(client, base_model, prompt=huge)
+    assert error.status_code == 413
+    assert _body(error)["type"] == "invalid_request_error"
+    # Without a Content-Length (chunked upload) the limit holds all the same.
+    body = json.dumps({"model": base_model, "prompt": huge, "max_tokens": 4}).encode()
+
+    def chunked() -> Iterator[bytes]:
+        for start in range(0, len(body), 1 << 20):
+            yield body[start:start + (1 << 20)]
+
+    response = httpx.post(gateway.url + "/v1/completions", content=chunked(),
+                          headers={"content-type": "application/json"}, timeout=60.0)
+    assert response.status_code == 413, response.text[:300]
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    _assert_healthy(gateway, client, base_model)
