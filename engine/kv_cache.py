@@ -103,6 +103,12 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
+    def max_tokens_per_request(self, pool: str = BASE_POOL) -> int:
+        """The most tokens (prompt + output) one request of ``pool`` can ever hold."""
+        blocks = min(self.pool.num_blocks - self.pools.floors_of_others(pool),
+                     self.pools.cap(pool))
+        return blocks * self.block_size
+
     def can_ever_fit(self, num_tokens: int, pool: str = BASE_POOL) -> bool:
         """Whether num_tokens fit the cache and the pool's cap, with nothing else running."""
         need = blocks_for(num_tokens, self.block_size)

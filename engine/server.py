@@ -210,6 +210,8 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
             "max_num_seqs": config.max_num_seqs, "block_size": config.block_size,
             "publish_every": config.prefix_publish_every,
             "max_model_len": engine.engine.max_model_len,
+            "max_request_tokens": min(engine.engine.max_model_len,
+                                      engine.engine.kv.max_tokens_per_request()),
             "prefix_hit_rate": stats.prefix_cache.hit_rate,
             "adapters": [asdict(a) for a in adapters],
             "prefix": {"cursor": update.cursor, "full": update.full,
@@ -294,7 +296,8 @@ def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = 
     engine = AsyncEngine.from_config(config)
     for name, path in (adapters or {}).items():
         engine.engine.load_lora(name, path)
-    app = create_app(engine, instance_id or f"{host}:{port}", model_name)
+    instance_id = instance_id or f"{host}:{port}"
+    app = create_app(engine, instance_id, model_name)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=int(drain_timeout_s)))
     server.on_drain = lambda: setattr(app.state.server, "draining", True)

@@ -53,6 +53,8 @@ class Instance:
     max_loras: int = 0
     max_num_seqs: int = 1
     max_model_len: int = 0
+    max_request_tokens: int = 0
+    """Prompt + output one request can hold there (context, or KV capacity if smaller)."""
     block_size: int = 16
     publish_every: int = 4
     prefix_hit_rate: float = 0.0
@@ -146,6 +148,8 @@ class InstancePool:
         instance.max_loras = int(state["max_loras"])
         instance.max_num_seqs = int(state["max_num_seqs"])
         instance.max_model_len = int(state["max_model_len"])
+        instance.max_request_tokens = int(state.get("max_request_tokens",
+                                                    instance.max_model_len))
         instance.block_size = int(state["block_size"])
         instance.publish_every = int(state["publish_every"])
         instance.prefix_hit_rate = float(state.get("prefix_hit_rate", 0.0))

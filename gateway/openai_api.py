@@ -95,8 +95,9 @@ def _job(gateway: Gateway, body: SamplingFields, prompt_ids: list[int],
         raise ApiError(400, f"This model's maximum context length is {context} tokens; the "
                        f"prompt has {len(prompt_ids)} tokens", code="context_length_exceeded",
                        param="messages" if endpoint == "chat" else "prompt")
-    if max_tokens is None:  # chat default: whatever the context leaves
-        max_tokens = max(1, context - len(prompt_ids)) if context else 16
+    if max_tokens is None:  # chat default: whatever the context (or KV capacity) leaves
+        room = gateway.max_request_tokens() or context
+        max_tokens = max(1, room - len(prompt_ids)) if room else 16
     params: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,

@@ -77,6 +77,11 @@ class Gateway:
         lengths = [i.max_model_len for i in self.pool.healthy() if i.max_model_len]
         return min(lengths) if lengths else 0
 
+    def max_request_tokens(self) -> int:
+        """Prompt + output every healthy instance can hold (the default output budget)."""
+        sizes = [i.max_request_tokens for i in self.pool.healthy() if i.max_request_tokens]
+        return min(sizes) if sizes else 0
+
     # ---------------------------------------------------------------- routing
     def _candidates(self, job: Job, instances: list[Instance]) -> list[Candidate]:
         matched: dict[str, int] = {}

@@ -31,7 +31,8 @@ PUBLISH_EVERY = 4
 STATE_FIELDS = {
     "instance_id", "model", "draining", "in_flight", "num_running", "num_waiting",
     "num_swapped", "kv_blocks_used", "kv_blocks_total", "max_loras", "max_num_seqs",
-    "block_size", "publish_every", "max_model_len", "prefix_hit_rate", "adapters", "prefix",
+    "block_size", "publish_every", "max_model_len", "max_request_tokens", "prefix_hit_rate",
+    "adapters", "prefix",
 }
 ADAPTER_FIELDS = {"name", "path", "digest", "rank", "in_cpu", "slot", "pinned",
                   "running_requests"}
@@ -311,8 +312,9 @@ def test_state_reports_config_load_and_adapters(http: httpx.Client,
     assert set(state) == STATE_FIELDS
     assert (state["instance_id"], state["draining"], state["num_swapped"],
             state["kv_blocks_total"], state["block_size"], state["publish_every"],
-            state["max_model_len"], state["max_loras"]) == (
-        "engine-under-test", False, 0, NUM_KV_BLOCKS, BLOCK_SIZE, PUBLISH_EVERY, CONTEXT, 4)
+            state["max_model_len"], state["max_loras"], state["max_request_tokens"]) == (
+        "engine-under-test", False, 0, NUM_KV_BLOCKS, BLOCK_SIZE, PUBLISH_EVERY, CONTEXT, 4,
+        min(CONTEXT, NUM_KV_BLOCKS * BLOCK_SIZE))
     listed = {a["name"]: a for a in state["adapters"]}
     assert set(listed) == {"a0", "a1"}
     for name, info in listed.items():
