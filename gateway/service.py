@@ -140,11 +140,11 @@ class Gateway:
             chunks = instance.client.generate(body)
             try:
                 while True:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise TimeoutError
                     try:
-                        chunk = await asyncio.wait_for(anext(chunks), remaining)
+                        # A timeout scope around the await only (no task per chunk, unlike
+                        # wait_for on 3.11); the loop clock is time.monotonic.
+                        async with asyncio.timeout_at(deadline):
+                            chunk = await anext(chunks)
                     except StopAsyncIteration:
                         return
                     if chunk is ACCEPTED:
