@@ -26,16 +26,29 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import AutoTokenizer
 
 from engine.http_errors import ApiError, error_body, install_error_handlers
+from gateway.admin_api import build_admin_router
+from gateway.auth import StateView
 from gateway.config import GatewayConfig
 from gateway.instances import InstancePool
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import build_router
+from gateway.ratelimit import RateLimiter
+from gateway.redis_store import RedisStore
 from gateway.router import Router, RouterWeights
 from gateway.service import Gateway
+from gateway.store import MemoryStore, StateStore
+from gateway.tenancy import AdapterRecord
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
 """Request bodies above this are refused with 413 before they are parsed."""
+MAX_UPLOAD_BYTES = 2 << 30
+"""The limit for adapter uploads (POST /admin/adapters/upload) instead."""
+UPLOAD_PATH = "/admin/adapters/upload"
+
+
+def body_limit(path: str) -> int:
+    return MAX_UPLOAD_BYTES if path == UPLOAD_PATH else MAX_BODY_BYTES
 
 
 def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
@@ -53,35 +66,57 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+        store: StateStore = RedisStore(config.redis_url) if config.redis_url else MemoryStore()
+        view = StateView(store, config.state_refresh_s)
+        await view.refresh()
+        if not view.store_available:
+            raise RuntimeError(f"the state store at {config.redis_url} is unreachable")
+        # Adapters given on the command line are public unless the store already knows them.
+        for adapter_name, path in (adapters or {}).items():
+            if adapter_name not in view.snapshot.adapters:
+                await store.put_adapter(AdapterRecord(adapter_name, path))
+        await view.refresh()
         async with httpx.AsyncClient(limits=limits) as http:
-            pool = InstancePool(engine_urls, http, config.eject_after_failures, adapters)
+            pool = InstancePool(engine_urls, http, config.eject_after_failures,
+                                {n: a.path for n, a in view.snapshot.adapters.items()})
+            view.listeners.append(lambda snap: setattr(
+                pool, "adapter_paths", {n: a.path for n, a in snap.adapters.items()}))
             pool_holder["pool"] = pool
             router = Router(config.routing, RouterWeights(
                 config.prefix_weight, config.load_weight, config.imbalance))
-            gateway = Gateway(config, pool, router, metrics, name)
+            limiter = RateLimiter(store, metrics.registry, config.store_failure_policy)
+            gateway = Gateway(config, pool, router, metrics, name, view, limiter)
             app.state.gateway = gateway
+            if view.open_mode:
+                log.warning("no tenants configured: open mode, requests need no API key "
+                            "(create a tenant through the admin API to require keys)")
             await pool.poll()
-            poller = asyncio.create_task(pool.run(config.poll_interval_s))
+            tasks = [asyncio.create_task(pool.run(config.poll_interval_s)),
+                     asyncio.create_task(view.run())]
             try:
                 yield
             finally:
-                poller.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await poller
+                for task in tasks:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                await store.close()
 
     app = FastAPI(title="loragate", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible gateway over loragate engine instances.")
     app.state.draining = False
     install_error_handlers(app)
     app.include_router(build_router(lambda: app.state.gateway, tokenizer))
-    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.include_router(build_admin_router(tokenizer_dir, config.adapter_upload_dir))
+    app.add_middleware(BodyLimit, max_bytes=body_limit)
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]
                     ) -> Response:
         length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return JSONResponse(error_body(413, f"request body over {MAX_BODY_BYTES} bytes"),
+        limit = body_limit(request.url.path)
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return JSONResponse(error_body(413, f"request body over {limit} bytes"),
                                 status_code=413)
         if app.state.draining and request.url.path.startswith("/v1/") \
                 and request.method == "POST":
@@ -124,26 +159,26 @@ class BodyLimit:
     with 413. The guard refuses a too-long Content-Length up front; this catches bodies
     sent without one (chunked uploads), before they are parsed."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: Callable[[str], int]) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.max_bytes_for = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         received = 0
+        max_bytes = self.max_bytes_for(scope["path"])
 
         async def limited_receive() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > max_bytes:
                     # An HTTPException: FastAPI passes it on from body parsing, and the
                     # error handlers render it in OpenAI's schema.
-                    raise StarletteHTTPException(413, f"request body over {self.max_bytes} "
-                                                      f"bytes")
+                    raise StarletteHTTPException(413, f"request body over {max_bytes} bytes")
             return message
 
         await self.app(scope, limited_receive, send)

@@ -79,6 +79,17 @@ def _chat(args: argparse.Namespace) -> int:
         engine.shutdown()
 
 
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
@@ -117,7 +128,10 @@ def _configs(args: argparse.Namespace, model: str | None) -> tuple[Any, Any]:
         raise ValueError(f"unknown key(s) in {args.config}: {', '.join(unknown)}")
     gateway = (build_config(GatewayConfig, args, file_values)
                if hasattr(args, "routing") else None)
-    engine = build_config(EngineConfig, args, file_values, model=model) if model else None
+    # Served engines schedule by priority unless told otherwise: tenant tiers become request
+    # priorities, and with equal priorities the order is the same as fcfs.
+    engine_values = {"scheduling_policy": "priority", **file_values}
+    engine = build_config(EngineConfig, args, engine_values, model=model) if model else None
     return gateway, engine
 
 
@@ -141,6 +155,11 @@ def _serve(args: argparse.Namespace) -> int:
     if not adapters and args.adapter_dir is None and demo_adapters.is_dir():
         adapters = parse_adapters([], str(demo_adapters))
     gateway_config, engine_config = _configs(args, model)
+    if not (is_loopback(gateway_config.host) or gateway_config.admin_key
+            or gateway_config.allow_unauthenticated):
+        raise ValueError(f"refusing to serve without authentication on {gateway_config.host}: "
+                         f"set --admin-key (and create tenants), or pass "
+                         f"--allow-unauthenticated")
     serve(gateway_config, engine_config, args.instances, args.engine, model, adapters)
     return 0
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 RoutingPolicyName = Literal["score", "round_robin"]
+StoreFailurePolicy = Literal["open", "closed"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,21 @@ class GatewayConfig:
     """Router: weight of load (in-flight / max_num_seqs + KV usage)."""
     imbalance: float = 0.5
     """Router: load gap beyond which an instance's prefix affinity stops counting."""
+    redis_url: str | None = None
+    """Shared state (tenants, keys, adapters, rate-limit counters) in Redis, e.g.
+    redis://127.0.0.1:6379/0, so several gateway replicas act as one; default: in memory."""
+    admin_key: str | None = None
+    """Key of the admin API (/admin/...); without one the admin API is disabled."""
+    allow_unauthenticated: bool = False
+    """Allow the open mode (no tenants: no API keys needed) on a non-loopback address."""
+    store_failure_policy: StoreFailurePolicy = "open"
+    """When Redis is unreachable: "open" keeps serving with per-process limits, "closed"
+    answers 503 until it is back."""
+    adapter_upload_dir: str | None = None
+    """Where uploaded adapters are unpacked (default MODEL/uploaded-adapters); must be
+    readable by the engines at the same path."""
+    state_refresh_s: float = 0.5
+    """How often the gateway checks the store for changed tenants, keys and adapters."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -54,8 +70,11 @@ class GatewayConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.store_failure_policy not in ("open", "closed"):
+            raise ValueError(f"store_failure_policy must be 'open' or 'closed', got "
+                             f"{self.store_failure_policy!r}")
         for name in ("request_timeout_s", "poll_interval_s", "startup_timeout_s",
-                     "drain_timeout_s"):
+                     "drain_timeout_s", "state_refresh_s"):
             if not getattr(self, name) > 0:  # `not >` also refuses NaN
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.retry_after_s < 0:

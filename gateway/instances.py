@@ -59,6 +59,8 @@ class Instance:
     publish_every: int = 4
     prefix_hit_rate: float = 0.0
     adapters: dict[str, AdapterState] = field(default_factory=dict)
+    kv_pools: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per pool (adapter name or "base"): used_blocks, cached_blocks, evictions, hit_rate."""
     last_ok: float = 0.0
 
     @property
@@ -153,6 +155,7 @@ class InstancePool:
         instance.block_size = int(state["block_size"])
         instance.publish_every = int(state["publish_every"])
         instance.prefix_hit_rate = float(state.get("prefix_hit_rate", 0.0))
+        instance.kv_pools = dict(state.get("kv_pools", {}))
         instance.adapters = {
             a["name"]: AdapterState(a["name"], a["digest"], a["slot"], a["pinned"],
                                     a["running_requests"])

@@ -14,20 +14,28 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from transformers import PreTrainedTokenizerBase
 
 from engine.http_errors import ApiError
+from gateway.auth import Principal
 from gateway.engine_client import ACCEPTED
 from gateway.openai_format import ResponseFormatter
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.service import Gateway, Job
 
 DISCONNECT_POLL_S = 0.25
+def _caller(request: Request) -> Principal:
+    """Runs before the body is validated, so a missing key is a 401 first."""
+    gateway: Gateway = request.app.state.gateway
+    return gateway.authenticate(request)
+
+
+Caller = Annotated[Principal, Depends(_caller)]
 ERROR_STATUS = {"timeout": 504, "unavailable": 503, "overloaded": 429}
 """HTTP status of a non-streamed response whose stream ended in an error chunk, by code
 (default 500)."""
@@ -39,38 +47,42 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
     router = APIRouter()
 
     @router.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
+    async def list_models(principal: Caller) -> dict[str, Any]:
         gateway = get_gateway()
         created = int(time.time())
         base = {"id": gateway.base_model, "object": "model", "created": created,
                 "owned_by": "loragate", "root": gateway.base_model, "parent": None}
         adapters = [{"id": name, "object": "model", "created": created,
                      "owned_by": "loragate", "root": name, "parent": gateway.base_model}
-                    for name in gateway.adapter_names()]
+                    for name in gateway.adapter_names(principal)]
         return {"object": "list", "data": [base, *adapters]}
 
     @router.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(body: CompletionRequest, request: Request,
+                          principal: Caller) -> Response:
         gateway = get_gateway()
         if isinstance(body.prompt, str):
             prompt_ids = list(tokenizer(body.prompt)["input_ids"])
         else:
             prompt_ids = [int(t) for t in body.prompt]
-        job = _job(gateway, body, prompt_ids, body.max_tokens, body.logprobs, "completions")
-        return await _respond(gateway, job, body, request,
+        job = _job(gateway, body, principal, prompt_ids, body.max_tokens, body.logprobs,
+                   "completions")
+        return await _respond(gateway, job, principal, body, request,
                               ResponseFormatter("completions", body.model, tokenizer,
                                                 body.logprobs))
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               principal: Caller) -> Response:
         gateway = get_gateway()
         try:
             prompt_ids = _apply_chat_template(tokenizer, body.template_messages())
         except ValueError as exc:
             raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = _job(gateway, body, prompt_ids, body.requested_max_tokens(), top, "chat")
-        return await _respond(gateway, job, body, request,
+        job = _job(gateway, body, principal, prompt_ids, body.requested_max_tokens(), top,
+                   "chat")
+        return await _respond(gateway, job, principal, body, request,
                               ResponseFormatter("chat", body.model, tokenizer, top))
 
     return router
@@ -85,9 +97,9 @@ def _apply_chat_template(tokenizer: PreTrainedTokenizerBase,
     return [int(t) for t in ids]  # type: ignore[arg-type]
 
 
-def _job(gateway: Gateway, body: SamplingFields, prompt_ids: list[int],
+def _job(gateway: Gateway, body: SamplingFields, principal: Principal, prompt_ids: list[int],
          max_tokens: int | None, logprobs: int | None, endpoint: str) -> Job:
-    adapter = gateway.resolve_model(body.model)
+    adapter = gateway.resolve_model(body.model, principal)
     if not prompt_ids:
         raise ApiError(400, "prompt is empty after tokenization", param="prompt")
     context = gateway.max_model_len()
@@ -106,16 +118,19 @@ def _job(gateway: Gateway, body: SamplingFields, prompt_ids: list[int],
         "ignore_eos": body.ignore_eos, "logprobs": logprobs,
     }
     return Job(prompt_token_ids=prompt_ids, params=params, adapter=adapter,
-               cache_salt=body.cache_salt, priority=body.priority, endpoint=endpoint)
+               cache_salt=gateway.cache_salt(principal, body.cache_salt),
+               priority=gateway.priority(principal, body.priority), endpoint=endpoint)
 
 
-async def _respond(gateway: Gateway, job: Job, body: SamplingFields, request: Request,
-                   fmt: ResponseFormatter) -> Response:
+async def _respond(gateway: Gateway, job: Job, principal: Principal, body: SamplingFields,
+                   request: Request, fmt: ResponseFormatter) -> Response:
     adapter_label = job.adapter or "base"
     stream = gateway.stream(job)
     try:
+        await gateway.admit(job, principal)
         first = await _next_or_disconnect(request, anext(stream))
     except ApiError as exc:
+        gateway.settle(job, 0, reached_engine=False)
         gateway.metrics.requests.labels(job.endpoint, str(exc.status), adapter_label,
                                         job.instance_id or "none").inc()
         raise
@@ -130,6 +145,8 @@ async def _respond(gateway: Gateway, job: Job, body: SamplingFields, request: Re
         gateway.metrics.requests.labels(job.endpoint, str(exc.status), adapter_label,
                                         job.instance_id or "none").inc()
         raise
+    finally:
+        gateway.settle(job, fmt.prompt_tokens + fmt.completion_tokens, reached_engine=True)
     gateway.metrics.requests.labels(job.endpoint, "200", adapter_label,
                                     job.instance_id or "none").inc()
     return JSONResponse(result, headers=headers)
@@ -202,6 +219,7 @@ async def _sse(gateway: Gateway, job: Job, stream: AsyncGenerator[dict[str, Any]
         status = "499"
         raise
     finally:
+        gateway.settle(job, fmt.prompt_tokens + fmt.completion_tokens, reached_engine=True)
         gateway.metrics.requests.labels(job.endpoint, status, job.adapter or "base",
                                         job.instance_id or "none").inc()
 

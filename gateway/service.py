@@ -16,7 +16,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi import Request
+
 from engine.http_errors import ApiError
+from gateway.auth import Principal, StateView, authenticate
 from gateway.config import GatewayConfig
 from gateway.engine_client import (
     ACCEPTED,
@@ -24,8 +27,9 @@ from gateway.engine_client import (
     EngineStreamBroken,
     EngineUnavailable,
 )
-from gateway.instances import Instance, InstancePool
+from gateway.instances import AdapterState, Instance, InstancePool
 from gateway.metrics import GatewayMetrics
+from gateway.ratelimit import RateLimiter, Ticket
 from gateway.router import Candidate, Router, RoutingDecision
 from prefix_cache.hashing import request_extra_keys
 
@@ -46,32 +50,94 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     instance_id: str | None = None
     decision: RoutingDecision | None = None
+    ticket: Ticket | None = None
+    """The tenant's rate-limit claim, settled once when the job ends."""
+    admission_share: float = 1.0
+    """Fraction of an instance's admission bound this job may use: lower tiers are shed
+    first when instances fill up."""
+    settled: bool = False
 
 
 class Gateway:
     """Dispatches jobs to engine instances through the router."""
 
     def __init__(self, config: GatewayConfig, pool: InstancePool, router: Router,
-                 metrics: GatewayMetrics, base_model: str) -> None:
+                 metrics: GatewayMetrics, base_model: str, view: StateView,
+                 limiter: RateLimiter) -> None:
         self.config = config
         self.pool = pool
         self.router = router
         self.metrics = metrics
         self.base_model = base_model
+        self.view = view
+        self.limiter = limiter
         self._background: set[asyncio.Task[None]] = set()
+        self.usage: dict[str, tuple[int, int]] = {}
+        """Per adapter ("base" for none): requests and tokens served by this gateway."""
 
-    # ------------------------------------------------------------------ models
-    def adapter_names(self) -> list[str]:
-        return sorted(self.pool.adapter_paths)
+    # ------------------------------------------------------------ who and what
+    def authenticate(self, request: Request) -> Principal:
+        return authenticate(request, self.view, self.config.admin_key)
 
-    def resolve_model(self, model: str) -> str | None:
-        """The adapter a `model` field names (None: the base model); 404 if unknown."""
+    def adapter_names(self, principal: Principal) -> list[str]:
+        return sorted(self.view.adapters_for(principal))
+
+    def resolve_model(self, model: str, principal: Principal) -> str | None:
+        """The adapter a `model` field names (None: the base model); 404 if unknown or not
+        visible to the caller (never 403: a tenant must not learn what others have)."""
         if model == self.base_model:
             return None
-        if model in self.pool.adapter_paths:
+        if model in self.view.adapters_for(principal):
             return model
         raise ApiError(404, f"The model '{model}' does not exist", code="model_not_found",
                        param="model")
+
+    def cache_salt(self, principal: Principal, requested: str | None) -> str | None:
+        """A tenant's salt always leads, so no request can reach another tenant's blocks."""
+        if principal.tenant is None:
+            return requested
+        salt = principal.tenant.cache_salt
+        return f"{salt}/{requested}" if requested else salt
+
+    def priority(self, principal: Principal, requested: int) -> int:
+        """The tenant's tier sets the priority; the body's priority only orders requests
+        within a tier (the open mode takes it as is)."""
+        if principal.tenant is None:
+            return requested
+        return principal.tenant.priority * 1000 + max(-999, min(999, requested))
+
+    async def admit(self, job: Job, principal: Principal) -> None:
+        job.admission_share = tier_share(principal)
+        job.ticket = await self.limiter.admit(principal)
+
+    def settle(self, job: Job, tokens: int, reached_engine: bool) -> None:
+        """End the job's rate-limit claim (charge tokens, or refund if it never ran) and
+        count what it was served; call once per job (later calls do nothing)."""
+        if job.settled:
+            return
+        job.settled = True
+        if reached_engine:
+            name = job.adapter or "base"
+            requests, served = self.usage.get(name, (0, 0))
+            self.usage[name] = (requests + 1, served + tokens)
+        ticket, job.ticket = job.ticket, None
+        if ticket is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self.limiter.release(ticket, tokens, reached_engine))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def ensure_adapter(self, instance: Instance, adapter: str) -> None:
+        """Register the adapter on the instance before its first request there (lazy)."""
+        if adapter in instance.adapters:
+            return
+        record = self.view.snapshot.adapters.get(adapter)
+        if record is None:
+            raise ApiError(404, f"The model '{adapter}' does not exist",
+                           code="model_not_found", param="model")
+        info = await instance.client.load_adapter(adapter, record.path)
+        instance.adapters[adapter] = AdapterState(adapter, str(info["digest"]), None, False, 0)
 
     def max_model_len(self) -> int:
         lengths = [i.max_model_len for i in self.pool.healthy() if i.max_model_len]
@@ -92,9 +158,9 @@ class Gateway:
             chain = index.request_chain(job.prompt_token_ids,
                                         request_extra_keys(lora=lora, cache_salt=job.cache_salt))
             matched = index.match(chain, [i.instance_id for i in instances])
+        bound = max(1, int(self.config.max_in_flight_per_instance * job.admission_share))
         return [Candidate(
-            instance_id=i.instance_id, in_flight=i.in_flight,
-            max_in_flight=self.config.max_in_flight_per_instance,
+            instance_id=i.instance_id, in_flight=i.in_flight, max_in_flight=bound,
             max_num_seqs=i.max_num_seqs, kv_usage=i.kv_usage, max_loras=i.max_loras,
             resident=i.resident, busy_adapters=i.busy_adapters,
             matched_tokens=matched.get(i.instance_id, 0)) for i in instances]
@@ -132,6 +198,16 @@ class Gateway:
                 return
             tried.add(instance.instance_id)
             job.instance_id = instance.instance_id
+            if job.adapter is not None:
+                try:
+                    await self.ensure_adapter(instance, job.adapter)
+                except EngineUnavailable as exc:
+                    self.pool.mark_failed(instance, str(exc))
+                    continue
+                except EngineRejected as exc:
+                    raise ApiError(500, f"adapter {job.adapter!r} could not be loaded on "
+                                   f"{instance.instance_id}: {exc.message}",
+                                   code="adapter_load_failed") from None
             body = {"request_id": job.request_id, "prompt_token_ids": job.prompt_token_ids,
                     "params": job.params, "lora": job.adapter, "cache_salt": job.cache_salt,
                     "priority": job.priority}
@@ -195,6 +271,14 @@ class Gateway:
         task = asyncio.get_running_loop().create_task(instance.client.abort(request_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def tier_share(principal: Principal) -> float:
+    """Share of the admission bound by tenant tier: tiers below 0 get 75%, tier 0 90%,
+    higher tiers (and the operator) all of it, so the lowest tier hits 429 first."""
+    if principal.tenant is None or principal.tenant.priority > 0:
+        return 1.0
+    return 0.9 if principal.tenant.priority == 0 else 0.75
 
 
 def _error_chunk(job: Job, message: str, code: str = "engine_error") -> dict[str, Any]:

@@ -32,7 +32,7 @@ STATE_FIELDS = {
     "instance_id", "model", "draining", "in_flight", "num_running", "num_waiting",
     "num_swapped", "kv_blocks_used", "kv_blocks_total", "max_loras", "max_num_seqs",
     "block_size", "publish_every", "max_model_len", "max_request_tokens", "prefix_hit_rate",
-    "adapters", "prefix",
+    "kv_pools", "adapters", "prefix",
 }
 ADAPTER_FIELDS = {"name", "path", "digest", "rank", "in_cpu", "slot", "pinned",
                   "running_requests"}

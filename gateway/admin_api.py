@@ -1,0 +1,371 @@
+"""Admin API (Bearer <admin key>): tenants, their API keys, and per-adapter management.
+
+    POST/GET          /admin/tenants                     create (201) / list
+    GET/PATCH/DELETE  /admin/tenants/{id}
+    POST/GET          /admin/tenants/{id}/keys           new key (shown once) / list (ids only)
+    POST              /admin/tenants/{id}/keys/{key_id}/rotate   new key, old one revoked
+    DELETE            /admin/tenants/{id}/keys/{key_id}  revoke
+    POST/GET          /admin/adapters                    register by path / list with status
+    POST              /admin/adapters/upload?name=&owner=   register a .tar(.gz) or .zip upload
+    GET/PATCH/DELETE  /admin/adapters/{name}             status / owner+sharing / delete
+    POST              /admin/adapters/{name}/load|unload|pin   on every (or one) instance
+
+Adapters are validated against the base model before they are recorded (a refused upload
+leaves nothing behind). Delete is refused (409) while requests use the adapter unless
+?force=true. Every change is visible to every gateway replica sharing the store within
+state_refresh_s, and a revoked key fails at once (the rate limiter re-checks it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.http_errors import ApiError
+from engine.models.loader import load_hf_config
+from engine.models.shape import ModelShape
+from gateway.adapter_upload import extract_archive
+from gateway.auth import require_admin
+from gateway.engine_client import EngineRejected, EngineUnavailable
+from gateway.service import Gateway
+from gateway.tenancy import AdapterRecord, ApiKey, Tenant, hash_key, new_key
+from lora.adapter import load_adapter
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+def _admin(request: Request) -> Gateway:
+    """The app's gateway, once the caller proved it holds the admin key."""
+    gateway: Gateway = request.app.state.gateway
+    require_admin(request, gateway.config.admin_key)
+    return gateway
+
+
+AdminGateway = Annotated[Gateway, Depends(_admin)]
+
+
+class TenantBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant_id: str = Field(pattern=NAME_PATTERN)
+    name: str = ""
+    priority: int = 0
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+    shared_salt: str | None = None
+
+
+class TenantPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = None
+    priority: int | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+    shared_salt: str | None = None
+
+
+class AdapterBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=NAME_PATTERN)
+    path: str
+    owner: str | None = None
+    shared_with: list[str] = Field(default_factory=list)
+
+
+class AdapterPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    owner: str | None = None
+    shared_with: list[str] | None = None
+
+
+class PlacementBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    instance: str | None = None
+    """One instance id; None: every healthy instance."""
+    pinned: bool = True
+
+
+def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRouter:
+    """Admin routes; uploads are stored under adapter_dir (default MODEL/uploaded-adapters)."""
+    shape = ModelShape.from_hf_config(load_hf_config(model_dir))
+    uploads = Path(adapter_dir or Path(model_dir) / "uploaded-adapters")
+
+    router = APIRouter(prefix="/admin", tags=["admin"])
+
+    # ----------------------------------------------------------------- tenants
+    @router.post("/tenants", status_code=201)
+    async def create_tenant(body: TenantBody, gw: AdminGateway) -> dict[str, Any]:
+        if body.tenant_id in (await gw.view.store.snapshot()).tenants:
+            raise ApiError(409, f"tenant {body.tenant_id!r} already exists")
+        tenant = _tenant(**body.model_dump())
+        await gw.view.store.put_tenant(tenant)
+        await gw.view.refresh()
+        return asdict(tenant)
+
+    @router.get("/tenants")
+    async def list_tenants(gw: AdminGateway) -> list[dict[str, Any]]:
+        snapshot = await gw.view.store.snapshot()
+        return [asdict(t) for t in snapshot.tenants.values()]
+
+    @router.get("/tenants/{tenant_id}")
+    async def get_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
+        return asdict(await _get_tenant(gw, tenant_id))
+
+    @router.patch("/tenants/{tenant_id}")
+    async def update_tenant(tenant_id: str, body: TenantPatch,
+                            gw: AdminGateway) -> dict[str, Any]:
+        tenant = await _get_tenant(gw, tenant_id)
+        changes = body.model_dump(exclude_unset=True)
+        tenant = _tenant(**{**asdict(tenant), **changes})
+        await gw.view.store.put_tenant(tenant)
+        await gw.view.refresh()
+        return asdict(tenant)
+
+    @router.delete("/tenants/{tenant_id}")
+    async def delete_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, str]:
+        await _get_tenant(gw, tenant_id)
+        await gw.view.store.delete_tenant(tenant_id)
+        await gw.view.refresh()
+        return {"tenant_id": tenant_id, "status": "deleted"}
+
+    # -------------------------------------------------------------------- keys
+    @router.post("/tenants/{tenant_id}/keys", status_code=201)
+    async def create_key(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
+        await _get_tenant(gw, tenant_id)
+        return await _issue_key(gw, tenant_id)
+
+    @router.get("/tenants/{tenant_id}/keys")
+    async def list_keys(tenant_id: str, gw: AdminGateway) -> list[dict[str, Any]]:
+        await _get_tenant(gw, tenant_id)
+        snapshot = await gw.view.store.snapshot()
+        return [{"key_id": k.key_id, "created": k.created}
+                for k in snapshot.keys.values() if k.tenant_id == tenant_id]
+
+    @router.post("/tenants/{tenant_id}/keys/{key_id}/rotate", status_code=201)
+    async def rotate_key(tenant_id: str, key_id: str,
+                         gw: AdminGateway) -> dict[str, Any]:
+        old = await _get_key(gw, tenant_id, key_id)
+        issued = await _issue_key(gw, tenant_id)
+        await gw.view.store.delete_key(old.key_hash)
+        await gw.view.refresh()
+        return issued
+
+    @router.delete("/tenants/{tenant_id}/keys/{key_id}")
+    async def revoke_key(tenant_id: str, key_id: str,
+                         gw: AdminGateway) -> dict[str, str]:
+        key = await _get_key(gw, tenant_id, key_id)
+        await gw.view.store.delete_key(key.key_hash)
+        await gw.view.refresh()
+        return {"key_id": key_id, "status": "revoked"}
+
+    # ---------------------------------------------------------------- adapters
+    @router.post("/adapters", status_code=201)
+    async def register_adapter(body: AdapterBody, gw: AdminGateway) -> JSONResponse:
+        record = AdapterRecord(body.name, str(Path(body.path).resolve()), body.owner,
+                               tuple(body.shared_with))
+        return await _register(gw, record, shape)
+
+    @router.post("/adapters/upload", status_code=201)
+    async def upload_adapter(request: Request, gw: AdminGateway, name: str,
+                             owner: str | None = None) -> JSONResponse:
+        if not _valid_name(name):
+            raise ApiError(400, f"adapter name {name!r} must match {NAME_PATTERN}",
+                           param="name")
+        target = uploads / name
+        if name in gw.view.snapshot.adapters or target.exists():
+            raise ApiError(409, f"adapter {name!r} already exists")
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=_ensure(uploads)))
+        try:
+            extract_archive(await request.body(), staging)
+            await asyncio.to_thread(_validate, name, str(staging), shape)
+            staging.rename(target)
+        except ValueError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise ApiError(400, f"adapter upload refused: {exc}") from None
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return await _register(gw, AdapterRecord(name, str(target), owner), shape,
+                               validated=True)
+
+    @router.get("/adapters")
+    async def list_adapters(gw: AdminGateway) -> list[dict[str, Any]]:
+        snapshot = await gw.view.store.snapshot()
+        return [_adapter_status(gw, a) for a in snapshot.adapters.values()]
+
+    @router.get("/adapters/{name}")
+    async def get_adapter(name: str, gw: AdminGateway) -> dict[str, Any]:
+        return _adapter_status(gw, await _get_adapter(gw, name))
+
+    @router.patch("/adapters/{name}")
+    async def update_adapter(name: str, body: AdapterPatch,
+                             gw: AdminGateway) -> dict[str, Any]:
+        record = await _get_adapter(gw, name)
+        changes = body.model_dump(exclude_unset=True)
+        if "shared_with" in changes:
+            changes["shared_with"] = tuple(changes["shared_with"] or ())
+        record = replace(record, **changes)
+        await gw.view.store.put_adapter(record)
+        await gw.view.refresh()
+        return _adapter_status(gw, record)
+
+    @router.delete("/adapters/{name}")
+    async def delete_adapter(name: str, gw: AdminGateway,
+                             force: bool = False) -> dict[str, Any]:
+        record = await _get_adapter(gw, name)
+        busy = [i.instance_id for i in gw.pool.instances.values()
+                if (a := i.adapters.get(name)) is not None and a.running_requests]
+        if busy and not force:
+            raise ApiError(409, f"adapter {name!r} is in use on {busy}; retry when idle or "
+                           f"pass force=true", code="adapter_in_use")
+        await gw.view.store.delete_adapter(name)
+        await gw.view.refresh()
+        unloaded = await _on_instances(gw, None, lambda c: c.unload_adapter(name))
+        if record.path.startswith(str(uploads.resolve())):
+            shutil.rmtree(record.path, ignore_errors=True)
+        return {"name": name, "status": "deleted", "unloaded": unloaded}
+
+    @router.post("/adapters/{name}/load")
+    async def load(name: str, body: PlacementBody,
+                   gw: AdminGateway) -> dict[str, Any]:
+        record = await _get_adapter(gw, name)
+        return {"name": name, "instances": await _on_instances(
+            gw, body.instance, lambda c: c.load_adapter(name, record.path))}
+
+    @router.post("/adapters/{name}/unload")
+    async def unload(name: str, body: PlacementBody,
+                     gw: AdminGateway) -> dict[str, Any]:
+        await _get_adapter(gw, name)
+        return {"name": name, "instances": await _on_instances(
+            gw, body.instance, lambda c: c.unload_adapter(name))}
+
+    @router.post("/adapters/{name}/pin")
+    async def pin(name: str, body: PlacementBody,
+                  gw: AdminGateway) -> dict[str, Any]:
+        record = await _get_adapter(gw, name)
+
+        async def pin_on(client: Any) -> Any:
+            await client.load_adapter(name, record.path)
+            return await client.pin_adapter(name, body.pinned)
+
+        return {"name": name, "instances": await _on_instances(gw, body.instance, pin_on)}
+
+    return router
+
+
+# ------------------------------------------------------------------------ helpers
+def _tenant(**fields: Any) -> Tenant:
+    try:
+        return Tenant(**fields)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+def _valid_name(name: str) -> bool:
+    import re
+
+    return re.match(NAME_PATTERN, name) is not None
+
+
+def _ensure(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _validate(name: str, path: str, shape: ModelShape) -> None:
+    # The engines' own max_lora_rank is checked again when they load it.
+    load_adapter(name, path, shape, max_rank=1 << 16)
+
+
+async def _get_tenant(gw: Gateway, tenant_id: str) -> Tenant:
+    tenant = (await gw.view.store.snapshot()).tenants.get(tenant_id)
+    if tenant is None:
+        raise ApiError(404, f"tenant {tenant_id!r} does not exist")
+    return tenant
+
+
+async def _get_key(gw: Gateway, tenant_id: str, key_id: str) -> ApiKey:
+    for key in (await gw.view.store.snapshot()).keys.values():
+        if key.tenant_id == tenant_id and key.key_id == key_id:
+            return key
+    raise ApiError(404, f"key {key_id!r} of tenant {tenant_id!r} does not exist")
+
+
+async def _issue_key(gw: Gateway, tenant_id: str) -> dict[str, Any]:
+    key = new_key()
+    record = ApiKey(hash_key(key), tenant_id, uuid.uuid4().hex[:12], time.time())
+    await gw.view.store.put_key(record)
+    await gw.view.refresh()
+    return {"key": key, "key_id": record.key_id, "tenant_id": tenant_id,
+            "note": "store this key now: it is not shown again"}
+
+
+async def _get_adapter(gw: Gateway, name: str) -> AdapterRecord:
+    record = (await gw.view.store.snapshot()).adapters.get(name)
+    if record is None:
+        raise ApiError(404, f"adapter {name!r} does not exist")
+    return record
+
+
+async def _register(gw: Gateway, record: AdapterRecord, shape: ModelShape,
+                    validated: bool = False) -> JSONResponse:
+    if record.name in (await gw.view.store.snapshot()).adapters:
+        raise ApiError(409, f"adapter {record.name!r} already exists")
+    if record.name == gw.base_model:
+        raise ApiError(409, f"{record.name!r} is the base model's name")
+    if not validated:
+        try:
+            await asyncio.to_thread(_validate, record.name, record.path, shape)
+        except ValueError as exc:
+            raise ApiError(400, f"adapter refused: {exc}", param="path") from None
+    await gw.view.store.put_adapter(record)
+    await gw.view.refresh()
+    return JSONResponse(_adapter_status(gw, record), status_code=201)
+
+
+def _adapter_status(gw: Gateway, record: AdapterRecord) -> dict[str, Any]:
+    instances = {}
+    for instance in gw.pool.instances.values():
+        state = instance.adapters.get(record.name)
+        pool = instance.kv_pools.get(record.name, {})
+        instances[instance.instance_id] = {
+            "registered": state is not None, "resident": bool(state and state.slot is not None),
+            "pinned": bool(state and state.pinned),
+            "running_requests": state.running_requests if state else 0,
+            "kv_used_blocks": pool.get("used_blocks", 0),
+            "kv_cached_blocks": pool.get("cached_blocks", 0),
+            "prefix_hit_rate": pool.get("hit_rate", 0.0)}
+    usage = gw.usage.get(record.name, (0, 0))
+    return {"name": record.name, "path": record.path, "owner": record.owner,
+            "shared_with": list(record.shared_with), "requests_served": usage[0],
+            "tokens_served": usage[1], "instances": instances}
+
+
+async def _on_instances(gw: Gateway, instance_id: str | None,
+                        action: Callable[[Any], Any]) -> dict[str, str]:
+    targets = [i for i in gw.pool.healthy() if instance_id in (None, i.instance_id)]
+    if instance_id is not None and not targets:
+        raise ApiError(404, f"instance {instance_id!r} is not a healthy instance")
+    results: dict[str, str] = {}
+    for instance in targets:
+        try:
+            await action(instance.client)
+            results[instance.instance_id] = "ok"
+        except EngineRejected as exc:
+            results[instance.instance_id] = f"refused: {exc.message}"
+        except EngineUnavailable as exc:
+            results[instance.instance_id] = f"unavailable: {exc}"
+    await gw.pool.poll()
+    return results

@@ -1,0 +1,119 @@
+"""Who is calling: API key -> tenant, from a local view of the state store.
+
+StateView keeps the store's Snapshot in memory and reloads it when the store's version moves
+(polled every ``refresh_s``), so authenticating a request reads no store. Revocation still
+takes effect at once: the rate limiter's admit() re-checks the key in the store on every
+request (gateway/ratelimit.py). If the store is down the view keeps serving its last
+snapshot.
+
+Open mode: while the store holds no tenant and no admin key is configured, requests need no
+key and run as the operator (every adapter visible, no limits, no tenant salt); the admin
+key always calls as the operator. `loragate serve` allows the open mode only on a loopback
+address unless --allow-unauthenticated is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from engine.http_errors import ApiError
+from gateway.store import Snapshot, StateStore, StoreUnavailable
+from gateway.tenancy import AdapterRecord, Tenant, hash_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The caller of one request: a tenant with the key it used, or the open mode (None)."""
+
+    tenant: Tenant | None
+    key_hash: str | None = None
+
+    @property
+    def tenant_id(self) -> str | None:
+        return self.tenant.tenant_id if self.tenant else None
+
+
+class StateView:
+    """The gateway's local copy of the store (see the module docstring)."""
+
+    def __init__(self, store: StateStore, refresh_s: float = 0.5) -> None:
+        self.store = store
+        self.refresh_s = refresh_s
+        self.snapshot = Snapshot(version=-1)
+        self.store_available = True
+        self.listeners: list[Callable[[Snapshot], None]] = []
+        """Called with every newly loaded snapshot."""
+
+    async def refresh(self) -> None:
+        """Reload the snapshot if the store's version moved; never raises on an outage."""
+        try:
+            version = await self.store.version()
+            if version != self.snapshot.version:
+                self.snapshot = await self.store.snapshot()
+                for listener in self.listeners:
+                    listener(self.snapshot)
+            if not self.store_available:
+                log.warning("state store reachable again")
+            self.store_available = True
+        except StoreUnavailable as exc:
+            if self.store_available:
+                log.error("state store unavailable, serving the last snapshot: %s", exc)
+            self.store_available = False
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            with contextlib.suppress(Exception):
+                await self.refresh()
+
+    @property
+    def open_mode(self) -> bool:
+        return not self.snapshot.tenants
+
+    def adapters_for(self, principal: Principal) -> dict[str, AdapterRecord]:
+        tenant_id = principal.tenant_id
+        return {name: a for name, a in self.snapshot.adapters.items()
+                if a.visible_to(tenant_id)}
+
+
+def bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def authenticate(request: Request, view: StateView, admin_key: str | None = None
+                 ) -> Principal:
+    """The caller, or 401 in OpenAI's schema. The admin key calls as the operator."""
+    key = bearer(request)
+    if (view.open_mode and not admin_key) or (
+            admin_key and key and hmac.compare_digest(key.encode(), admin_key.encode())):
+        return Principal(None)
+    if key is None:
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+    key_hash = hash_key(key)
+    record = view.snapshot.keys.get(key_hash)
+    tenant = view.snapshot.tenants.get(record.tenant_id) if record else None
+    if tenant is None:
+        raise ApiError(401, "invalid API key", code="invalid_api_key")
+    return Principal(tenant, key_hash)
+
+
+def require_admin(request: Request, admin_key: str | None) -> None:
+    """The admin API needs the operator's key (401 without it, 403 when none is set)."""
+    if not admin_key:
+        raise ApiError(403, "the admin API is disabled: start the gateway with --admin-key "
+                       "(or LORAGATE_ADMIN_KEY)", code="admin_disabled")
+    key = bearer(request)
+    if key is None or not hmac.compare_digest(key.encode(), admin_key.encode()):
+        raise ApiError(401, "admin key required", code="invalid_api_key")
