@@ -36,7 +36,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.redis_store import RedisStore
 from gateway.router import Router, RouterWeights
 from gateway.service import Gateway
-from gateway.store import MemoryStore, StateStore
+from gateway.store import MemoryStore, StateStore, StoreUnavailable
 from gateway.tenancy import AdapterRecord
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,11 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                   description="OpenAI-compatible gateway over loragate engine instances.")
     app.state.draining = False
     install_error_handlers(app)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:
+        return ApiError(503, f"state store unavailable: {exc}", code="store_unavailable",
+                        headers={"Retry-After": str(config.retry_after_s)}).response()
     app.include_router(build_router(lambda: app.state.gateway, tokenizer))
     app.include_router(build_admin_router(tokenizer_dir, config.adapter_upload_dir))
     app.add_middleware(BodyLimit, max_bytes=body_limit)

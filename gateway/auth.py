@@ -50,6 +50,7 @@ class StateView:
         self.refresh_s = refresh_s
         self.snapshot = Snapshot(version=-1)
         self.store_available = True
+        self._tenants_seen = False
         self.listeners: list[Callable[[Snapshot], None]] = []
         """Called with every newly loaded snapshot."""
 
@@ -77,7 +78,11 @@ class StateView:
 
     @property
     def open_mode(self) -> bool:
-        return not self.snapshot.tenants
+        """No tenant was ever seen. Sticky: once tenants existed, an empty store (every
+        tenant deleted, or a Redis that lost its data) never reopens the gateway."""
+        if self.snapshot.tenants:
+            self._tenants_seen = True
+        return not self._tenants_seen
 
     def adapters_for(self, principal: Principal) -> dict[str, AdapterRecord]:
         tenant_id = principal.tenant_id

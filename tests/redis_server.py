@@ -39,7 +39,8 @@ def shared_redis_url() -> str:
 
 @dataclass
 class PrivateRedis:
-    """A redis-server child process on its own port (no persistence)."""
+    """A redis-server child process on its own port; its append-only file in workdir keeps
+    the data across a stop and start, as a production Redis would."""
 
     port: int
     workdir: Path
@@ -56,7 +57,7 @@ class PrivateRedis:
         assert binary is not None
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
+             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.workdir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

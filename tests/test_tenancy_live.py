@@ -1,0 +1,248 @@
+"""Tenancy end to end: two live gateway processes sharing one real (private) Redis, in front of
+one live engine. Isolation of adapters and prefix caches, keys revoked on every replica at
+once, RPM/TPM exact across the replicas, a Redis outage served by the fail-open policy, and
+the admin API's adapter lifecycle (upload refused cleanly, lazy load, status)."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
+from tests.live_http import metric, poll, wait_engines_idle
+from tests.live_servers import LiveServer, start_engine, start_gateway
+from tests.redis_server import PrivateRedis, private_redis
+
+ADMIN = "test-admin-key"
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LONG_PROMPT = list(range(10, 10 + 160))  # 10 full blocks of 16
+
+
+@dataclass
+class Setup:
+    engine: LiveServer
+    gateways: list[LiveServer]
+    redis: PrivateRedis
+    adapters: dict[str, Path]
+    upload_dir: Path
+    other_model: Path
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    root = tmp_path_factory.mktemp("tenancy")
+    adapters = {name: make_peft_adapter(tiny_model_dir, root / name, rank=4,
+                                        target_modules=ALL, seed=i + 1, b_scale=0.2)
+                for i, name in enumerate(("a-bot", "b-bot"))}
+    other_model = make_demo_model(root / "other-model", DemoModelSpec(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+        num_kv_heads=1, max_position_embeddings=256, seed=3))
+    redis = private_redis(root)
+    upload_dir = root / "uploads"
+    engine = start_engine(tiny_model_dir, root, "--num-kv-blocks", "256")
+    gateways = [start_gateway(tiny_model_dir, [engine.url], root, "--admin-key", ADMIN,
+                              "--redis-url", redis.url, "--state-refresh-s", "0.1",
+                              "--adapter-upload-dir", str(upload_dir))
+                for _ in range(2)]
+    try:
+        for server in (engine, *gateways):
+            server.wait_ready()
+        yield Setup(engine, gateways, redis, adapters, upload_dir, other_model)
+    finally:
+        for server in (*gateways, engine):
+            server.stop()
+        redis.stop()
+
+
+def admin(setup: Setup, method: str, path: str, gateway: int = 0,
+          **kwargs: object) -> httpx.Response:
+    return httpx.request(method, setup.gateways[gateway].url + path, timeout=30.0,
+                         headers={"Authorization": f"Bearer {ADMIN}"}, **kwargs)  # type: ignore[arg-type]
+
+
+def new_tenant(setup: Setup, tenant_id: str, **limits: object) -> str:
+    """Create a tenant and return a fresh key."""
+    assert admin(setup, "POST", "/admin/tenants",
+                 json={"tenant_id": tenant_id, **limits}).status_code == 201
+    response = admin(setup, "POST", f"/admin/tenants/{tenant_id}/keys")
+    assert response.status_code == 201
+    return str(response.json()["key"])
+
+
+def complete(setup: Setup, key: str, model: str, prompt: list[int] | str = "hello",
+             gateway: int = 0, max_tokens: int = 4) -> httpx.Response:
+    return httpx.post(setup.gateways[gateway].url + "/v1/completions", timeout=60.0,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0, "ignore_eos": True})
+
+
+def models(setup: Setup, key: str, gateway: int = 0) -> list[str]:
+    """The model ids the key may use on that replica ([] while the replica rejects it)."""
+    response = httpx.get(setup.gateways[gateway].url + "/v1/models",
+                         headers={"Authorization": f"Bearer {key}"}, timeout=10.0)
+    if response.status_code == 401:
+        return []
+    assert response.status_code == 200, response.text
+    return [m["id"] for m in response.json()["data"]]
+
+
+def fresh_window() -> None:
+    """Limits count per clock minute: start a limit test with at least 10 s of the minute
+    left, so the requests it counts cannot straddle two windows."""
+    left = 60 - time.time() % 60
+    if left < 10:
+        time.sleep(left + 0.1)
+
+
+def engine_hits(setup: Setup) -> float:
+    text = httpx.get(setup.engine.url + "/metrics", timeout=10.0).text
+    return metric(text, "loragate_prefix_cache_hit_tokens_total")
+
+
+@pytest.fixture(scope="module")
+def tenants(setup: Setup) -> dict[str, str]:
+    keys = {"alpha": new_tenant(setup, "alpha"), "beta": new_tenant(setup, "beta")}
+    for name, owner in (("a-bot", "alpha"), ("b-bot", "beta")):
+        response = admin(setup, "POST", "/admin/adapters", json={
+            "name": name, "path": str(setup.adapters[name]), "owner": owner})
+        assert response.status_code == 201, response.text
+    return keys
+
+
+# ----------------------------------------------------------------------------- isolation
+def test_tenants_see_and_call_only_their_adapters(setup: Setup,
+                                                  tenants: dict[str, str]) -> None:
+    base = models(setup, tenants["alpha"])[0]
+    for gateway in (0, 1):  # both replicas, once they have the adapters
+        poll(lambda g=gateway: "a-bot" in models(setup, tenants["alpha"], g),
+             "replica to see the adapter")
+        assert models(setup, tenants["alpha"], gateway) == [base, "a-bot"]
+        assert models(setup, tenants["beta"], gateway) == [base, "b-bot"]
+    assert complete(setup, tenants["alpha"], "a-bot").status_code == 200
+    refused = complete(setup, tenants["beta"], "a-bot")
+    assert refused.status_code == 404  # not 403: beta must not learn a-bot exists
+    assert refused.json()["error"]["code"] == "model_not_found"
+    missing_key = httpx.post(setup.gateways[0].url + "/v1/completions",
+                             json={"model": base, "prompt": "x"}, timeout=10.0)
+    assert missing_key.status_code == 401
+    assert missing_key.json()["error"]["code"] == "invalid_api_key"
+    tenant_on_admin = httpx.get(setup.gateways[0].url + "/admin/tenants", timeout=10.0,
+                                headers={"Authorization": f"Bearer {tenants['alpha']}"})
+    assert tenant_on_admin.status_code == 401
+
+
+def test_tenants_never_share_prefix_blocks(setup: Setup, tenants: dict[str, str]) -> None:
+    base = models(setup, tenants["alpha"])[0]
+    assert complete(setup, tenants["alpha"], base, LONG_PROMPT).status_code == 200
+    wait_engines_idle(setup.engine.url)
+    before = engine_hits(setup)
+    assert complete(setup, tenants["beta"], base, LONG_PROMPT).status_code == 200
+    assert engine_hits(setup) == before  # identical prompt, other tenant: no hit
+    assert complete(setup, tenants["alpha"], base, LONG_PROMPT).status_code == 200
+    assert engine_hits(setup) == before + 144  # its own blocks (capped at len - 1)
+
+
+def test_revoked_key_fails_at_once_on_every_replica(setup: Setup) -> None:
+    key = new_tenant(setup, "gamma")
+    base = poll(lambda: models(setup, key, 1), "replica 1 to know gamma")[0]
+    assert complete(setup, key, base, gateway=1).status_code == 200
+    key_id = admin(setup, "GET", "/admin/tenants/gamma/keys").json()[0]["key_id"]
+    assert admin(setup, "DELETE", f"/admin/tenants/gamma/keys/{key_id}").status_code == 200
+    refused = complete(setup, key, base, gateway=1)  # no wait: the other replica
+    assert refused.status_code == 401
+
+
+# ---------------------------------------------------------------------------- rate limits
+def test_rpm_is_exact_across_two_gateways(setup: Setup) -> None:
+    fresh_window()
+    key = new_tenant(setup, "delta", rpm=4)
+    base = poll(lambda: models(setup, key, 1), "replica 1 to know delta")[0]
+    statuses = [complete(setup, key, base, gateway=i % 2) for i in range(6)]
+    assert [r.status_code for r in statuses].count(200) == 4
+    limited = [r for r in statuses if r.status_code == 429]
+    assert len(limited) == 2
+    for response in limited:
+        assert 1 <= int(response.headers["retry-after"]) <= 60
+        assert response.json()["error"]["code"] == "rpm_exceeded"
+        assert "rpm" in response.json()["error"]["message"]
+
+
+def test_tpm_counts_prompt_and_completion_tokens(setup: Setup) -> None:
+    fresh_window()
+    key = new_tenant(setup, "epsilon", tpm=50)
+    base = poll(lambda: models(setup, key, 1), "replica 1 to know epsilon")[0]
+    first = complete(setup, key, base, list(range(10, 50)), max_tokens=12)  # 52 tokens
+    assert first.status_code == 200
+    assert first.json()["usage"]["total_tokens"] == 52
+    refused = poll(lambda: (r := complete(setup, key, base, gateway=1)).status_code == 429
+                   and r, "the charge to reach the shared counter", timeout_s=5)
+    assert refused.json()["error"]["code"] == "tpm_exceeded"
+
+
+def test_redis_outage_fails_open_and_recovers(setup: Setup) -> None:
+    key = new_tenant(setup, "zeta", rpm=1000)
+    base = poll(lambda: models(setup, key, 1), "replica 1 to know zeta")[0]
+    setup.redis.stop()
+    try:
+        for gateway in (0, 1):
+            assert complete(setup, key, base, gateway=gateway).status_code == 200
+        text = httpx.get(setup.gateways[0].url + "/metrics", timeout=10.0).text
+        assert metric(text, "loragate_gateway_store_unavailable_total", policy="open") >= 1
+        down = admin(setup, "GET", "/admin/tenants")
+        assert down.status_code == 503
+        assert down.json()["error"]["code"] == "store_unavailable"
+    finally:
+        setup.redis.start()
+    # Back without restarting the gateways: the admin API and shared limits work again.
+    poll(lambda: admin(setup, "GET", "/admin/tenants").status_code == 200,
+         "the admin API to reach Redis again")
+    assert complete(setup, key, base, gateway=1).status_code == 200
+
+
+# ---------------------------------------------------------------------------------- admin
+def _tar(directory: Path) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        archive.add(directory, arcname=directory.name)
+    return buffer.getvalue()
+
+
+def test_bad_uploads_are_refused_and_leave_nothing(setup: Setup, tiny_model_dir: Path,
+                                                   tmp_path: Path) -> None:
+    mismatched = make_peft_adapter(setup.other_model, tmp_path / "mismatched", rank=4,
+                                   target_modules=("q_proj",), seed=9)
+    before = sorted(setup.upload_dir.iterdir()) if setup.upload_dir.exists() else []
+    for name, body in (("corrupt", b"\x1f\x8b not really gzip"),
+                       ("mismatched", _tar(mismatched))):
+        response = admin(setup, "POST", f"/admin/adapters/upload?name={name}", content=body)
+        assert response.status_code == 400, response.text
+        assert "refused" in response.json()["error"]["message"]
+        assert admin(setup, "GET", f"/admin/adapters/{name}").status_code == 404
+    after = sorted(setup.upload_dir.iterdir()) if setup.upload_dir.exists() else []
+    assert after == before
+
+
+def test_uploaded_adapter_loads_lazily_and_reports_status(setup: Setup,
+                                                          tenants: dict[str, str]) -> None:
+    response = admin(setup, "POST", "/admin/adapters/upload?name=uploaded&owner=alpha",
+                     content=_tar(setup.adapters["a-bot"]))
+    assert response.status_code == 201, response.text
+    status = response.json()
+    assert status["owner"] == "alpha"
+    assert [i["registered"] for i in status["instances"].values()] == [False]
+    assert complete(setup, tenants["alpha"], "uploaded").status_code == 200
+    status = admin(setup, "GET", "/admin/adapters/uploaded").json()
+    (instance,) = status["instances"].values()
+    assert instance["registered"] is True
+    assert status["requests_served"] == 1
+    wait_engines_idle(setup.engine.url)
+    assert admin(setup, "DELETE", "/admin/adapters/uploaded").status_code == 200
+    assert complete(setup, tenants["alpha"], "uploaded").status_code == 404
