@@ -21,10 +21,11 @@ requests already in flight finish; then the process exits.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from types import FrameType
@@ -147,14 +148,19 @@ def _error_chunk(request_id: str, message: str) -> dict[str, Any]:
 
 
 def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
-               model_name: str | None = None) -> FastAPI:
-    """The engine API over a running AsyncEngine (the app owns it: shut down on exit)."""
+               model_name: str | None = None,
+               background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> FastAPI:
+    """The engine API over a running AsyncEngine (the app owns it: shut down on exit).
+    ``background`` coroutines (e.g. a registry heartbeat) run while the app serves."""
     state = EngineServer(engine, instance_id,
                          model_name or engine.engine.config.model.rstrip("/").split("/")[-1])
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(job()) for job in background]
         yield
+        for task in tasks:
+            task.cancel()
         engine.shutdown()
 
     app = FastAPI(title="loragate engine", lifespan=lifespan)
@@ -295,13 +301,14 @@ async def _ndjson(state: EngineServer, request_id: str,
 
 def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = None,
           model_name: str | None = None, adapters: dict[str, str] | None = None,
-          drain_timeout_s: float = 30.0) -> None:
+          drain_timeout_s: float = 30.0,
+          background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> None:
     """Build the engine, register adapters, serve until SIGTERM/SIGINT, then drain."""
     engine = AsyncEngine.from_config(config)
     for name, path in (adapters or {}).items():
         engine.engine.load_lora(name, path)
     instance_id = instance_id or f"{host}:{port}"
-    app = create_app(engine, instance_id, model_name)
+    app = create_app(engine, instance_id, model_name, background)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=int(drain_timeout_s)))
     server.on_drain = lambda: setattr(app.state.server, "draining", True)

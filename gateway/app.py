@@ -34,6 +34,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_api import build_router
 from gateway.ratelimit import RateLimiter
 from gateway.redis_store import RedisStore
+from gateway.registry import discover
 from gateway.router import Router, RouterWeights
 from gateway.service import Gateway
 from gateway.store import MemoryStore, StateStore, StoreUnavailable
@@ -56,8 +57,9 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                ) -> FastAPI:
     """A gateway over engine servers at engine_urls; adapters (name -> PEFT dir as the
     engines see it) are registered on every instance as it comes up."""
-    if not engine_urls:
-        raise ValueError("the gateway needs at least one engine URL")
+    if not engine_urls and not config.redis_url:
+        raise ValueError("the gateway needs at least one engine URL, or --redis-url to "
+                         "discover engines that register there")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     pool_holder: dict[str, InstancePool] = {}
     metrics = GatewayMetrics(lambda: pool_holder.get("pool"))
@@ -93,6 +95,10 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
             await pool.poll()
             tasks = [asyncio.create_task(pool.run(config.poll_interval_s)),
                      asyncio.create_task(view.run())]
+            if config.redis_url:
+                tasks.append(asyncio.create_task(discover(
+                    store, pool, {u.rstrip("/") for u in engine_urls},
+                    config.poll_interval_s)))
             try:
                 yield
             finally:

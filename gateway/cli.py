@@ -155,6 +155,9 @@ def _serve(args: argparse.Namespace) -> int:
     if not adapters and args.adapter_dir is None and demo_adapters.is_dir():
         adapters = parse_adapters([], str(demo_adapters))
     gateway_config, engine_config = _configs(args, model)
+    if args.instances < 0 or (args.instances == 0 and not args.engine
+                              and not gateway_config.redis_url):
+        raise ValueError("--instances 0 needs --engine URL or --redis-url (engine registry)")
     if not (is_loopback(gateway_config.host) or gateway_config.admin_key
             or gateway_config.allow_unauthenticated):
         raise ValueError(f"refusing to serve without authentication on {gateway_config.host}: "
@@ -169,8 +172,15 @@ def _engine(args: argparse.Namespace) -> int:
 
     _setup_logging()
     _, engine_config = _configs(args, args.model)
+    background = []
+    if args.register_redis_url:
+        from gateway.registry import heartbeat
+
+        url = args.advertise_url or f"http://{args.host}:{args.port}"
+        redis_url = args.register_redis_url
+        background.append(lambda: heartbeat(redis_url, url))
     serve(engine_config, args.host, args.port, args.instance_id,
-          adapters=parse_adapters(args.lora, args.adapter_dir))
+          adapters=parse_adapters(args.lora, args.adapter_dir), background=background)
     return 0
 
 
@@ -216,7 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None,
                        help="local Hugging Face model directory (default: the demo model)")
     serve.add_argument("--instances", type=int, default=1,
-                       help="local engine processes to start (default 1)")
+                       help="local engine processes to start (default 1; 0 with --redis-url: "
+                            "serve the engines registered there by `loragate engine "
+                            "--register-redis-url`)")
     serve.add_argument("--engine", action="append", default=[], metavar="URL",
                        help="attach to a running `loragate engine` instead (repeatable)")
     _add_adapter_args(serve)
@@ -230,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--port", type=int, default=8100)
     engine.add_argument("--instance-id", default=None,
                         help="name in metrics and routing logs (default HOST:PORT)")
+    engine.add_argument("--register-redis-url", default=None, metavar="URL",
+                        help="announce this engine in the gateways' Redis (a heartbeat with "
+                             "a TTL), so `loragate serve --redis-url URL` finds it")
+    engine.add_argument("--advertise-url", default=None, metavar="URL",
+                        help="the URL gateways reach this engine at (default http://HOST:PORT)")
     _add_adapter_args(engine)
     add_config_args(engine, EngineConfig, skip=("model",), title="engine")
     engine.set_defaults(func=_engine)

@@ -79,9 +79,10 @@ class InstancePool:
 
     def __init__(self, urls: list[str], http: httpx.AsyncClient, eject_after: int = 2,
                  adapters: dict[str, str] | None = None) -> None:
-        self.instances = {url.rstrip("/"): Instance(url.rstrip("/"),
-                                                    EngineClient(url, http))
-                          for url in urls}
+        self._http = http
+        self.instances: dict[str, Instance] = {}
+        for url in urls:
+            self.add_instance(url)
         self.eject_after = eject_after
         self.adapter_paths: dict[str, str] = dict(adapters or {})
         """Adapters registered on every instance: name -> PEFT directory (on the engines'
@@ -89,6 +90,18 @@ class InstancePool:
         self.index: PrefixIndex | None = None
         self._cursors: dict[str, int] = {}
         self._registered: dict[str, set[str]] = {}
+
+    def add_instance(self, url: str) -> Instance:
+        """Start tracking an engine (healthy after its first successful poll)."""
+        url = url.rstrip("/")
+        if url not in self.instances:
+            self.instances[url] = Instance(url, EngineClient(url, self._http))
+        return self.instances[url]
+
+    def remove_instance(self, url: str) -> None:
+        instance = self.instances.pop(url.rstrip("/"), None)
+        if instance is not None:
+            self._forget(instance)
 
     def healthy(self) -> list[Instance]:
         return [i for i in self.instances.values() if i.healthy and not i.draining]

@@ -148,11 +148,12 @@ def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: st
 
 def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, instances: int,
           engine_urls: list[str], tokenizer_dir: str, adapters: dict[str, str]) -> None:
-    """Start local engines (unless engine_urls are given) and the gateway in front."""
+    """Start local engines (unless engine_urls are given, or instances is 0: then engines
+    come from the Redis registry) and the gateway in front."""
     engines: list[EngineProcess] = []
     log_dir = Path(tempfile.mkdtemp(prefix="loragate-engines-"))
     try:
-        if not engine_urls:
+        if not engine_urls and instances > 0:
             assert engine_config is not None
             print(f"starting {instances} engine instance(s) on {engine_config.model} "
                   f"(logs in {log_dir})", flush=True)

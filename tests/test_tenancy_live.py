@@ -246,3 +246,37 @@ def test_uploaded_adapter_loads_lazily_and_reports_status(setup: Setup,
     wait_engines_idle(setup.engine.url)
     assert admin(setup, "DELETE", "/admin/adapters/uploaded").status_code == 200
     assert complete(setup, tenants["alpha"], "uploaded").status_code == 404
+
+
+# --------------------------------------------------------------------- registry, schema
+def test_engines_register_and_gateways_discover_them(setup: Setup, tiny_model_dir: Path,
+                                                      tmp_path: Path) -> None:
+    engine = start_engine(tiny_model_dir, tmp_path, "--num-kv-blocks", "64",
+                          "--register-redis-url", setup.redis.url)
+    gateway = start_gateway(tiny_model_dir, [], tmp_path, "--instances", "0", "--redis-url",
+                            setup.redis.url, "--admin-key", ADMIN)
+    try:
+        engine.wait_ready()
+        gateway.wait_ready()  # ready = it found a healthy instance through the registry
+        listed = httpx.get(gateway.url + "/instances", timeout=10.0).json()
+        assert [i["instance_id"] for i in listed] == [engine.url]
+        key = new_tenant(setup, "registry-user")
+        base = poll(lambda: models(setup, key), "the tenant to exist")[0]
+        response = httpx.post(gateway.url + "/v1/completions", timeout=60.0,
+                              headers={"Authorization": f"Bearer {key}"},
+                              json={"model": base, "prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        assert response.headers["x-loragate-instance"] == engine.url
+    finally:
+        gateway.stop()
+        engine.stop()
+
+
+def test_openapi_documents_the_admin_api(setup: Setup) -> None:
+    schema = httpx.get(setup.gateways[0].url + "/openapi.json", timeout=10.0).json()
+    paths = set(schema["paths"])
+    assert {"/admin/tenants", "/admin/tenants/{tenant_id}", "/admin/tenants/{tenant_id}/keys",
+            "/admin/tenants/{tenant_id}/keys/{key_id}/rotate", "/admin/adapters",
+            "/admin/adapters/upload", "/admin/adapters/{name}", "/admin/adapters/{name}/load",
+            "/admin/adapters/{name}/pin", "/v1/completions", "/v1/chat/completions",
+            "/v1/models"} <= paths
