@@ -1,0 +1,104 @@
+"""PNG plots of a suite run (matplotlib, headless): one figure per benchmark report."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on servers and CI
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+
+
+def _bars(ax: Axes, labels: list[str], values: list[float], ylabel: str, title: str) -> None:
+    ax.bar(range(len(values)), values, color="#4C72B0")
+    ax.set_xticks(range(len(values)), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+
+
+def _throughput(r: dict[str, Any], ax: Axes) -> None:
+    _bars(ax, ["transformers static", "loragate engine"],
+          [r["transformers"]["output_tokens_per_s"], r["engine"]["output_tokens_per_s"]],
+          "output tokens/s", f"engine vs static batching ({r['throughput_ratio']:.2f}x)")
+
+
+def _prefix(r: dict[str, Any], ax: Axes) -> None:
+    rows = [x for x in r["results"] if x["phase"] == "throughput"]
+    _bars(ax, [f"{x['layout']} {x['mode']}" for x in rows],
+          [x["throughput_rps"] for x in rows], "requests/s (all at once)",
+          "RAG prefix caching: capacity by mode")
+
+
+def _lora(r: dict[str, Any], ax: Axes) -> None:
+    runs = r["engine_runs"]
+    labels = [run["label"] for run in runs] + ["PEFT per-adapter"]
+    values = [run["output_tokens_per_s"] for run in runs] + [
+        r["peft_baseline"]["output_tokens_per_s"]]
+    _bars(ax, labels, values, "output tokens/s", "adapter count sweep")
+
+
+def _interference(r: dict[str, Any], ax: Axes) -> None:
+    labels = ["on" if x["chunked_prefill"] else "off" for x in r["results"]]
+    ax.bar([i - 0.2 for i in range(2)], [x["itl_p50_ms"] for x in r["results"]], 0.4,
+           label="p50")
+    ax.bar([i + 0.2 for i in range(2)], [x["itl_p99_ms"] for x in r["results"]], 0.4,
+           label="p99")
+    ax.set_xticks(range(2), [f"chunked prefill {x}" for x in labels])
+    ax.set_ylabel("decode ITL (ms)")
+    ax.set_title(f"interference: p99 off/on {r['p99_ratio_off_over_on']:.2f}x", fontsize=10)
+    ax.legend()
+
+
+def _rate(r: dict[str, Any], ax: Axes) -> None:
+    rows = r["rows"]
+    rates = [x["rate"] for x in rows]
+    ax.plot(rates, [x["normalized_latency_p50_ms_per_token"] for x in rows], "o-",
+            label="normalized latency p50 (ms/token)")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("ms / output token")
+    twin = ax.twinx()
+    twin.plot(rates, [x["goodput"] or 0.0 for x in rows], "s--", color="#DD8452",
+              label="goodput (req/s)")
+    twin.set_ylabel("goodput (req/s)")
+    ax.set_title("request-rate sweep through the gateway", fontsize=10)
+
+
+def _gateway(r: dict[str, Any], ax: Axes) -> None:
+    runs = r.get("routing", {}).get("runs", [])
+    _bars(ax, [f"{x['instances']}x {x['policy']}" for x in runs],
+          [x.get("prefix_hit_rate", 0.0) for x in runs], "prefix hit rate",
+          "routing: hit rate by policy")
+
+
+def _tenancy(r: dict[str, Any], ax: Axes) -> None:
+    names = list(r["stats"])
+    _bars(ax, names, [r["stats"][n]["p50_ms"] for n in names], "E2E p50 (ms)",
+          "gateway: open vs auth + limits (memory, Redis)")
+
+
+PLOTTERS: dict[str, Callable[[dict[str, Any], Axes], None]] = {
+    "throughput": _throughput, "prefix": _prefix, "lora": _lora,
+    "interference": _interference, "rate": _rate, "gateway": _gateway, "tenancy": _tenancy}
+
+
+def draw_plots(reports: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
+    """One PNG per report that has a plotter; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, report in reports.items():
+        figure, ax = plt.subplots(figsize=(6, 3.6))
+        try:
+            PLOTTERS[name](report, ax)
+        except (KeyError, TypeError, ValueError, IndexError):
+            plt.close(figure)
+            continue
+        figure.tight_layout()
+        path = out_dir / f"{name}.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return written
