@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
@@ -119,21 +119,9 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                         headers={"Retry-After": str(config.retry_after_s)}).response()
     app.include_router(build_router(lambda: app.state.gateway, tokenizer))
     app.include_router(build_admin_router(tokenizer_dir, config.adapter_upload_dir))
-    app.add_middleware(BodyLimit, max_bytes=body_limit)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]
-                    ) -> Response:
-        length = request.headers.get("content-length")
-        limit = body_limit(request.url.path)
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            return JSONResponse(error_body(413, f"request body over {limit} bytes"),
-                                status_code=413)
-        if app.state.draining and request.url.path.startswith("/v1/") \
-                and request.method == "POST":
-            return ApiError(503, "the gateway is shutting down", code="draining",
-                            headers={"Retry-After": str(config.retry_after_s)}).response()
-        return await call_next(request)
+    app.add_middleware(Guard, max_bytes=body_limit,
+                       draining=lambda: bool(app.state.draining),
+                       retry_after_s=config.retry_after_s)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -165,21 +153,40 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     return app
 
 
-class BodyLimit:
-    """ASGI middleware: a request body that grows past max_bytes while it is read fails
-    with 413. The guard refuses a too-long Content-Length up front; this catches bodies
-    sent without one (chunked uploads), before they are parsed."""
+class Guard:
+    """Pure ASGI middleware in front of every route (no BaseHTTPMiddleware: that one relays
+    every streamed chunk through an extra task and memory stream, a cost paid per token).
 
-    def __init__(self, app: ASGIApp, max_bytes: Callable[[str], int]) -> None:
+    - 413 for a Content-Length over the path's limit, or a body that grows past it while it
+      is read (chunked uploads), before anything is parsed;
+    - 503 for new generation requests while the gateway drains.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: Callable[[str], int],
+                 draining: Callable[[], bool], retry_after_s: int) -> None:
         self.app = app
         self.max_bytes_for = max_bytes
+        self.draining = draining
+        self.retry_after_s = retry_after_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = scope["path"]
+        max_bytes = self.max_bytes_for(path)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_bytes):
+            response = JSONResponse(error_body(413, f"request body over {max_bytes} bytes"),
+                                    status_code=413)
+            await response(scope, receive, send)
+            return
+        if self.draining() and path.startswith("/v1/") and scope["method"] == "POST":
+            await ApiError(503, "the gateway is shutting down", code="draining",
+                           headers={"Retry-After": str(self.retry_after_s)}
+                           ).response()(scope, receive, send)
+            return
         received = 0
-        max_bytes = self.max_bytes_for(scope["path"])
 
         async def limited_receive() -> Message:
             nonlocal received

@@ -177,7 +177,8 @@ class Gateway:
                            "later", code="overloaded",
                            headers={"Retry-After": str(self.config.retry_after_s)})
         self.metrics.routing.labels(decision.reason).inc()
-        log.debug("route %s: %s", job.request_id, decision.explain())
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %s: %s", job.request_id, decision.explain())
         job.decision = decision
         return self.pool.instances[decision.instance_id]
 
