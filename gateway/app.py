@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -67,7 +67,6 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
         store: StateStore = RedisStore(config.redis_url) if config.redis_url else MemoryStore()
         view = StateView(store, config.state_refresh_s)
         await view.refresh()
@@ -78,7 +77,8 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
             if adapter_name not in view.snapshot.adapters:
                 await store.put_adapter(AdapterRecord(adapter_name, path))
         await view.refresh()
-        async with httpx.AsyncClient(limits=limits) as http:
+        connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0)
+        async with aiohttp.ClientSession(connector=connector) as http:
             pool = InstancePool(engine_urls, http, config.eject_after_failures,
                                 {n: a.path for n, a in view.snapshot.adapters.items()})
             view.listeners.append(lambda snap: setattr(

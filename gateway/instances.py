@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from gateway.engine_client import EngineClient, EngineRejected, EngineUnavailable
 from prefix_cache.cache import PrefixUpdate
@@ -77,7 +77,7 @@ class Instance:
 class InstancePool:
     """Engine instances, kept current by poll()."""
 
-    def __init__(self, urls: list[str], http: httpx.AsyncClient, eject_after: int = 2,
+    def __init__(self, urls: list[str], http: aiohttp.ClientSession, eject_after: int = 2,
                  adapters: dict[str, str] | None = None) -> None:
         self._http = http
         self.instances: dict[str, Instance] = {}
