@@ -125,7 +125,7 @@ HOSTILE_BODIES: list[tuple[str, bytes, int]] = [
     ("token id out of range", json.dumps({"model": "M", "prompt": [10**12]}).encode(), 400),
     ("negative token id", json.dumps({"model": "M", "prompt": [-1, 2]}).encode(), 400),
     ("prompt over the context", json.dumps({"model": "M", "prompt": [5] * 5000}).encode(), 400),
-    ("huge prompt body", json.dumps({"model": "M", "prompt": [5] * 2_000_000}).encode(), 413),
+    ("huge prompt body", json.dumps({"model": "M", "prompt": [5] * 3_000_000}).encode(), 413),
     ("messages not a list", b'{"model": "M", "messages": {"role": "user"}}', 400),
     ("array body", b"[1, 2, 3]", 400),
     ("empty body", b"", 400),
