@@ -269,7 +269,7 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
 def _tenant(**fields: Any) -> Tenant:
     try:
         return Tenant(**fields)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise ApiError(400, str(exc)) from None
 
 

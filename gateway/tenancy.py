@@ -46,6 +46,12 @@ class Tenant:
         if not self.tenant_id or not all(c.isalnum() or c in "-_." for c in self.tenant_id):
             raise ValueError(f"tenant_id must be non-empty letters, digits, '-', '_' or '.', "
                              f"got {self.tenant_id!r}")
+        if not isinstance(self.name, str):
+            raise ValueError(f"name must be a string, got {self.name!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if self.shared_salt is not None and not isinstance(self.shared_salt, str):
+            raise ValueError(f"shared_salt must be a string or null, got {self.shared_salt!r}")
         for name in ("rpm", "tpm", "max_concurrency"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -8,6 +8,7 @@ reliability benchmark runs thousands.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from tests.live_servers import LiveServer, start_engine, start_gateway
 
 ADMIN = "fuzz-admin"
-FUZZ_EXAMPLES = 25
+FUZZ_EXAMPLES = int(os.environ.get("LORAGATE_FUZZ_EXAMPLES", "25"))
 
 
 @pytest.fixture(scope="module")
