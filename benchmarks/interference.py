@@ -34,7 +34,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(model: str, chunked: bool, args: argparse.Namespace) -> dict[str, Any]:
-    budget = args.budget if chunked else max(args.budget, args.prompt_len + args.decoders)
+    # Without chunking the budget must hold the longest possible prompt (the context).
+    context = int(load_hf_config(model).max_position_embeddings)
+    budget = args.budget if chunked else max(args.budget, context)
     engine = LLMEngine.from_model(model, enable_chunked_prefill=chunked,
                                   max_num_batched_tokens=budget, prefix_caching="off",
                                   max_num_seqs=args.decoders + 2 * args.long_prompts)
