@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from gateway.store import Snapshot, StateStore, StoreUnavailable
 from gateway.tenancy import AdapterRecord, Tenant, hash_key
 
 log = logging.getLogger(__name__)
+MIN_ON_DEMAND_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class StateView:
         self.snapshot = Snapshot(version=-1)
         self.store_available = True
         self._tenants_seen = False
+        self._last_on_demand = 0.0
         self.listeners: list[Callable[[Snapshot], None]] = []
         """Called with every newly loaded snapshot."""
 
@@ -69,6 +72,16 @@ class StateView:
             if self.store_available:
                 log.error("state store unavailable, serving the last snapshot: %s", exc)
             self.store_available = False
+
+    async def refresh_soon(self) -> bool:
+        """Refresh now unless one ran in the last MIN_ON_DEMAND_S (so a flood of bad keys
+        costs the store at most one version read per interval); True if it refreshed."""
+        now = time.monotonic()
+        if now - self._last_on_demand < MIN_ON_DEMAND_S:
+            return False
+        self._last_on_demand = now
+        await self.refresh()
+        return True
 
     async def run(self) -> None:
         while True:

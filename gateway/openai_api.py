@@ -29,10 +29,10 @@ from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, Sa
 from gateway.service import Gateway, Job
 
 DISCONNECT_POLL_S = 0.25
-def _caller(request: Request) -> Principal:
+async def _caller(request: Request) -> Principal:
     """Runs before the body is validated, so a missing key is a 401 first."""
     gateway: Gateway = request.app.state.gateway
-    return gateway.authenticate(request)
+    return await gateway.authenticate(request)
 
 
 Caller = Annotated[Principal, Depends(_caller)]
