@@ -50,7 +50,7 @@ def test_no_generated_request_gets_a_5xx(fuzz_gateway: LiveServer) -> None:
     assert len(operations) >= 20
 
     for operation in operations:
-        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy())
         def check(case: Any) -> None:
