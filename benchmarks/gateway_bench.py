@@ -26,7 +26,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +46,9 @@ from gateway.serve import EngineProcess, free_port, start_engines, stop_engines,
 DEFAULT_OUT = Path(__file__).parent / "results" / "gateway_bench.json"
 
 
-@dataclass
-class Gateway:
-    url: str
-    process: subprocess.Popen[bytes]
-
-
 def start_gateway(model: str, engine_urls: list[str], adapters: dict[str, str],
-                  log_dir: Path, *extra: str) -> Gateway:
+                  log_dir: Path, *extra: str) -> EngineProcess:
+    """`loragate serve --engine URL ...` as a child process, waited for until ready."""
     port = free_port()
     command = [sys.executable, "-m", "gateway.cli", "serve", "--model", model,
                "--port", str(port), "--poll-interval-s", "0.2", *extra]
@@ -62,14 +56,15 @@ def start_gateway(model: str, engine_urls: list[str], adapters: dict[str, str],
         command += ["--engine", url]
     for name, path in adapters.items():
         command += ["--lora", f"{name}={path}"]
-    with open(log_dir / f"gateway-{port}.log", "wb") as out:
+    log = log_dir / f"gateway-{port}.log"
+    with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    gateway = Gateway(f"http://127.0.0.1:{port}", process)
-    wait_ready([EngineProcess(gateway.url, process, log_dir / f"gateway-{port}.log")], 120)
+    gateway = EngineProcess(f"http://127.0.0.1:{port}", process, log)
+    wait_ready([gateway], 120)
     return gateway
 
 
-def stop_gateway(gateway: Gateway) -> None:
+def stop_gateway(gateway: EngineProcess) -> None:
     gateway.process.terminate()
     try:
         gateway.process.wait(30)

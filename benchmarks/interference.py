@@ -21,16 +21,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.serving_metrics import nearest_rank
 from engine.llm_engine import LLMEngine
 from engine.models.loader import load_hf_config
 from engine.sampling_params import SamplingParams
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "interference.json"
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def run(model: str, chunked: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -82,7 +78,7 @@ def run(model: str, chunked: bool, args: argparse.Namespace) -> dict[str, Any]:
     ms = [g * 1000 for g in gaps]
     return {"chunked_prefill": chunked, "budget": budget, "steps": step,
             "itl_samples": len(ms), "itl_p50_ms": statistics.median(ms),
-            "itl_p99_ms": percentile(ms, 0.99), "itl_max_ms": max(ms)}
+            "itl_p99_ms": nearest_rank(ms, 0.99), "itl_max_ms": max(ms)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.rag_workload import RagRequest, RagSpec, make_rag_workload, theoretical_reuse
+from benchmarks.serving_metrics import nearest_rank
 from engine.llm_engine import LLMEngine
 from engine.models.loader import load_hf_config
 from engine.sampling_params import SamplingParams
@@ -43,11 +44,6 @@ class ModeResult:
     throughput_rps: float
     output_tokens_per_s: float
     makespan_s: float
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def run_mode(model: str, mode: str, requests: list[RagRequest], layout: str,
@@ -95,7 +91,7 @@ def run_mode(model: str, mode: str, requests: list[RagRequest], layout: str,
         prompt_tokens_computed=after.prompt_tokens_computed - before.prompt_tokens_computed,
         hit_rate=hit_tokens / prompt_tokens,
         theoretical_reuse=theoretical_reuse(requests, engine.config.block_size),
-        ttft_p50_s=statistics.median(ttft), ttft_p99_s=_percentile(ttft, 0.99),
+        ttft_p50_s=statistics.median(ttft), ttft_p99_s=nearest_rank(ttft, 0.99),
         throughput_rps=len(requests) / makespan,
         output_tokens_per_s=sum(r.output_len for r in requests) / makespan,
         makespan_s=makespan,

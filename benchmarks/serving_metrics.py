@@ -140,6 +140,13 @@ class ServingMetrics:
     """Failure kind ("http 429", "ReadTimeout", ...) -> count."""
 
 
+def nearest_rank(values: list[float], q: float) -> float:
+    """The value at rank round(q * (n - 1)) of the sorted values (q in 0..1), no
+    interpolation: what the engine-level benchmarks report as p50 / p99."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0..100) with linear interpolation; 0.0 for an empty list."""
     if not 0.0 <= q <= 100.0:

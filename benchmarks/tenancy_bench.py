@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -28,23 +26,13 @@ from typing import Any
 
 import httpx
 
+from benchmarks.gateway_bench import start_gateway, stop_gateway
+from benchmarks.serving_metrics import nearest_rank
 from engine.config import EngineConfig
-from gateway.serve import EngineProcess, free_port, start_engines, stop_engines, wait_ready
+from gateway.serve import EngineProcess, start_engines, stop_engines, wait_ready
 
 ADMIN = "bench-admin-" + uuid.uuid4().hex[:8]
 DEFAULT_OUT = Path(__file__).parent / "results" / "tenancy_bench.json"
-
-
-def start_gateway(model: str, engine_url: str, log_dir: Path, *extra: str) -> EngineProcess:
-    port = free_port()
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port",
-               str(port), "--engine", engine_url, *extra]
-    log = log_dir / f"gateway-{port}.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    gateway = EngineProcess(f"http://127.0.0.1:{port}", process, log)
-    wait_ready([gateway], 120)
-    return gateway
 
 
 def make_tenant(client: httpx.Client, url: str, tenant_id: str) -> str:
@@ -54,11 +42,6 @@ def make_tenant(client: httpx.Client, url: str, tenant_id: str) -> str:
     response = client.post(url + f"/admin/tenants/{tenant_id}/keys", headers=headers)
     response.raise_for_status()
     return str(response.json()["key"])
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -76,9 +59,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         wait_ready(engines, 300)
         url = engines[0].url
-        gateways["open"] = start_gateway(args.model, url, log_dir)
-        gateways["memory"] = start_gateway(args.model, url, log_dir, "--admin-key", ADMIN)
-        gateways["redis"] = start_gateway(args.model, url, log_dir, "--admin-key", ADMIN,
+        gateways["open"] = start_gateway(args.model, [url], {}, log_dir)
+        gateways["memory"] = start_gateway(args.model, [url], {}, log_dir, "--admin-key", ADMIN)
+        gateways["redis"] = start_gateway(args.model, [url], {}, log_dir, "--admin-key", ADMIN,
                                           "--redis-url", args.redis_url)
         with httpx.Client(timeout=60.0) as client:
             tenant = f"bench-{uuid.uuid4().hex[:8]}"
@@ -101,10 +84,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         latencies[name].append(elapsed * 1000)
     finally:
         for gateway in gateways.values():
-            gateway.process.terminate()
-            gateway.process.wait(30)
+            stop_gateway(gateway)
         stop_engines(engines, 30)
-    stats = {name: {"p50_ms": statistics.median(v), "p99_ms": percentile(v, 0.99),
+    stats = {name: {"p50_ms": statistics.median(v), "p99_ms": nearest_rank(v, 0.99),
                     "mean_ms": statistics.fmean(v)} for name, v in latencies.items()}
     added = {name: {"p50_ms": stats[name]["p50_ms"] - stats["open"]["p50_ms"],
                     "p99_ms": stats[name]["p99_ms"] - stats["open"]["p99_ms"]}

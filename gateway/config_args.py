@@ -115,6 +115,15 @@ def convert(value: Any, annotation: Any) -> Any:
     return kind(value)
 
 
+def field_default(f: dataclasses.Field[Any]) -> Any:
+    """The default of a dataclass field (None when it has none)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
 def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
                     title: str | None = None) -> None:
     """One flag per field of dataclass cls (default None: precedence is resolved later)."""
@@ -124,9 +133,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str,
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        default = (f.default if f.default is not dataclasses.MISSING
-                   else f.default_factory() if f.default_factory is not dataclasses.MISSING
-                   else None)
+        default = field_default(f)
         kind = _base_type(hints[f.name])
         choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
         env = ENV_PREFIX + f.name.upper()

@@ -115,14 +115,6 @@ class EngineClient:
                                                   rejected_is_unavailable=True)
         return result
 
-    async def health(self) -> bool:
-        try:
-            async with self._http.get(self.base_url + "/health",
-                                      timeout=self._control) as response:
-                return response.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return False
-
     async def load_adapter(self, name: str, path: str) -> dict[str, Any]:
         return await self._send("POST", "/adapters", {"name": name, "path": path})
 
@@ -131,12 +123,6 @@ class EngineClient:
 
     async def pin_adapter(self, name: str, pinned: bool) -> dict[str, Any]:
         return await self._send("POST", f"/adapters/{name}/pin", {"pinned": pinned})
-
-    async def metrics_text(self) -> str:
-        async with self._http.get(self.base_url + "/metrics",
-                                  timeout=self._control) as response:
-            response.raise_for_status()
-            return await response.text()
 
     async def _send(self, method: str, path: str, body: dict[str, Any] | None = None,
                     params: dict[str, Any] | None = None,

@@ -197,15 +197,3 @@ class InstancePool:
             except (EngineRejected, EngineUnavailable) as exc:
                 log.error("instance %s refused adapter %s (%s): %s", instance.instance_id,
                           name, path, exc)
-
-    async def register_adapter(self, name: str, path: str) -> None:
-        """Register an adapter on every healthy instance (and on instances that come up)."""
-        errors = []
-        for instance in self.healthy():
-            try:
-                await instance.client.load_adapter(name, path)
-            except EngineRejected as exc:
-                errors.append(exc.message)
-        if errors:
-            raise ValueError(errors[0])
-        self.adapter_paths[name] = path

@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.server import DrainingServer
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.config_args import field_default
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,7 @@ def engine_flags(config: EngineConfig) -> list[str]:
     flags: list[str] = []
     for f in dataclasses.fields(EngineConfig):
         value = getattr(config, f.name)
-        default = (f.default if f.default is not dataclasses.MISSING
-                   else f.default_factory() if f.default_factory is not dataclasses.MISSING
-                   else None)
-        if f.name == "model" or value == default:
+        if f.name == "model" or value == field_default(f):
             continue
         if isinstance(value, tuple):
             text = ",".join(":".join(map(str, v)) if isinstance(v, tuple) else str(v)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.demo_model import DemoModelSpec, make_demo_model
+from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
+from lora.adapter import SUPPORTED_MODULES
 
 TINY_SPEC = DemoModelSpec(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -18,3 +19,16 @@ TINY_SPEC = DemoModelSpec(
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer GQA Llama (hidden 64, vocab 512) with a trained BPE tokenizer."""
     return make_demo_model(tmp_path_factory.mktemp("tiny-llama"), TINY_SPEC)
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> dict[str, Path]:
+    """Two PEFT adapters of the tiny model: a0 (q/v, rank 8) and a1 (all seven targets)."""
+    root = tmp_path_factory.mktemp("tiny-adapters")
+    return {
+        "a0": make_peft_adapter(tiny_model_dir, root / "a0", rank=8,
+                                target_modules=("q_proj", "v_proj"), seed=100, b_scale=0.5),
+        "a1": make_peft_adapter(tiny_model_dir, root / "a1", rank=8,
+                                target_modules=SUPPORTED_MODULES, seed=101, b_scale=0.5),
+    }

@@ -19,11 +19,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.demo_model import make_peft_adapter
 from prefix_cache.hashing import chain_hashes, sparse_chain
 from tests.live_servers import LiveServer, start_engine
 
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NUM_KV_BLOCKS = 64
 BLOCK_SIZE = 16
 CONTEXT = 1024  # the tiny model's max_position_embeddings
@@ -41,15 +39,8 @@ DEADLINE_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-             ) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("engine-server-adapters")
-    return {
-        "a0": make_peft_adapter(tiny_model_dir, root / "a0", rank=8,
-                                target_modules=("q_proj", "v_proj"), seed=100, b_scale=0.5),
-        "a1": make_peft_adapter(tiny_model_dir, root / "a1", rank=8, target_modules=ALL,
-                                seed=101, b_scale=0.5),
-    }
+def adapters(tiny_adapters: dict[str, Path]) -> dict[str, Path]:
+    return tiny_adapters
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,8 @@ import pytest
 from openai.types.chat import ChatCompletionTokenLogprob
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.demo_model import make_peft_adapter
 from tests.live_servers import LiveServer, start_engine, start_gateway
 
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONTEXT = 1024  # the tiny model's max_position_embeddings
 MAX_TOKENS = 12
 NO_EOS = {"ignore_eos": True}  # finish_reason "length" and exact token counts
@@ -36,15 +34,8 @@ SEEDED: dict[str, Any] = {"temperature": 0.8, "seed": 1234}
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-             ) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("openai-adapters")
-    return {
-        "a0": make_peft_adapter(tiny_model_dir, root / "a0", rank=8,
-                                target_modules=("q_proj", "v_proj"), seed=100, b_scale=0.5),
-        "a1": make_peft_adapter(tiny_model_dir, root / "a1", rank=8, target_modules=ALL,
-                                seed=101, b_scale=0.5),
-    }
+def adapters(tiny_adapters: dict[str, Path]) -> dict[str, Path]:
+    return tiny_adapters
 
 
 @pytest.fixture(scope="module")

@@ -173,3 +173,11 @@ def test_counter_totals_sum_samples_over_series() -> None:
         "loragate_prefix_cache_query_tokens_total": 600.0,
         "loragate_missing_total": 0.0,
     }
+
+
+def test_nearest_rank_picks_a_sample_without_interpolating() -> None:
+    from benchmarks.serving_metrics import nearest_rank
+
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert [nearest_rank(values, q) for q in (0.0, 0.5, 0.99, 1.0)] == [1.0, 3.0, 5.0, 5.0]
+    assert nearest_rank([1.0, 2.0], 0.5) == 1.0  # rank 0.5 rounds half to even: 0

@@ -16,12 +16,12 @@ import httpx
 import pytest
 
 from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
+from lora.adapter import SUPPORTED_MODULES
 from tests.live_http import metric, poll, wait_engines_idle
 from tests.live_servers import LiveServer, start_engine, start_gateway
 from tests.redis_server import PrivateRedis, private_redis
 
 ADMIN = "test-admin-key"
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LONG_PROMPT = list(range(10, 10 + 160))  # 10 full blocks of 16
 
 
@@ -39,7 +39,7 @@ class Setup:
 def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     root = tmp_path_factory.mktemp("tenancy")
     adapters = {name: make_peft_adapter(tiny_model_dir, root / name, rank=4,
-                                        target_modules=ALL, seed=i + 1, b_scale=0.2)
+                                        target_modules=SUPPORTED_MODULES, seed=i + 1, b_scale=0.2)
                 for i, name in enumerate(("a-bot", "b-bot"))}
     other_model = make_demo_model(root / "other-model", DemoModelSpec(
         vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
