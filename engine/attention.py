@@ -17,6 +17,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.cascade_attention import (
+    CascadePlan,
+    CascadeRequest,
+    build_cascade_plan,
+    cascade_attention,
+    cascade_available,
+)
+
 
 @dataclass
 class PrefillSeq:
@@ -25,9 +33,10 @@ class PrefillSeq:
     query_start: int
     q_len: int
     start_pos: int
-    context_slots: torch.Tensor | None
-    """[start_pos + q_len] int64 cache slots of positions 0.., or None when the chunk is
-    the whole context (start_pos == 0): then the fresh K/V are used without a gather."""
+    context_blocks: torch.Tensor | None
+    """[ceil((start_pos + q_len) / block_size)] int64 cache blocks holding positions 0..,
+    or None when the chunk is the whole context (start_pos == 0): then the fresh K/V are
+    used without a gather."""
     mask: torch.Tensor | None
     """[q_len, context_len] bool, True = attend; None means plain causal over fresh K/V."""
 
@@ -39,16 +48,16 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[T] int64: cache slot each token's K/V is written to."""
     num_decodes: int
-    decode_slots: torch.Tensor | None
-    """[Nd, L] int64 cache slots of each decode's context, padded to the longest (L)."""
+    decode_blocks: torch.Tensor | None
+    """[Nd, B] int64 cache blocks of each decode's context, padded (with block 0) to the
+    longest; the gathered context is cut to ``decode_len`` positions."""
+    decode_len: int
     decode_mask: torch.Tensor | None
-    """[Nd, 1, 1, L] bool, True = a real (and in-window) context position."""
+    """[Nd, 1, 1, decode_len] bool, True = a real (and in-window) context position."""
     prefills: list[PrefillSeq]
-
-
-def _slots_for(block_table: list[int], num_positions: int, block_size: int) -> list[int]:
-    return [block_table[p // block_size] * block_size + p % block_size
-            for p in range(num_positions)]
+    cascade: CascadePlan | None = None
+    """Set when the step runs cascade attention instead (then the fields above that only
+    the reference path reads are left empty)."""
 
 
 def build_attention_metadata(
@@ -57,41 +66,44 @@ def build_attention_metadata(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
+    cascade: bool = False,
 ) -> AttentionMetadata:
     """decodes: (block_table, context_len) per one-token request, in batch order.
-    prefills: (block_table, start_pos, q_len) per multi-token chunk, after the decodes."""
+    prefills: (block_table, start_pos, q_len) per multi-token chunk, after the decodes.
+    cascade: plan cascade attention when the device and model allow it."""
+    if cascade and sliding_window is None and cascade_available(device):
+        return _cascade_metadata(decodes, prefills, block_size, device)
     slot_mapping: list[int] = []
     num_decodes = len(decodes)
-    decode_slots = decode_mask = None
+    decode_blocks = decode_mask = None
+    decode_len = 0
     if decodes:
         max_blocks = max(-(-ctx // block_size) for _, ctx in decodes)
-        tables = torch.tensor(
+        decode_blocks = torch.tensor(
             [bt[:max_blocks] + [0] * (max_blocks - min(len(bt), max_blocks)) for bt, _ in decodes],
             dtype=torch.int64,
         )
         ctx_lens = torch.tensor([ctx for _, ctx in decodes], dtype=torch.int64)
-        offsets = torch.arange(block_size, dtype=torch.int64)
-        slots = (tables[:, :, None] * block_size + offsets).reshape(num_decodes, -1)
-        length = int(ctx_lens.max())
-        decode_slots = slots[:, :length].contiguous()
-        positions = torch.arange(length, dtype=torch.int64)
+        decode_len = int(ctx_lens.max())
+        positions = torch.arange(decode_len, dtype=torch.int64)
         valid = positions[None, :] < ctx_lens[:, None]
         if sliding_window is not None:
             valid &= positions[None, :] > (ctx_lens[:, None] - 1 - sliding_window)
-        decode_mask = valid[:, None, None, :]
-        slot_mapping.extend(int(s) for s in decode_slots[torch.arange(num_decodes), ctx_lens - 1])
-        decode_slots = decode_slots.to(device)
-        decode_mask = decode_mask.to(device)
+        decode_mask = valid[:, None, None, :].to(device)
+        for block_table, ctx in decodes:
+            last = ctx - 1
+            slot_mapping.append(block_table[last // block_size] * block_size + last % block_size)
+        decode_blocks = decode_blocks.to(device)
 
     seqs: list[PrefillSeq] = []
     query_start = num_decodes
     for block_table, start_pos, q_len in prefills:
         ctx_len = start_pos + q_len
-        all_slots = _slots_for(block_table, ctx_len, block_size)
-        slot_mapping.extend(all_slots[start_pos:])
+        slot_mapping.extend(block_table[p // block_size] * block_size + p % block_size
+                            for p in range(start_pos, ctx_len))
         fresh = start_pos == 0
-        context_slots = None if fresh else torch.tensor(all_slots, dtype=torch.int64,
-                                                        device=device)
+        context_blocks = None if fresh else torch.tensor(
+            block_table[:-(-ctx_len // block_size)], dtype=torch.int64, device=device)
         mask = None
         if not fresh or sliding_window is not None:
             q_pos = torch.arange(start_pos, ctx_len)[:, None]
@@ -100,16 +112,50 @@ def build_attention_metadata(
             if sliding_window is not None:
                 allowed &= k_pos > q_pos - sliding_window
             mask = allowed.to(device)
-        seqs.append(PrefillSeq(query_start, q_len, start_pos, context_slots, mask))
+        seqs.append(PrefillSeq(query_start, q_len, start_pos, context_blocks, mask))
         query_start += q_len
 
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         num_decodes=num_decodes,
-        decode_slots=decode_slots,
+        decode_blocks=decode_blocks,
+        decode_len=decode_len,
         decode_mask=decode_mask,
         prefills=seqs,
     )
+
+
+def _cascade_metadata(
+    decodes: list[tuple[list[int], int]],
+    prefills: list[tuple[list[int], int, int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    slot_mapping: list[int] = []
+    requests: list[CascadeRequest] = []
+    for row, (block_table, ctx) in enumerate(decodes):
+        last = ctx - 1
+        slot_mapping.append(block_table[last // block_size] * block_size + last % block_size)
+        requests.append(CascadeRequest(block_table, ctx, row, 1, fresh=False))
+    query_start = len(decodes)
+    for block_table, start_pos, q_len in prefills:
+        slot_mapping.extend(block_table[p // block_size] * block_size + p % block_size
+                            for p in range(start_pos, start_pos + q_len))
+        requests.append(CascadeRequest(block_table, start_pos, query_start, q_len, fresh=True))
+        query_start += q_len
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        num_decodes=len(decodes), decode_blocks=None, decode_len=0, decode_mask=None,
+        prefills=[], cascade=build_cascade_plan(requests, block_size, device),
+    )
+
+
+def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """Whole blocks copied out of the cache (one contiguous copy per block, far cheaper
+    than a per-position gather), viewed as positions: blocks [..., B] ->
+    [..., length, Hkv, D]."""
+    gathered = cache.index_select(0, blocks.reshape(-1))
+    return gathered.view(*blocks.shape[:-1], -1, *cache.shape[2:])[..., :length, :, :]
 
 
 def paged_attention(
@@ -121,7 +167,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Torch reference paged attention.
+    """Torch reference paged attention (or cascade attention when the metadata planned it).
 
     Semantics: writes k/v of every token into its cache slot, then each token attends
     causally (and within the sliding window, if any) to its request's whole context.
@@ -133,14 +179,16 @@ def paged_attention(
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
+    if meta.cascade is not None:
+        return cascade_attention(q, k, v, k_cache, v_cache, meta.cascade, scale)
     gqa = q.shape[1] != num_kv_heads
     out = torch.empty_like(q)
 
     nd = meta.num_decodes
     if nd:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
-        kd = k_flat[meta.decode_slots].transpose(1, 2)  # [Nd, Hkv, L, D]
-        vd = v_flat[meta.decode_slots].transpose(1, 2)
+        assert meta.decode_blocks is not None and meta.decode_mask is not None
+        kd = _gather_context(k_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2)
+        vd = _gather_context(v_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)  # [Nd, H, 1, D]
         od = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
@@ -150,11 +198,12 @@ def paged_attention(
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_start + seq.q_len)
         qp = q[rows].transpose(0, 1)  # [H, q_len, D]
-        if seq.context_slots is None:
+        if seq.context_blocks is None:
             kp, vp = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, q_len, D]
         else:
-            kp = k_flat[seq.context_slots].transpose(0, 1)  # [Hkv, ctx, D]
-            vp = v_flat[seq.context_slots].transpose(0, 1)
+            ctx_len = seq.start_pos + seq.q_len
+            kp = _gather_context(k_cache, seq.context_blocks, ctx_len).transpose(0, 1)
+            vp = _gather_context(v_cache, seq.context_blocks, ctx_len).transpose(0, 1)
         # A leading batch dim of 1: torch's CPU SDPA takes its fused kernels only for 4-D
         # inputs; 3-D inputs fall back to a path 2-3x slower (measured on torch 2.13).
         op = F.scaled_dot_product_attention(

@@ -75,6 +75,12 @@ class EngineConfig:
     "off", or "auto" (switches itself off while the rolling hit rate on long prompts stays
     under prefix_auto_threshold, and probes again periodically)."""
 
+    cascade_attention: bool = True
+    """On a CPU, read KV blocks that several running requests share (cached prefixes) once
+    per step instead of once per request (engine/cascade_attention.py). Off: the reference
+    attention, which copies every request's context. Ignored on a GPU and for sliding-window
+    models."""
+
     prefix_auto_threshold: float = 0.30
     """Hit rate under which prefix_caching="auto" turns caching off."""
 

@@ -42,6 +42,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = config.block_size
+        self.cascade_attention = config.cascade_attention
         per_block = kv_bytes_per_block(model, config.block_size, dtype)
         self.num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
         if self.num_blocks < 1:
@@ -115,7 +116,8 @@ class ModelRunner:
             else:
                 prefills.append((c.block_table, c.start_pos, c.num_tokens))
         meta = build_attention_metadata(decodes, prefills, self.block_size,
-                                        self.model.shape.sliding_window, self.device)
+                                        self.model.shape.sliding_window, self.device,
+                                        cascade=self.cascade_attention)
         return (
             torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),

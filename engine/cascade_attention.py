@@ -1,0 +1,226 @@
+"""Cascade attention: KV blocks shared by several requests are read once per step.
+
+RAG batches share long prefixes (system prompt, popular documents) through the prefix
+cache, so many running requests hold the same physical KV blocks. The reference path
+(engine/attention.py) copies every request's whole context out of the paged cache, once per
+request per layer. This path instead
+
+1. builds, once per step, a radix tree over the batch's block tables: each node is a run of
+   blocks held by exactly the same set of requests (a request's trailing partial block is
+   always its own leaf);
+2. per layer, runs attention for the queries of all a node's requests over the node's
+   keys (no mask: every position of a node is before every one of those queries), reading
+   stretches of consecutive blocks in place and copying scattered nodes out once;
+3. runs each prefill chunk's attention to its own fresh K/V (plain causal, no gather);
+4. merges the partial results of each query row with their log-sum-exp weights (softmax
+   over a union of disjoint key sets).
+
+It needs the log-sum-exp of each partial attention, which torch's CPU flash-attention
+kernel returns (``aten::_scaled_dot_product_flash_attention_for_cpu``); engines on other
+devices, and models with a sliding window, use the reference path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def cascade_available(device: torch.device) -> bool:
+    """Whether this path can run on device (CPU with torch's flash kernel)."""
+    return device.type == "cpu" and _FLASH_CPU is not None
+
+
+@dataclass(frozen=True)
+class CascadeRequest:
+    """One request of the step as the planner sees it.
+
+    block_table covers at least ``ceil(cached_len / block_size)`` blocks; positions
+    [0, cached_len) are read from the cache; ``fresh`` says the query rows also attend
+    causally to their own freshly computed K/V (a prefill chunk), which positions
+    [cached_len, cached_len + q_len) hold.
+    """
+
+    block_table: list[int]
+    cached_len: int
+    query_start: int
+    q_len: int
+    fresh: bool
+
+
+# A node whose blocks form fewer than one stretch of consecutive blocks per this many
+# blocks is read in place (one attention call per stretch); a more scattered node is
+# copied out of the cache first (one call). An attention call costs about as much as
+# copying three blocks here (measured on the demo model, CPU).
+_BLOCKS_PER_CALL = 3
+
+
+@dataclass(frozen=True)
+class KeySpan:
+    """Consecutive key positions: ``length`` of them from ``start``, in the cache's slots
+    (read in place) or in the step's gathered copy."""
+
+    in_place: bool
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class CascadeNode:
+    """A run of cached positions read by the query rows of every request that holds it."""
+
+    spans: list[KeySpan]
+    query_rows: torch.Tensor
+    """[Nq] int64 rows of the flat batch that attend to this node."""
+
+
+@dataclass(frozen=True)
+class CascadePlan:
+    """Per-step plan shared by every layer."""
+
+    gather_blocks: torch.Tensor
+    """[G] int64 blocks of the scattered nodes, copied out once per layer."""
+    nodes: list[CascadeNode]
+    fresh: list[tuple[int, int]]
+    """(query_start, q_len) of each prefill chunk, attending causally to its own K/V."""
+    merge_rows: torch.Tensor
+    """[R] int64 flat-batch row of each partial result, in the order they are produced:
+    the nodes' query rows, then the fresh chunks' rows."""
+    num_rows: int
+
+
+def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
+                       device: torch.device) -> CascadePlan:
+    """Radix tree over the requests' cached blocks -> nodes; see the module docstring."""
+    keys: list[list[int]] = []
+    for i, r in enumerate(requests):
+        full, partial = divmod(r.cached_len, block_size)
+        key = list(r.block_table[:full])
+        if partial:
+            # A negative id no other request has: a partial block is never shared.
+            key.append(-1 - i)
+        keys.append(key)
+    rows = [torch.arange(r.query_start, r.query_start + r.q_len) for r in requests]
+    nodes: list[CascadeNode] = []
+    gather: list[int] = []
+    order = sorted((i for i, k in enumerate(keys) if k), key=lambda i: keys[i])
+
+    def emit(members: list[int], depth: int, end: int) -> None:
+        blocks = keys[members[0]][depth:end]
+        cut = 0
+        if blocks[-1] < 0:  # a private partial block: cut to the request's length
+            cut = -requests[members[0]].cached_len % block_size
+            blocks[-1] = requests[members[0]].block_table[end - 1]
+        spans: list[KeySpan] = []
+        first = 0
+        for j in range(1, len(blocks) + 1):
+            if j == len(blocks) or blocks[j] != blocks[j - 1] + 1:
+                spans.append(KeySpan(True, blocks[first] * block_size,
+                                     (j - first) * block_size))
+                first = j
+        if len(spans) * _BLOCKS_PER_CALL > len(blocks):
+            spans = [KeySpan(False, len(gather) * block_size, len(blocks) * block_size)]
+            gather.extend(blocks)
+        last = spans[-1]
+        spans[-1] = KeySpan(last.in_place, last.start, last.length - cut)
+        nodes.append(CascadeNode(spans, torch.cat([rows[m] for m in members]).to(device)))
+
+    # Iterative walk over groups of the sorted keys that share keys[:depth].
+    stack: list[tuple[list[int], int]] = [(order, 0)] if order else []
+    while stack:
+        members, depth = stack.pop()
+        first, last = keys[members[0]], keys[members[-1]]
+        # Sorted order: the group's common prefix is that of its first and last keys.
+        end = depth
+        limit = min(len(first), len(last))
+        while end < limit and first[end] == last[end]:
+            end += 1
+        if end > depth:
+            emit(members, depth, end)
+        rest = [m for m in members if len(keys[m]) > end]
+        start = 0
+        while start < len(rest):
+            stop = start + 1
+            while stop < len(rest) and keys[rest[stop]][end] == keys[rest[start]][end]:
+                stop += 1
+            stack.append((rest[start:stop], end))
+            start = stop
+
+    fresh = [(r.query_start, r.q_len) for r in requests if r.fresh]
+    merge_rows = [node.query_rows for node in nodes for _ in node.spans]
+    merge_rows += [rows[i].to(device) for i, r in enumerate(requests) if r.fresh]
+    num_rows = max((r.query_start + r.q_len for r in requests), default=0)
+    return CascadePlan(
+        gather_blocks=torch.tensor(gather, dtype=torch.int64, device=device),
+        nodes=nodes,
+        fresh=fresh,
+        merge_rows=torch.cat(merge_rows) if merge_rows else torch.empty(0, dtype=torch.int64),
+        num_rows=num_rows,
+    )
+
+
+def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, plan: CascadePlan,
+                      scale: float) -> torch.Tensor:
+    """Cascade attention over a paged cache the step's K/V were already written to.
+
+    Semantics: the same as the reference ``paged_attention`` without a sliding window:
+    every query row attends causally to its request's whole context.
+    Shapes: q [T, H, D]; k, v [T, Hkv, D] (this step's fresh K/V); caches
+    [num_blocks, block_size, Hkv, D]; returns [T, H, D]. H must be a multiple of Hkv.
+    dtypes: float32, bfloat16 or float16, all alike; partial results merge in float32.
+    """
+    assert _FLASH_CPU is not None
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    # [slots, Hkv, D] -> [Hkv, slots, D]: a span is a strided view of these.
+    kv_shape = (-1, num_kv_heads, head_dim)
+    k_flat = k_cache.view(kv_shape).transpose(0, 1)
+    v_flat = v_cache.view(kv_shape).transpose(0, 1)
+    k_copy = k_cache.index_select(0, plan.gather_blocks).view(kv_shape).transpose(0, 1)
+    v_copy = v_cache.index_select(0, plan.gather_blocks).view(kv_shape).transpose(0, 1)
+    outs: list[torch.Tensor] = []
+    lses: list[torch.Tensor] = []
+    for node in plan.nodes:
+        nq = node.query_rows.numel()
+        # Fold the query heads that share a KV head into the query length: one call
+        # serves GQA without repeating K/V. [Nq, H, D] -> [1, Hkv, Nq * group, D].
+        qn = (q.index_select(0, node.query_rows).view(nq, num_kv_heads, group, head_dim)
+              .transpose(0, 1).reshape(1, num_kv_heads, nq * group, head_dim))
+        for span in node.spans:
+            keys = slice(span.start, span.start + span.length)
+            k_src, v_src = (k_flat, v_flat) if span.in_place else (k_copy, v_copy)
+            out, lse = _FLASH_CPU(qn, k_src[:, keys][None], v_src[:, keys][None], 0.0, False,
+                                  scale=scale)
+            outs.append(out.view(num_kv_heads, nq, group, head_dim).transpose(0, 1)
+                        .reshape(nq, num_heads, head_dim))
+            lses.append(lse.view(num_kv_heads, nq, group).transpose(0, 1)
+                        .reshape(nq, num_heads))
+    for query_start, q_len in plan.fresh:
+        rows = slice(query_start, query_start + q_len)
+        qf = q[rows].transpose(0, 1)[None]  # [1, H, q_len, D]
+        kf = k[rows].transpose(0, 1).repeat_interleave(group, dim=0)[None]
+        vf = v[rows].transpose(0, 1).repeat_interleave(group, dim=0)[None]
+        out, lse = _FLASH_CPU(qf, kf, vf, 0.0, True, scale=scale)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0].transpose(0, 1))
+    return _merge(torch.cat(outs), torch.cat(lses), plan.merge_rows, plan.num_rows, q.dtype)
+
+
+def _merge(outs: torch.Tensor, lses: torch.Tensor, rows: torch.Tensor, num_rows: int,
+           dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over a union of disjoint key sets: each row's partial outputs weighted by
+    exp(lse - max lse of that row). outs [R, H, D], lses [R, H] -> [num_rows, H, D]."""
+    lses = lses.float()
+    num_heads = lses.shape[1]
+    peak = torch.full((num_rows, num_heads), float("-inf"), dtype=torch.float32)
+    peak.scatter_reduce_(0, rows[:, None].expand(-1, num_heads), lses, "amax")
+    weight = torch.exp(lses - peak.index_select(0, rows))
+    total = torch.zeros(num_rows, num_heads, dtype=torch.float32).index_add_(0, rows, weight)
+    merged = torch.zeros(num_rows, num_heads, outs.shape[2], dtype=torch.float32)
+    merged.index_add_(0, rows, outs.float() * weight[..., None])
+    return (merged / total[..., None]).to(dtype)

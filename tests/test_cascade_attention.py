@@ -1,0 +1,107 @@
+"""Cascade attention equals the reference paged attention on batches that share blocks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import build_attention_metadata, paged_attention
+from engine.cascade_attention import (
+    CascadeRequest,
+    KeySpan,
+    build_cascade_plan,
+    cascade_available,
+)
+
+BLOCK = 4
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(not cascade_available(CPU), reason="torch lacks the CPU flash op")
+
+
+def _batch(rng: random.Random, num_blocks: int, shared_pool: int):
+    """Decodes then prefills; tables draw their leading blocks from a few shared prefixes
+    (as prefix-cache hits do) and the rest from private blocks, scattered or consecutive
+    (read in place, partial last block included)."""
+    free = list(range(shared_pool, num_blocks))[::-1]
+    if rng.random() < 0.5:
+        rng.shuffle(free)
+    prefixes = [list(range(i * 6, i * 6 + rng.randint(1, 6))) for i in range(shared_pool // 6)]
+
+    def table(num_positions: int) -> tuple[list[int], int]:
+        need = -(-num_positions // BLOCK)
+        shared = rng.choice(prefixes)[: rng.randint(0, need)] if rng.random() < 0.8 else []
+        # A shared prefix is only full blocks that precede the request's own positions.
+        shared = shared[: max(0, (num_positions - 1) // BLOCK)]
+        return shared + [free.pop() for _ in range(need - len(shared))], len(shared) * BLOCK
+
+    decodes = []
+    for _ in range(rng.randint(0, 6)):
+        bt, _ = table(rng.randint(1, 30))
+        decodes.append((bt, rng.randint(max(1, (len(bt) - 1) * BLOCK + 1), len(bt) * BLOCK)))
+    prefills = []
+    for _ in range(rng.randint(0 if decodes else 1, 3)):
+        q_len = rng.randint(2, 9)
+        start = rng.choice([0, rng.randint(1, 20), BLOCK * rng.randint(1, 5)])
+        bt, _ = table(start + q_len)
+        prefills.append((bt, start, q_len))
+    return decodes, prefills
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_cascade_matches_reference(seed: int, heads: tuple[int, int]) -> None:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    head_dim, num_blocks = 16, 200
+    decodes, prefills = _batch(rng, num_blocks, shared_pool=24)
+    total = len(decodes) + sum(q for _, _, q in prefills)
+    q = torch.randn(total, num_heads, head_dim)
+    k = torch.randn(total, num_kv_heads, head_dim)
+    v = torch.randn(total, num_kv_heads, head_dim)
+    caches = torch.randn(2, num_blocks, BLOCK, num_kv_heads, head_dim)
+    ref_meta = build_attention_metadata(decodes, prefills, BLOCK, None, CPU)
+    cas_meta = build_attention_metadata(decodes, prefills, BLOCK, None, CPU, cascade=True)
+    assert ref_meta.cascade is None and cas_meta.cascade is not None
+    assert torch.equal(ref_meta.slot_mapping, cas_meta.slot_mapping)
+    ref_caches, cas_caches = caches.clone(), caches.clone()
+    ref = paged_attention(q, k, v, ref_caches[0], ref_caches[1], ref_meta, 0.25)
+    out = paged_attention(q, k, v, cas_caches[0], cas_caches[1], cas_meta, 0.25)
+    assert torch.equal(ref_caches, cas_caches)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_shared_blocks_are_read_once() -> None:
+    # Three requests share blocks 0-2 (consecutive: read in place); two of them also share
+    # block 3 (a lone block: copied out); 10, 11 and 12 are private partial blocks.
+    requests = [
+        CascadeRequest([0, 1, 2, 3, 10], 18, 0, 1, fresh=False),
+        CascadeRequest([0, 1, 2, 3, 11], 20, 1, 1, fresh=False),
+        CascadeRequest([0, 1, 2, 12, 13], 13, 2, 5, fresh=True),
+    ]
+    plan = build_cascade_plan(requests, BLOCK, CPU)
+    gathered = plan.gather_blocks.tolist()
+
+    def blocks(span: KeySpan) -> list[int]:
+        first, last = span.start // BLOCK, -(-(span.start + span.length) // BLOCK)
+        return list(range(first, last)) if span.in_place else gathered[first:last]
+
+    nodes = sorted((sorted(n.query_rows.tolist()),
+                    [(blocks(s), s.in_place, s.length) for s in n.spans]) for n in plan.nodes)
+    assert nodes == [
+        ([0], [([10], False, 2)]),
+        ([0, 1], [([3], False, 4)]),
+        ([0, 1, 2, 3, 4, 5, 6], [([0, 1, 2], True, 12)]),
+        ([1], [([11], False, 4)]),
+        ([2, 3, 4, 5, 6], [([12], False, 1)]),
+    ]
+    assert sorted(plan.gather_blocks.tolist()) == [3, 10, 11, 12]
+    assert plan.fresh == [(2, 5)]
+
+
+def test_sliding_window_keeps_the_reference_path() -> None:
+    meta = build_attention_metadata([([0, 1], 6)], [], BLOCK, 4, CPU, cascade=True)
+    assert meta.cascade is None and meta.decode_blocks is not None
