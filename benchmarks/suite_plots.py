@@ -69,7 +69,7 @@ def _rate(r: dict[str, Any], ax: Axes) -> None:
 
 def _gateway(r: dict[str, Any], ax: Axes) -> None:
     runs = r.get("routing", {}).get("runs", [])
-    _bars(ax, [f"{x['instances']}x {x['policy']}" for x in runs],
+    _bars(ax, [f"{x['instances']}x {x['policy']}, {x.get('kv_blocks', '?')} blk" for x in runs],
           [x.get("prefix_hit_rate", 0.0) for x in runs], "prefix hit rate",
           "routing: hit rate by policy")
 

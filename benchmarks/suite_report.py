@@ -70,7 +70,8 @@ def _gateway(r: dict[str, Any]) -> list[Row]:
         rows.append(Row("gateway", "added TTFT p50 through the gateway (ms)",
                         f"{r['overhead']['added_ms']['ttft_p50_ms']:.2f}", "<= 5 ms"))
     if "routing" in r:
-        rows.append(Row("gateway", "prefix hit rate, router / round-robin (2 instances)",
+        rows.append(Row("gateway", "prefix hit rate, router / round-robin (2 inst., KV "
+                        "pressure)",
                         f"{r['routing']['hit_rate_ratio']:.2f}x", ">= 1.5x"))
     return rows
 
