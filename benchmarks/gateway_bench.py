@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_adapters import bench_adapters_dir, ensure_adapters
 from benchmarks.rag_workload import RagSpec, make_rag_workload
 from benchmarks.serving import (
     BenchConfig,
@@ -152,13 +153,9 @@ def routing_run(args: argparse.Namespace, log_dir: Path, instances: int, policy:
 
 
 def routing(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    adapter_dir = Path(args.model) / "bench-adapters"
-    names = [f"bench-{i}" for i in range(8)]
-    missing = [n for n in names if not (adapter_dir / n / "adapter_config.json").is_file()]
-    if missing:
-        raise SystemExit(f"missing {missing}: run `python -m benchmarks.lora_throughput "
-                         f"--model {args.model} --quick` once to write the bench adapters")
-    adapters = {n: str(adapter_dir / n) for n in names}
+    paths = ensure_adapters(args.model, bench_adapters_dir(args.model), 8)
+    names = list(paths)
+    adapters = {n: str(p) for n, p in paths.items()}
     spec = RagSpec(num_requests=40 if args.quick else args.rag_requests, num_documents=32,
                    vocab_size=load_hf_config(args.model).vocab_size, seed=4)
     requests = assign_adapters(from_workload(make_rag_workload(spec)), names, seed=5)

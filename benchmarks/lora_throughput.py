@@ -33,11 +33,9 @@ import argparse
 import datetime
 import os
 import random
-import shutil
 import sys
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,15 +43,20 @@ from typing import Any
 
 import peft
 import torch
-from peft import PeftModel
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
+from benchmarks.bench_adapters import (
+    ADAPTER_B_SCALE,
+    ADAPTER_SEED,
+    adapter_name,
+    bench_adapters_dir,
+    ensure_adapters,
+)
+from benchmarks.peft_baseline import run_peft_baseline
 from benchmarks.throughput import (
     PHASES,
     RunResult,
-    left_pad,
-    load_hf_model,
     machine_info,
     warmup_requests,
     write_json,
@@ -65,7 +68,6 @@ from benchmarks.workloads import (
     generate,
     total_output_tokens,
 )
-from engine.demo_model import make_peft_adapter
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from lora.adapter import SUPPORTED_MODULES
@@ -88,42 +90,9 @@ BASELINE_TARGET = 4.0
 """Engine (16 adapters, uniform) over the PEFT per-adapter baseline."""
 BASE_RATIO_TARGET = 0.7
 """Engine (16 adapters, uniform) over the engine without adapters."""
-ADAPTER_SEED = 2000
-ADAPTER_B_SCALE = 0.2
 
 
-# -------------------------------------------------------------------------- adapters
-def adapter_name(index: int) -> str:
-    return f"bench-{index}"
-
-
-def adapter_rank(index: int) -> int:
-    return 8 if index % 2 == 0 else 16
-
-
-def ensure_adapters(model_dir: str, adapters_dir: Path, count: int) -> dict[str, Path]:
-    """name -> PEFT directory of bench-0 .. bench-<count-1>, writing the missing ones.
-
-    Each is written to a temporary sibling and renamed, so an interrupted run never leaves a
-    half-written adapter that a later run would reuse."""
-    paths: dict[str, Path] = {}
-    for index in range(count):
-        name = adapter_name(index)
-        path = adapters_dir / name
-        if not ((path / "adapter_config.json").is_file()
-                and (path / "adapter_model.safetensors").is_file()):
-            print(f"  writing adapter {name} (rank {adapter_rank(index)})", flush=True)
-            tmp = adapters_dir / f".{name}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(path, ignore_errors=True)
-            make_peft_adapter(model_dir, tmp, rank=adapter_rank(index),
-                              target_modules=SUPPORTED_MODULES, seed=ADAPTER_SEED + index,
-                              b_scale=ADAPTER_B_SCALE)
-            tmp.rename(path)
-        paths[name] = path
-    return paths
-
-
+# ------------------------------------------------------------------------ workload
 def popularity(num_adapters: int, distribution: str) -> list[float]:
     """Unnormalised probability of each adapter: equal, or zipf 1 / (k + 1)^s by index."""
     if distribution == "uniform":
@@ -233,55 +202,6 @@ def run_engine(label: str, model_dir: str, requests: list[BenchRequest],
                      loads, phases, (load_start, load_end))
 
 
-# ------------------------------------------------------------------------- baseline
-def peft_generate_batch(model: PeftModel, batch: list[BenchRequest], pad_id: int) -> None:
-    """Greedy generation of the batch with the active adapter, up to its longest output."""
-    ids, mask = left_pad(batch, pad_id, model.device)
-    new_tokens = max(r.output_len for r in batch)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         pad_token_id=pad_id)
-    assert out.shape == (len(batch), ids.shape[1] + new_tokens), out.shape
-
-
-def group_by_adapter(requests: list[BenchRequest], adapters: list[str], max_batch: int
-                     ) -> list[tuple[str, list[BenchRequest]]]:
-    """Batches of at most max_batch same-adapter requests: adapters in order of first
-    arrival, requests in arrival order within an adapter."""
-    groups: OrderedDict[str, list[BenchRequest]] = OrderedDict()
-    for r, name in zip(requests, adapters, strict=True):
-        groups.setdefault(name, []).append(r)
-    return [(name, group[i:i + max_batch]) for name, group in groups.items()
-            for i in range(0, len(group), max_batch)]
-
-
-def run_peft_baseline(model_dir: str, requests: list[BenchRequest], adapters: list[str],
-                      paths: dict[str, Path], device: torch.device) -> RunResult:
-    """PEFT per-adapter batching: one PeftModel with every used adapter loaded, and
-    set_adapter() before each static batch of same-adapter requests."""
-    names = sorted(set(adapters), key=lambda n: int(n.rsplit("-", 1)[1]))
-    base = load_hf_model(model_dir, device)
-    pad_id = int(base.config.pad_token_id)
-    vocab_size = int(base.config.vocab_size)
-    model = PeftModel.from_pretrained(base, str(paths[names[0]]), adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(str(paths[name]), adapter_name=name)
-    model.eval()
-    batches = group_by_adapter(requests, adapters, MAX_NUM_SEQS)
-    with torch.inference_mode():
-        model.set_adapter(names[0])
-        peft_generate_batch(model, warmup_requests(vocab_size)[:1], pad_id)  # untimed
-        start, cpu_start = time.perf_counter(), time.process_time()
-        for number, (name, batch) in enumerate(batches, 1):
-            model.set_adapter(name)
-            peft_generate_batch(model, batch, pad_id)
-            print(f"  peft batch {number}/{len(batches)} ({name}, {len(batch)} requests) "
-                  f"done ({time.perf_counter() - start:.1f}s)", flush=True)
-        seconds = time.perf_counter() - start
-    return RunResult("peft per-adapter batching", len(requests), total_output_tokens(requests),
-                     seconds, time.process_time() - cpu_start)
-
-
 # --------------------------------------------------------------------------- report
 def print_table(runs: list[EngineRun], baseline: RunResult) -> None:
     reference = runs[0].result
@@ -375,7 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.num_requests, args.repeats) < 1 or args.threads < 0:
         parser.error("--num-requests and --repeats must be >= 1, --threads >= 0")
     args.output_len = QUICK_OUTPUT_LEN if args.quick else OUTPUT_LEN
-    args.adapters_dir = args.adapters_dir or Path(args.model) / "bench-adapters"
+    args.adapters_dir = args.adapters_dir or bench_adapters_dir(args.model)
     return args
 
 
@@ -405,7 +325,7 @@ def serve_all(args: argparse.Namespace, requests: list[BenchRequest], paths: dic
         print(f"PEFT per-adapter batching, {BASELINE_ADAPTERS} adapters, "
               f"{BASELINE_DISTRIBUTION}{suffix}", flush=True)
         baseline_runs.append(run_peft_baseline(args.model, requests, baseline_adapters, paths,
-                                               torch.device(args.device)))
+                                               torch.device(args.device), MAX_NUM_SEQS))
     return engine_runs, baseline_runs
 
 

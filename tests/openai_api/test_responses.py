@@ -1,116 +1,31 @@
-"""The gateway's OpenAI-compatible API, driven by the official `openai` client.
-
-One live engine (tiny model, two adapters) behind one live gateway for the module. Bad input
-must come back as the client's typed errors with OpenAI error bodies and leave the server
-healthy; when the module ends, every KV block of the engine is free again.
+"""The gateway's OpenAI-compatible API, driven by the official `openai` client: models,
+completions and chat (streamed and whole), sampling fields, logprobs, concurrency and
+disconnects. Against the package's live engine + gateway (conftest.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionTokenLogprob
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from tests.live_servers import LiveServer, start_engine, start_gateway
-
-CONTEXT = 1024  # the tiny model's max_position_embeddings
-MAX_TOKENS = 12
-NO_EOS = {"ignore_eos": True}  # finish_reason "length" and exact token counts
-PROMPT = "The quick brown fox"
-MESSAGES: list[Any] = [{"role": "system", "content": "Be brief."},
-                       {"role": "user", "content": "hello world"}]
-DEADLINE_S = 20.0
-GREEDY: dict[str, Any] = {"temperature": 0}
-SEEDED: dict[str, Any] = {"temperature": 0.8, "seed": 1234}
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_adapters: dict[str, Path]) -> dict[str, Path]:
-    return tiny_adapters
-
-
-@pytest.fixture(scope="module")
-def servers(tiny_model_dir: Path, adapters: dict[str, Path],
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, LiveServer]]:
-    """(engine, gateway), started together: the gateway polls until the engine is up."""
-    logs = tmp_path_factory.mktemp("openai-logs")
-    engine = start_engine(tiny_model_dir, logs, "--num-kv-blocks", "128", adapters=adapters)
-    gateway = start_gateway(tiny_model_dir, [engine.url], logs, adapters=adapters)
-    try:
-        engine.wait_ready()
-        gateway.wait_ready()
-        yield engine, gateway
-        # Every request of the module has ended: no engine block may still be in use.
-        assert _wait_engine_idle(engine.url)["kv_blocks_total"] == 128
-    finally:
-        gateway.stop()
-        engine.stop()
-
-
-@pytest.fixture(scope="module")
-def engine(servers: tuple[LiveServer, LiveServer]) -> LiveServer:
-    return servers[0]
-
-
-@pytest.fixture(scope="module")
-def gateway(servers: tuple[LiveServer, LiveServer]) -> LiveServer:
-    return servers[1]
-
-
-@pytest.fixture(scope="module")
-def client(gateway: LiveServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=60.0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def base_model(tiny_model_dir: Path) -> str:
-    return tiny_model_dir.name
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
-
-# ----------------------------------------------------------------------------- helpers
-def _wait_engine_idle(engine_url: str) -> dict[str, Any]:
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        state: dict[str, Any] = httpx.get(engine_url + "/state", timeout=5.0).json()
-        if (state["num_running"], state["num_waiting"], state["kv_blocks_used"],
-                state["in_flight"]) == (0, 0, 0, 0):
-            return state
-        assert time.monotonic() < deadline, f"engine not idle: {state}"
-        time.sleep(0.02)
-
-
-def _assert_healthy(gateway: LiveServer, client: openai.OpenAI, base_model: str) -> None:
-    assert httpx.get(gateway.url + "/health").json() == {"status": "ready",
-                                                         "ready_instances": 1}
-    done = client.completions.create(model=base_model, prompt="hi", max_tokens=2,
-                                     extra_body=NO_EOS)
-    assert done.usage is not None and done.usage.completion_tokens == 2
-
-
-def _chat_prompt_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[Any]) -> int:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
-    return len(ids)
-
-
-def _model(name: str, base_model: str) -> str:
-    return base_model if name == "base" else name
+from tests.live_servers import LiveServer
+from tests.openai_api.helpers import (
+    GREEDY,
+    MAX_TOKENS,
+    MESSAGES,
+    NO_EOS,
+    PROMPT,
+    SEEDED,
+    chat_prompt_tokens,
+    model_name,
+    wait_engine_idle,
+)
 
 
 # -------------------------------------------------------------------------------- models
@@ -128,7 +43,7 @@ def test_models_lists_the_base_model_and_every_adapter(client: openai.OpenAI,
 def test_completion_stream_matches_the_whole_response(
         client: openai.OpenAI, tokenizer: PreTrainedTokenizerBase, base_model: str,
         model: str, sampling: dict[str, Any]) -> None:
-    request: dict[str, Any] = {"model": _model(model, base_model), "prompt": PROMPT,
+    request: dict[str, Any] = {"model": model_name(model, base_model), "prompt": PROMPT,
                                "max_tokens": MAX_TOKENS, "extra_body": NO_EOS, **sampling}
     whole = client.completions.create(**request)
     assert whole.object == "text_completion" and whole.model == request["model"]
@@ -157,14 +72,14 @@ def test_completion_stream_matches_the_whole_response(
 def test_chat_stream_matches_the_whole_response(
         client: openai.OpenAI, tokenizer: PreTrainedTokenizerBase, base_model: str,
         model: str, sampling: dict[str, Any]) -> None:
-    request: dict[str, Any] = {"model": _model(model, base_model), "messages": MESSAGES,
+    request: dict[str, Any] = {"model": model_name(model, base_model), "messages": MESSAGES,
                                "max_tokens": MAX_TOKENS, "extra_body": NO_EOS, **sampling}
     whole = client.chat.completions.create(**request)
     assert whole.object == "chat.completion" and whole.model == request["model"]
     (choice,) = whole.choices
     assert (choice.index, choice.finish_reason, choice.logprobs) == (0, "length", None)
     assert choice.message.role == "assistant" and choice.message.content is not None
-    prompt_tokens = _chat_prompt_tokens(tokenizer, MESSAGES)
+    prompt_tokens = chat_prompt_tokens(tokenizer, MESSAGES)
     assert whole.usage is not None
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens,
             whole.usage.total_tokens) == (prompt_tokens, MAX_TOKENS,
@@ -342,126 +257,6 @@ def test_client_disconnect_mid_stream_frees_engine_blocks(
     running = httpx.get(engine.url + "/state").json()
     assert running["num_running"] == 1 and running["kv_blocks_used"] > 0
     stream.close()
-    _wait_engine_idle(engine.url)
+    wait_engine_idle(engine.url)
 
 
-# ----------------------------------------------------------------------------- bad input
-def _bad_completion(client: openai.OpenAI, base_model: str, **changes: Any
-                    ) -> openai.APIStatusError:
-    request: dict[str, Any] = {"model": base_model, "prompt": "hi", "max_tokens": 4, **changes}
-    with pytest.raises(openai.APIStatusError) as caught:
-        client.completions.create(**request)
-    return caught.value
-
-
-def _bad_chat(client: openai.OpenAI, base_model: str, **changes: Any) -> openai.APIStatusError:
-    request: dict[str, Any] = {"model": base_model, "messages": MESSAGES, "max_tokens": 4,
-                               **changes}
-    with pytest.raises(openai.APIStatusError) as caught:
-        client.chat.completions.create(**request)
-    return caught.value
-
-
-def _body(error: openai.APIStatusError) -> dict[str, Any]:
-    assert isinstance(error.body, dict)
-    assert set(error.body) == {"message", "type", "param", "code"}
-    return error.body
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_unknown_model_is_404_model_not_found(client: openai.OpenAI, gateway: LiveServer,
-                                              base_model: str, stream: bool) -> None:
-    for error in (_bad_completion(client, base_model, model="nope", stream=stream),
-                  _bad_chat(client, base_model, model="nope", stream=stream)):
-        assert isinstance(error, openai.NotFoundError)
-        assert _body(error) == {"message": "The model 'nope' does not exist",
-                                "type": "not_found_error", "param": "model",
-                                "code": "model_not_found"}
-    _assert_healthy(gateway, client, base_model)
-
-
-def test_prompt_longer_than_the_context_is_400(client: openai.OpenAI, gateway: LiveServer,
-                                               tokenizer: PreTrainedTokenizerBase,
-                                               base_model: str) -> None:
-    prompt = "a " * CONTEXT
-    prompt_tokens = len(tokenizer(prompt)["input_ids"])
-    error = _bad_completion(client, base_model, prompt=prompt)
-    assert isinstance(error, openai.BadRequestError)
-    assert _body(error) == {
-        "message": f"This model's maximum context length is {CONTEXT} tokens; the prompt has "
-                   f"{prompt_tokens} tokens",
-        "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
-    messages = [{"role": "user", "content": prompt}]
-    error = _bad_chat(client, base_model, messages=messages, stream=True)
-    assert isinstance(error, openai.BadRequestError)
-    assert (_body(error)["param"], error.code) == ("messages", "context_length_exceeded")
-    _assert_healthy(gateway, client, base_model)
-
-
-@pytest.mark.parametrize(("endpoint", "changes", "param"), [
-    ("completions", {"max_tokens": "x"}, "max_tokens"),
-    ("completions", {"temperature": "hot"}, "temperature"),
-    ("completions", {"prompt": 5}, "prompt"),  # a union: one error per member type
-    ("completions", {"max_tokens": 0}, "max_tokens"),
-    ("completions", {"max_tokens": 10**9}, None),
-    ("completions", {"n": 2}, None),
-    ("completions", {"logprobs": 6}, "logprobs"),
-    ("chat", {"messages": []}, "messages"),
-    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
-    ("chat", {"max_tokens": "x"}, "max_tokens"),
-    ("chat", {"max_tokens": 10**9}, None),
-    ("chat", {"n": 2}, None),
-    ("chat", {"top_logprobs": 2}, None),
-], ids=["max-tokens-str", "temperature-str", "prompt-int", "max-tokens-0",
-        "max-tokens-huge", "n-2", "logprobs-6", "chat-no-messages", "chat-bad-role",
-        "chat-max-tokens-str", "chat-max-tokens-huge", "chat-n-2", "chat-top-logprobs-alone"])
-def test_invalid_requests_are_400(client: openai.OpenAI, gateway: LiveServer,
-                                  base_model: str, endpoint: str, changes: dict[str, Any],
-                                  param: str | None) -> None:
-    bad = _bad_completion if endpoint == "completions" else _bad_chat
-    for stream in (False, True):
-        error = bad(client, base_model, stream=stream, **changes)
-        assert isinstance(error, openai.BadRequestError), error
-        body = _body(error)
-        assert (body["type"], body["param"]) == ("invalid_request_error", param)
-        assert body["message"]
-    _assert_healthy(gateway, client, base_model)
-
-
-@pytest.mark.parametrize(("raw", "message"), [
-    (b'{"model": "m", "prompt": "hi",', "the request body is not valid JSON: Expecting "
-                                        "property name enclosed in double quotes (at "
-                                        "character 30)"),
-    (b"not json", "the request body is not valid JSON: Expecting value (at character 0)"),
-    (b"[]", "body: Input should be a valid dictionary or object to extract fields from"),
-], ids=["truncated", "garbage", "array"])
-def test_malformed_json_is_400(gateway: LiveServer, client: openai.OpenAI, base_model: str,
-                               raw: bytes, message: str) -> None:
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        response = httpx.post(gateway.url + path, content=raw,
-                              headers={"content-type": "application/json"})
-        assert response.status_code == 400
-        assert response.json() == {"error": {"message": message,
-                                             "type": "invalid_request_error", "param": None,
-                                             "code": None}}
-    _assert_healthy(gateway, client, base_model)
-
-
-def test_a_body_over_8_mib_is_413(gateway: LiveServer, client: openai.OpenAI,
-                                  base_model: str) -> None:
-    huge = "x" * (9 << 20)
-    error = _bad_completion(client, base_model, prompt=huge)
-    assert error.status_code == 413
-    assert _body(error)["type"] == "invalid_request_error"
-    # Without a Content-Length (chunked upload) the limit holds all the same.
-    body = json.dumps({"model": base_model, "prompt": huge, "max_tokens": 4}).encode()
-
-    def chunked() -> Iterator[bytes]:
-        for start in range(0, len(body), 1 << 20):
-            yield body[start:start + (1 << 20)]
-
-    response = httpx.post(gateway.url + "/v1/completions", content=chunked(),
-                          headers={"content-type": "application/json"}, timeout=60.0)
-    assert response.status_code == 413, response.text[:300]
-    assert response.json()["error"]["type"] == "invalid_request_error"
-    _assert_healthy(gateway, client, base_model)

@@ -1,8 +1,8 @@
-"""Multi-LoRA: adapter validation, slot manager, scheduling limits, parity with PEFT."""
+"""Multi-LoRA in the engine: parity with PEFT, block isolation, scheduling limits, unload while
+busy, per-adapter KV pools, offline and async front ends."""
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 from pathlib import Path
@@ -10,194 +10,10 @@ from pathlib import Path
 import pytest
 from peft import PeftModel
 
-from engine.demo_model import make_peft_adapter
 from engine.llm_engine import LLMEngine
-from engine.models.loader import load_hf_config
-from engine.models.shape import ModelShape
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from lora.adapter import load_adapter
-from lora.manager import LoraManager
 from tests.parity import check_against_reference, load_reference
-
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# (rank, targets, rslora) of the eight test adapters: ranks 4-32, mixed targets.
-ADAPTER_SPECS = [
-    (4, ("q_proj", "v_proj"), False),
-    (8, ALL, False),
-    (16, ("gate_proj", "up_proj", "down_proj"), True),
-    (32, ("q_proj", "k_proj", "v_proj", "o_proj"), False),
-    (4, ALL, True),
-    (8, ("o_proj", "down_proj"), False),
-    (16, ALL, False),
-    (32, ("v_proj", "up_proj"), False),
-]
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("adapters")
-    return {
-        f"ad{i}": make_peft_adapter(tiny_model_dir, root / f"ad{i}", rank=rank,
-                                    target_modules=targets, seed=100 + i, use_rslora=rslora,
-                                    b_scale=0.5)
-        for i, (rank, targets, rslora) in enumerate(ADAPTER_SPECS)
-    }
-
-
-@pytest.fixture(scope="module")
-def shape(tiny_model_dir: Path) -> ModelShape:
-    return ModelShape.from_hf_config(load_hf_config(str(tiny_model_dir)))
-
-
-# --------------------------------------------------------------------------- validation
-def test_valid_adapter_loads_with_identity(adapters: dict[str, Path], shape: ModelShape
-                                           ) -> None:
-    a = load_adapter("ad2", adapters["ad2"], shape, max_rank=32)
-    assert a.rank == 16 and a.use_rslora and a.target_modules == {"gate_proj", "up_proj",
-                                                                   "down_proj"}
-    assert len(a.weights) == 2 * 3  # 2 layers x 3 modules
-    again = load_adapter("ad2", adapters["ad2"], shape, max_rank=32)
-    assert again.digest == a.digest
-    other = load_adapter("ad2", adapters["ad6"], shape, max_rank=32)
-    assert other.digest != a.digest
-
-
-def _broken_copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _edit_config(path: Path, **changes: object) -> None:
-    config = json.loads((path / "adapter_config.json").read_text())
-    config.update(changes)
-    (path / "adapter_config.json").write_text(json.dumps(config))
-
-
-@pytest.mark.parametrize(("breakage", "match"), [
-    ("missing_config", "has no adapter_config.json"),
-    ("missing_weights", "has no adapter_model.safetensors"),
-    ("corrupt_weights", "is corrupt"),
-    ("bad_json", "is not valid JSON"),
-    ("dora", "use_dora=True is a LoRA variant loragate does not implement"),
-    ("bias", "bias='all' is not supported"),
-    ("rank_over_cap", "rank 32 exceeds max_lora_rank 16"),
-    ("rank_mismatch", r"has A \(32, 64\)"),
-    ("not_lora", "peft_type 'IA3' is not supported"),
-])
-def test_bad_adapters_are_refused(adapters: dict[str, Path], shape: ModelShape, tmp_path: Path,
-                                  breakage: str, match: str) -> None:
-    path = _broken_copy(adapters["ad3"], tmp_path / "broken")
-    if breakage == "missing_config":
-        (path / "adapter_config.json").unlink()
-    elif breakage == "missing_weights":
-        (path / "adapter_model.safetensors").unlink()
-    elif breakage == "corrupt_weights":
-        data = (path / "adapter_model.safetensors").read_bytes()
-        (path / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
-    elif breakage == "bad_json":
-        (path / "adapter_config.json").write_text("{not json")
-    elif breakage == "dora":
-        _edit_config(path, use_dora=True)
-    elif breakage == "bias":
-        _edit_config(path, bias="all")
-    elif breakage == "rank_mismatch":
-        _edit_config(path, r=16)
-    elif breakage == "not_lora":
-        _edit_config(path, peft_type="IA3")
-    max_rank = 16 if breakage == "rank_over_cap" else 64
-    with pytest.raises(ValueError, match=match):
-        load_adapter("broken", path, shape, max_rank=max_rank)
-
-
-def test_adapter_for_another_base_model_is_refused(tiny_model_dir: Path, shape: ModelShape,
-                                                   tmp_path: Path) -> None:
-    from engine.demo_model import DemoModelSpec, make_demo_model
-
-    other = make_demo_model(tmp_path / "other", DemoModelSpec(
-        vocab_size=512, hidden_size=96, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2))
-    path = make_peft_adapter(other, tmp_path / "foreign", rank=4, target_modules=("q_proj",),
-                             seed=1)
-    with pytest.raises(ValueError, match="the base model and r=4 need A"):
-        load_adapter("foreign", path, shape, max_rank=16)
-
-
-def test_unsupported_target_module_is_refused(tiny_model_dir: Path, shape: ModelShape,
-                                              tmp_path: Path) -> None:
-    path = make_peft_adapter(tiny_model_dir, tmp_path / "head", rank=4,
-                             target_modules=("q_proj", "lm_head"), seed=2)
-    with pytest.raises(ValueError, match="unexpected weight"):
-        load_adapter("head", path, shape, max_rank=16)
-
-
-# ------------------------------------------------------------------------------ manager
-def _manager(shape: ModelShape, adapters: dict[str, Path], max_loras: int = 2,
-             max_cpu: int = 8) -> LoraManager:
-    manager = LoraManager(shape, max_loras=max_loras, max_cpu_loras=max_cpu, max_rank=32)
-    for name, path in adapters.items():
-        manager.add(manager.validate(name, str(path)))
-    return manager
-
-
-def test_slots_are_lru_over_idle_adapters(shape: ModelShape, adapters: dict[str, Path]
-                                          ) -> None:
-    m = _manager(shape, adapters)
-    got0 = m.acquire("ad0")
-    got1 = m.acquire("ad1")
-    assert got0 is not None and got1 is not None
-    assert (got0[0], got1[0]) == (0, 1) and got0[1] is not None
-    assert m.acquire("ad2") is None  # both slots busy
-    m.release("ad0")
-    got2 = m.acquire("ad2")
-    assert got2 is not None and got2[0] == 0  # ad0's slot, now idle, is reused
-    again = m.acquire("ad1")
-    assert again == (1, None)  # resident: no copy needed
-    m.release("ad1")
-    m.release("ad1")
-    m.release("ad2")
-    # ad2 (slot 0) was used after ad1's first acquire but ad1 was touched last: slot 0 is LRU.
-    got3 = m.acquire("ad3")
-    assert got3 is not None and got3[0] == 0
-    assert not m.is_resident("ad2") and m.is_resident("ad1")
-
-
-def test_pinned_adapter_keeps_its_slot(shape: ModelShape, adapters: dict[str, Path]) -> None:
-    m = _manager(shape, adapters)
-    m.pin("ad0")
-    assert m.acquire("ad0") is not None
-    m.release("ad0")
-    assert m.acquire("ad1") is not None
-    m.release("ad1")
-    got = m.acquire("ad2")
-    assert got is not None and got[0] == 1  # ad0 pinned: ad1's slot goes
-    assert m.is_resident("ad0")
-    m.pin("ad1")
-    with pytest.raises(ValueError, match="all 2 slots are pinned"):
-        m.pin("ad2")
-
-
-def test_cpu_tier_is_lru_and_reloads_in_background(shape: ModelShape,
-                                                   adapters: dict[str, Path]) -> None:
-    m = _manager(shape, adapters, max_loras=1, max_cpu=2)
-    # Only the last two added remain in the CPU tier.
-    assert [i.name for i in m.infos() if i.in_cpu] == ["ad6", "ad7"]
-    assert m.acquire("ad0") is None  # must be read from disk first
-    while m.acquire("ad0") is None:
-        m.poll()
-    assert m.is_resident("ad0")
-    m.release("ad0")
-
-
-def test_unload_refused_while_running(shape: ModelShape, adapters: dict[str, Path]) -> None:
-    m = _manager(shape, adapters)
-    assert m.acquire("ad0") is not None
-    with pytest.raises(ValueError, match="in use by 1 running request"):
-        m.remove("ad0")
-    m.release("ad0")
-    m.remove("ad0")
-    with pytest.raises(ValueError, match="unknown adapter 'ad0'"):
-        m.identity("ad0")
 
 
 # ------------------------------------------------------------------------------ engine
@@ -309,7 +125,7 @@ def test_unload_while_busy_and_bad_adapter_keep_engine_serving(
     engine.step()
     with pytest.raises(ValueError, match="in use by 1 request"):
         engine.remove_lora("ad0")
-    broken = _broken_copy(adapters["ad1"], tmp_path / "broken")
+    broken = Path(shutil.copytree(adapters["ad1"], tmp_path / "broken"))
     (broken / "adapter_model.safetensors").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="is corrupt"):
         engine.load_lora("broken", str(broken))
@@ -323,7 +139,7 @@ def test_unload_while_busy_and_bad_adapter_keep_engine_serving(
 
 def test_adapter_file_changed_after_registration_fails_its_requests(
         tiny_model_dir: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
-    path = _broken_copy(adapters["ad0"], tmp_path / "moving")
+    path = Path(shutil.copytree(adapters["ad0"], tmp_path / "moving"))
     engine = _engine(tiny_model_dir, {"moving": path}, max_cpu_loras=1)
     engine.load_lora("filler", str(adapters["ad1"]))  # pushes "moving" out of the CPU tier
     shutil.copy(adapters["ad4"] / "adapter_model.safetensors",

@@ -1,0 +1,165 @@
+"""Segmented LoRA ops: batch metadata, the torch reference and backend dispatch against the
+fp32 oracle (tests/lora_ops/oracle.py)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+
+from lora.ops import (
+    BACKEND_ENV,
+    Backend,
+    HostSegment,
+    LoraBatchMetadata,
+    build_lora_metadata,
+    expand,
+    expand_reference,
+    resolve_backend,
+    shrink,
+    shrink_reference,
+)
+from tests.lora_ops.oracle import (
+    H_IN,
+    H_OUT,
+    LAYOUTS,
+    POPULARITIES,
+    RANK,
+    TOKEN_COUNTS,
+    check_ops,
+    make_tensors,
+    make_token_slots,
+)
+
+# --------------------------------------------------------------------------- metadata
+
+
+def test_metadata_groups_tokens_by_slot_stably() -> None:
+    meta = build_lora_metadata([2, 2, -1, 0, 0, 0, 2, 1], "cpu")
+    assert meta.sorted_token_ids.tolist() == [3, 4, 5, 7, 0, 1, 6]
+    assert meta.seg_starts.tolist() == [0, 3, 4]
+    assert meta.seg_lens.tolist() == [3, 1, 3]
+    assert meta.seg_slots.tolist() == [0, 1, 2]
+    assert (meta.num_tokens, meta.num_lora_tokens, meta.num_segments, meta.max_seg_len) == (
+        8, 7, 3, 3)
+    assert meta.host_segments == (
+        HostSegment(slot=0, start=0, length=3, row_start=3, contiguous=True),
+        HostSegment(slot=1, start=3, length=1, row_start=7, contiguous=True),
+        HostSegment(slot=2, start=4, length=3, row_start=0, contiguous=False),
+    )
+    assert meta.max_slot == 2
+    # Grouped layout: segments padded to length 3, holes point at the zero row T = 8.
+    assert meta.padded_rows.tolist() == [3, 4, 5, 7, 8, 8, 0, 1, 6]
+    assert meta.padded_valid.tolist() == [0, 1, 2, 3, 6, 7, 8]
+    assert meta.padding_ratio == 9 / 7
+    for tensor in (meta.sorted_token_ids, meta.seg_starts, meta.seg_lens, meta.seg_slots,
+                   meta.padded_rows, meta.padded_valid):
+        assert tensor.dtype == torch.int64
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per_segment"])
+def test_reference_forms_agree(grouped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both torch forms give the oracle's answer on a decode batch over many slots."""
+    from lora.ops import sgmv_reference
+
+    monkeypatch.setattr(sgmv_reference, "GROUPED_MIN_SEGMENTS", 1 if grouped else 10**9)
+    slots = make_token_slots("uniform", 133, "decode")
+    assert sgmv_reference._grouped(build_lora_metadata(slots, "cpu")) is grouped
+    check_ops(shrink_reference, expand_reference, slots, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("token_slots", [[-1, -1, -1], []])
+def test_metadata_without_lora_tokens_has_no_segments(token_slots: list[int]) -> None:
+    meta = build_lora_metadata(token_slots, "cpu")
+    assert (meta.num_tokens, meta.num_lora_tokens, meta.num_segments, meta.max_seg_len) == (
+        len(token_slots), 0, 0, 0)
+    assert meta.sorted_token_ids.numel() == meta.seg_slots.numel() == 0
+    assert meta.host_segments == () and meta.max_slot == -1
+
+
+def test_metadata_accepts_a_tensor() -> None:
+    from_list = build_lora_metadata([1, 1, 0, -1, 1], "cpu")
+    from_tensor = build_lora_metadata(torch.tensor([1, 1, 0, -1, 1], dtype=torch.int32), "cpu")
+    assert from_tensor.sorted_token_ids.tolist() == from_list.sorted_token_ids.tolist() == [
+        2, 0, 1, 4]
+    assert from_tensor.host_segments == from_list.host_segments
+
+
+@pytest.mark.parametrize(
+    ("token_slots", "message"),
+    [([0, -2], ">= -1"), (torch.zeros(2, 2, dtype=torch.int64), "1-D"),
+     (torch.zeros(3), "integer")],
+)
+def test_metadata_rejects_bad_slots(token_slots: list[int] | torch.Tensor, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_lora_metadata(token_slots, "cpu")
+
+
+# --------------------------------------------------------------------------- torch reference
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reference_matches_oracle(popularity: str, num_tokens: int, layout: str,
+                                  dtype: torch.dtype) -> None:
+    check_ops(shrink_reference, expand_reference,
+              make_token_slots(popularity, num_tokens, layout), dtype, "cpu")
+
+
+def test_reference_without_lora_tokens_is_a_no_op() -> None:
+    tensors = make_tensors(5, H_IN, H_OUT, RANK, torch.float32, "cpu")
+    meta = build_lora_metadata([-1] * 5, "cpu")
+    out = torch.full((5, RANK), 7.0)
+    assert shrink_reference(tensors["x"], tensors["lora_a"], meta, out) is out
+    assert not out.any()
+    y = tensors["y0"].clone()
+    expand_reference(out, tensors["lora_b"], meta, y)
+    assert torch.equal(y, tensors["y0"])
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def test_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert resolve_backend("auto", cpu) == "torch"
+    assert resolve_backend("torch", cuda) == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert resolve_backend("auto", cuda) == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "bogus")
+    with pytest.raises(ValueError, match=BACKEND_ENV):
+        resolve_backend("auto", cpu)
+    with pytest.raises(ValueError, match="LoRA backend must be"):
+        resolve_backend("cuda", cpu)  # type: ignore[arg-type]
+
+
+def test_backend_resolution_with_triton(triton_ops: ModuleType,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert resolve_backend("auto", torch.device("cuda")) == "triton"
+    assert resolve_backend("triton", torch.device("cpu")) == "triton"
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    assert resolve_backend("auto", torch.device("cpu")) == "triton"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "env-triton"])
+def test_dispatcher_matches_oracle(request: pytest.FixtureRequest,
+                                   monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    if backend != "torch":
+        request.getfixturevalue("interpreted")
+    monkeypatch.setenv(BACKEND_ENV, "triton" if backend == "env-triton" else "auto")
+    chosen: Backend = "auto" if backend == "env-triton" else backend  # type: ignore[assignment]
+
+    def shrink_fn(x: torch.Tensor, lora_a: torch.Tensor, meta: LoraBatchMetadata) -> torch.Tensor:
+        return shrink(x, lora_a, meta, backend=chosen)
+
+    def expand_fn(t: torch.Tensor, lora_b: torch.Tensor, meta: LoraBatchMetadata,
+                  y: torch.Tensor) -> None:
+        expand(t, lora_b, meta, y, backend=chosen)
+
+    check_ops(shrink_fn, expand_fn, make_token_slots("zipf", 133, "decode"), torch.float32,
+              "cpu")

@@ -1,0 +1,145 @@
+"""The gateway's OpenAI-compatible API under bad input: the official client's typed errors
+with OpenAI error bodies, and the server healthy afterwards. Against the package's live
+engine + gateway (conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from tests.live_servers import LiveServer
+from tests.openai_api.helpers import (
+    CONTEXT,
+    MESSAGES,
+    assert_healthy,
+)
+
+
+# ----------------------------------------------------------------------------- bad input
+def _bad_completion(client: openai.OpenAI, base_model: str, **changes: Any
+                    ) -> openai.APIStatusError:
+    request: dict[str, Any] = {"model": base_model, "prompt": "hi", "max_tokens": 4, **changes}
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(**request)
+    return caught.value
+
+
+def _bad_chat(client: openai.OpenAI, base_model: str, **changes: Any) -> openai.APIStatusError:
+    request: dict[str, Any] = {"model": base_model, "messages": MESSAGES, "max_tokens": 4,
+                               **changes}
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(**request)
+    return caught.value
+
+
+def _body(error: openai.APIStatusError) -> dict[str, Any]:
+    assert isinstance(error.body, dict)
+    assert set(error.body) == {"message", "type", "param", "code"}
+    return error.body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_unknown_model_is_404_model_not_found(client: openai.OpenAI, gateway: LiveServer,
+                                              base_model: str, stream: bool) -> None:
+    for error in (_bad_completion(client, base_model, model="nope", stream=stream),
+                  _bad_chat(client, base_model, model="nope", stream=stream)):
+        assert isinstance(error, openai.NotFoundError)
+        assert _body(error) == {"message": "The model 'nope' does not exist",
+                                "type": "not_found_error", "param": "model",
+                                "code": "model_not_found"}
+    assert_healthy(gateway, client, base_model)
+
+
+def test_prompt_longer_than_the_context_is_400(client: openai.OpenAI, gateway: LiveServer,
+                                               tokenizer: PreTrainedTokenizerBase,
+                                               base_model: str) -> None:
+    prompt = "a " * CONTEXT
+    prompt_tokens = len(tokenizer(prompt)["input_ids"])
+    error = _bad_completion(client, base_model, prompt=prompt)
+    assert isinstance(error, openai.BadRequestError)
+    assert _body(error) == {
+        "message": f"This model's maximum context length is {CONTEXT} tokens; the prompt has "
+                   f"{prompt_tokens} tokens",
+        "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+    messages = [{"role": "user", "content": prompt}]
+    error = _bad_chat(client, base_model, messages=messages, stream=True)
+    assert isinstance(error, openai.BadRequestError)
+    assert (_body(error)["param"], error.code) == ("messages", "context_length_exceeded")
+    assert_healthy(gateway, client, base_model)
+
+
+@pytest.mark.parametrize(("endpoint", "changes", "param"), [
+    ("completions", {"max_tokens": "x"}, "max_tokens"),
+    ("completions", {"temperature": "hot"}, "temperature"),
+    ("completions", {"prompt": 5}, "prompt"),  # a union: one error per member type
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"max_tokens": 10**9}, None),
+    ("completions", {"n": 2}, None),
+    ("completions", {"logprobs": 6}, "logprobs"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ("chat", {"max_tokens": "x"}, "max_tokens"),
+    ("chat", {"max_tokens": 10**9}, None),
+    ("chat", {"n": 2}, None),
+    ("chat", {"top_logprobs": 2}, None),
+], ids=["max-tokens-str", "temperature-str", "prompt-int", "max-tokens-0",
+        "max-tokens-huge", "n-2", "logprobs-6", "chat-no-messages", "chat-bad-role",
+        "chat-max-tokens-str", "chat-max-tokens-huge", "chat-n-2", "chat-top-logprobs-alone"])
+def test_invalid_requests_are_400(client: openai.OpenAI, gateway: LiveServer,
+                                  base_model: str, endpoint: str, changes: dict[str, Any],
+                                  param: str | None) -> None:
+    bad = _bad_completion if endpoint == "completions" else _bad_chat
+    for stream in (False, True):
+        error = bad(client, base_model, stream=stream, **changes)
+        assert isinstance(error, openai.BadRequestError), error
+        body = _body(error)
+        assert (body["type"], body["param"]) == ("invalid_request_error", param)
+        assert body["message"]
+    assert_healthy(gateway, client, base_model)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (b'{"model": "m", "prompt": "hi",', "the request body is not valid JSON: Expecting "
+                                        "property name enclosed in double quotes (at "
+                                        "character 30)"),
+    (b"not json", "the request body is not valid JSON: Expecting value (at character 0)"),
+    (b"[]", "body: Input should be a valid dictionary or object to extract fields from"),
+], ids=["truncated", "garbage", "array"])
+def test_malformed_json_is_400(gateway: LiveServer, client: openai.OpenAI, base_model: str,
+                               raw: bytes, message: str) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = httpx.post(gateway.url + path, content=raw,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 400
+        assert response.json() == {"error": {"message": message,
+                                             "type": "invalid_request_error", "param": None,
+                                             "code": None}}
+    assert_healthy(gateway, client, base_model)
+
+
+def test_a_body_over_8_mib_is_413(gateway: LiveServer, client: openai.OpenAI,
+                                  base_model: str) -> None:
+    huge = "x" * (9 << 20)
+    error = _bad_completion(client, base_model, prompt=huge)
+    assert error.status_code == 413
+    assert _body(error)["type"] == "invalid_request_error"
+    # Without a Content-Length (chunked upload) the limit holds all the same.
+    body = json.dumps({"model": base_model, "prompt": huge, "max_tokens": 4}).encode()
+
+    def chunked() -> Iterator[bytes]:
+        for start in range(0, len(body), 1 << 20):
+            yield body[start:start + (1 << 20)]
+
+    response = httpx.post(gateway.url + "/v1/completions", content=chunked(),
+                          headers={"content-type": "application/json"}, timeout=60.0)
+    assert response.status_code == 413, response.text[:300]
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert_healthy(gateway, client, base_model)
+
