@@ -9,8 +9,10 @@ under a decode load), rate (request-rate sweep through the gateway), gateway (ga
 router vs round-robin) and tenancy (auth + rate-limit overhead, Redis vs memory). Each writes
 its JSON under benchmarks/results/; the suite then draws a PNG per benchmark into
 benchmarks/plots/ and rewrites the generated block of benchmarks/RESULTS.md (between the
-SUITE markers) with every headline ratio beside its target. --quick runs every benchmark's
-smoke size: minutes here, and its numbers are not the benchmark.
+SUITE markers) with every headline ratio beside its target; benchmarks left out with --only
+or --skip keep the figures (and plots) of their last run of the same size, stamped with its
+time. --quick runs every benchmark's smoke size: minutes here, and its numbers are not the
+benchmark.
 """
 
 from __future__ import annotations
@@ -66,7 +68,24 @@ def run_part(part: Part, model: str, quick: bool, log_dir: Path) -> dict[str, An
         raise RuntimeError(f"{part.name} failed (exit {code}); log {log}:\n" + "\n".join(tail))
     report = json.loads(out.read_text())
     report["_seconds"] = time.monotonic() - start
+    report["_stamp"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes")
+    report["_quick"] = quick
+    out.write_text(json.dumps(report, indent=2))
     return dict(report)
+
+
+def earlier_reports(skipped: list[Part], quick: bool) -> dict[str, dict[str, Any]]:
+    """The last suite-run report of each benchmark not run this time, of the same size."""
+    found: dict[str, dict[str, Any]] = {}
+    for part in skipped:
+        path = RESULTS / f"{part.name}.json"
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(report, dict) and "_stamp" in report and report.get("_quick") == quick:
+            found[part.name] = report
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,10 +116,13 @@ def main(argv: list[str] | None = None) -> int:
             except (RuntimeError, OSError, ValueError) as exc:
                 failures[part.name] = str(exc)
                 tqdm.write(f"{part.name}: FAILED\n{exc}")
+    kept = earlier_reports([p for p in PARTS if p not in parts], args.quick)
+    reports = {p.name: {**kept, **reports}[p.name] for p in PARTS
+               if p.name in reports or p.name in kept}
     plots = draw_plots(reports, HERE / "plots")
     rows = headline_rows(reports)
-    stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes")
-    block = render_block(rows, plots, stamp, args.quick, failures, HERE)
+    stamps = {name: str(report["_stamp"]) for name, report in reports.items()}
+    block = render_block(rows, plots, stamps, args.quick, failures, HERE)
     if args.results_md.exists():
         args.results_md.write_text(replace_block(args.results_md.read_text(), block))
     for row in rows:

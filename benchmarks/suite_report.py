@@ -99,14 +99,17 @@ def headline_rows(reports: dict[str, dict[str, Any]]) -> list[Row]:
     return rows
 
 
-def render_block(rows: list[Row], plots: list[Path], stamp: str, quick: bool,
+def render_block(rows: list[Row], plots: list[Path], stamps: dict[str, str], quick: bool,
                  failures: dict[str, str], base: Path) -> str:
+    """stamps: when each benchmark's report was measured (benchmarks not run this time keep
+    the figures of their last run, with its stamp)."""
     note = ", --quick: smoke sizes, not the benchmark" if quick else ""
-    lines = [SUITE_BEGIN, "", f"## Latest suite run ({stamp}{note})", "",
-             "| benchmark | metric | measured | target |", "|---|---|---|---|"]
-    lines += [f"| {r.benchmark} | {r.metric} | {r.value} | {r.target} |" for r in rows]
+    lines = [SUITE_BEGIN, "", f"## Latest suite figures{note}", "",
+             "| benchmark | metric | measured | target | run |", "|---|---|---|---|---|"]
+    lines += [f"| {r.benchmark} | {r.metric} | {r.value} | {r.target} | "
+              f"{stamps.get(r.benchmark, '-')} |" for r in rows]
     for name, error in failures.items():
-        lines.append(f"| {name} | FAILED: {error.splitlines()[0]} | - | - |")
+        lines.append(f"| {name} | FAILED: {error.splitlines()[0]} | - | - | - |")
     lines.append("")
     lines += [f"![{p.stem}]({p.relative_to(base).as_posix()})" for p in plots]
     lines += ["", SUITE_END]
