@@ -52,10 +52,12 @@ async def one_request(client: httpx.AsyncClient, model: str, rng: random.Random,
                     outcomes["rejected" if response.status_code in (429, 503)
                              else f"http {response.status_code}"] += 1
                     return
-                text = "".join([line async for line in response.aiter_lines()])
-        if '"error"' in text:
+                events = [line[len("data: "):] async for line in response.aiter_lines()
+                          if line.startswith("data: ")]
+        # Parsed, not searched: a generated token can be the text "error" itself.
+        if any(e != "[DONE]" and "error" in json.loads(e) for e in events):
             outcomes["error event"] += 1
-        elif "[DONE]" in text:
+        elif events and events[-1] == "[DONE]":
             outcomes["completed"] += 1
             latencies.append(time.monotonic() - start)
         else:

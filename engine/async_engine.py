@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -73,7 +73,7 @@ class AsyncEngine:
         priority: int = 0,
         lora: str | None = None,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield outputs of one request as tokens arrive; the last has finished=True.
 
         Bad input raises ValueError before the request enters the scheduler. Closing the

@@ -284,9 +284,12 @@ async def _chunks(state: EngineServer, request_id: str, outputs: AsyncGenerator[
         async with contextlib.aclosing(outputs) as stream:
             async for out in stream:
                 state.observe(out, len(out.delta_token_ids))
+                if out.error is not None:
+                    log.warning("request %s failed: %s", request_id, out.error)
                 yield _chunk(out, reported)
                 reported = len(out.token_ids)
     except (EngineDeadError, ValueError) as exc:
+        log.warning("request %s failed: %s", request_id, exc)
         yield _error_chunk(request_id, str(exc))
     finally:
         state.in_flight -= 1

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import Passage, Retriever, load_passages
@@ -66,7 +67,7 @@ class TenantRun:
     tokens: int = 0
 
 
-def build_messages(passages: list[Passage], question: str) -> list[dict[str, str]]:
+def build_messages(passages: list[Passage], question: str) -> list[ChatCompletionMessageParam]:
     documents = "\n\n".join(f"[doc {p.passage_id}: {p.topic}]\n{p.text}" for p in passages)
     return [{"role": "system", "content": f"{SYSTEM_PROMPT}\n\nDocuments:\n{documents}"},
             {"role": "user", "content": question}]
@@ -92,7 +93,8 @@ def setup_tenants(base_url: str, admin_key: str | None) -> list[TenantRun]:
     return runs
 
 
-def ask(client: OpenAI, run: TenantRun, messages: list[dict[str, str]], max_tokens: int) -> None:
+def ask(client: OpenAI, run: TenantRun, messages: list[ChatCompletionMessageParam],
+        max_tokens: int) -> None:
     start = time.perf_counter()
     first: float | None = None
     extra = {"cache_salt": run.cache_salt} if run.cache_salt else {}

@@ -238,6 +238,9 @@ class Gateway:
                             yield chunk
                         continue
                     tokens_sent = tokens_sent or bool(chunk.get("delta_token_ids"))
+                    if chunk.get("error"):
+                        log.warning("%s failed on %s: %s", job.request_id,
+                                    instance.instance_id, chunk["error"].get("message"))
                     yield chunk
             except (EngineUnavailable, EngineStreamBroken) as exc:
                 self.pool.mark_failed(instance, str(exc))
@@ -290,8 +293,9 @@ def tier_share(principal: Principal) -> float:
 
 
 def _error_chunk(job: Job, message: str, code: str = "engine_error") -> dict[str, Any]:
-    """A final chunk with ``error``; its code sets a non-streamed response's status
-    (openai_api.ERROR_STATUS)."""
+    """A final chunk with ``error`` (logged: the client is told only in its stream); its
+    code sets a non-streamed response's status (openai_api.ERROR_STATUS)."""
+    log.warning("%s failed: %s (%s)", job.request_id, message, code)
     kind = {"timeout": "timeout_error", "unavailable": "service_unavailable",
             "overloaded": "rate_limit_error"}.get(code, "server_error")
     return {"request_id": job.request_id, "delta_text": "", "delta_token_ids": [],

@@ -52,7 +52,7 @@ def step(sched: Scheduler) -> SchedulerOutput:
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:
-    outs = []
+    outs: list[SchedulerOutput] = []
     while sched.has_unfinished():
         assert len(outs) < max_steps, "scheduler made no progress"
         outs.append(step(sched))

@@ -21,7 +21,8 @@ CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not cascade_available(CPU), reason="torch lacks the CPU flash op")
 
 
-def _batch(rng: random.Random, num_blocks: int, shared_pool: int):
+def _batch(rng: random.Random, num_blocks: int, shared_pool: int
+           ) -> tuple[list[tuple[list[int], int]], list[tuple[list[int], int, int]]]:
     """Decodes then prefills; tables draw their leading blocks from a few shared prefixes
     (as prefix-cache hits do) and the rest from private blocks, scattered or consecutive
     (read in place, partial last block included)."""

@@ -10,6 +10,7 @@ from transformers import (
     AutoTokenizer,
     MistralConfig,
     MistralForCausalLM,
+    PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -107,11 +108,12 @@ def _write_variant(tiny_model_dir: Path, out: Path, kind: str) -> Path:
                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     torch.manual_seed(7)
     if kind == "qwen2":
-        model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(**common))
+        qwen = Qwen2ForCausalLM(Qwen2Config(**common))
         # Random init leaves biases at zero; make them matter.
-        for layer in model.model.layers:
+        for layer in qwen.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.1)
+        model: PreTrainedModel = qwen
     else:
         model = MistralForCausalLM(MistralConfig(sliding_window=40, **common))
     model.save_pretrained(str(out))

@@ -54,8 +54,8 @@ def test_percentile_interpolates_linearly() -> None:
 
 def stats(mean: float, median: float, p99: float) -> LatencyStats:
     """Expected stats; approx only absorbs the last bit of the 0.99 * (n - 1) rank."""
-    return LatencyStats(pytest.approx(mean, abs=1e-9), pytest.approx(median, abs=1e-9),
-                        pytest.approx(p99, abs=1e-9))  # type: ignore[arg-type]
+    approx = [pytest.approx(v, abs=1e-9) for v in (mean, median, p99)]
+    return LatencyStats(*approx)  # type: ignore[arg-type]
 
 
 def test_latency_stats_are_milliseconds() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,8 +21,9 @@ from benchmarks.suite_report import (
 
 
 def test_headline_rows_read_reports_and_survive_a_broken_one() -> None:
-    reports = {"lora": {"ratios": {"lora16_over_base": 0.594, "lora16_over_peft": 1.12}},
-               "tenancy": {"added": {}}}
+    reports: dict[str, dict[str, Any]] = {
+        "lora": {"ratios": {"lora16_over_base": 0.594, "lora16_over_peft": 1.12}},
+        "tenancy": {"added": {}}}
     rows = headline_rows(reports)
     assert rows[:2] == [Row("lora", "16 adapters / no adapters (tok/s)", "0.59x", ">= 0.7x"),
                         Row("lora", "16 adapters / PEFT per-adapter batching", "1.12x",

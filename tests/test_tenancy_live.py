@@ -5,6 +5,7 @@ the admin API's adapter lifecycle (upload refused cleanly, lazy load, status).""
 
 from __future__ import annotations
 
+import functools
 import io
 import tarfile
 import time
@@ -84,6 +85,14 @@ def complete(setup: Setup, key: str, model: str, prompt: list[int] | str = "hell
                             "temperature": 0, "ignore_eos": True})
 
 
+def _sees_adapter(setup: Setup, key: str, gateway: int, adapter: str) -> bool:
+    return adapter in models(setup, key, gateway)
+
+
+def _if_status(response: httpx.Response, status: int) -> httpx.Response | None:
+    return response if response.status_code == status else None
+
+
 def models(setup: Setup, key: str, gateway: int = 0) -> list[str]:
     """The model ids the key may use on that replica ([] while the replica rejects it)."""
     response = httpx.get(setup.gateways[gateway].url + "/v1/models",
@@ -122,7 +131,7 @@ def test_tenants_see_and_call_only_their_adapters(setup: Setup,
                                                   tenants: dict[str, str]) -> None:
     base = models(setup, tenants["alpha"])[0]
     for gateway in (0, 1):  # both replicas, once they have the adapters
-        poll(lambda g=gateway: "a-bot" in models(setup, tenants["alpha"], g),
+        poll(functools.partial(_sees_adapter, setup, tenants["alpha"], gateway, "a-bot"),
              "replica to see the adapter")
         assert models(setup, tenants["alpha"], gateway) == [base, "a-bot"]
         assert models(setup, tenants["beta"], gateway) == [base, "b-bot"]
@@ -182,8 +191,8 @@ def test_tpm_counts_prompt_and_completion_tokens(setup: Setup) -> None:
     first = complete(setup, key, base, list(range(10, 50)), max_tokens=12)  # 52 tokens
     assert first.status_code == 200
     assert first.json()["usage"]["total_tokens"] == 52
-    refused = poll(lambda: (r := complete(setup, key, base, gateway=1)).status_code == 429
-                   and r, "the charge to reach the shared counter", timeout_s=5)
+    refused = poll(lambda: _if_status(complete(setup, key, base, gateway=1), 429),
+                   "the charge to reach the shared counter", timeout_s=5)
     assert refused.json()["error"]["code"] == "tpm_exceeded"
 
 

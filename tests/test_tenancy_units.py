@@ -23,7 +23,7 @@ def test_tenant_validation_and_salts() -> None:
     for bad in ({"tenant_id": ""}, {"tenant_id": "a b"}, {"tenant_id": "a", "rpm": 0},
                 {"tenant_id": "a", "tpm": -5}, {"tenant_id": "a", "priority": 101}):
         with pytest.raises(ValueError):
-            Tenant(**bad)  # type: ignore[arg-type]
+            Tenant(**bad)
 
 
 def test_adapter_visibility() -> None:

@@ -11,6 +11,7 @@ import pytest
 from peft import PeftModel
 
 from engine.llm_engine import LLMEngine
+from engine.models.llama import DecoderLayer
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from tests.parity import check_against_reference, load_reference
@@ -81,7 +82,7 @@ def test_adapter_changes_output_and_never_shares_blocks(tiny_model_dir: Path,
                                                         adapters: dict[str, Path]) -> None:
     engine = _engine(tiny_model_dir, adapters)
     prompt = list(range(10, 90))
-    outs = {}
+    outs: dict[str, list[int]] = {}
     for lora in (None, "ad1", "ad6", "ad1"):
         engine.add_request(f"{lora}-{len(outs)}", prompt, SamplingParams(
             max_tokens=6, temperature=0, ignore_eos=True), lora=lora)
@@ -161,7 +162,8 @@ def test_lora_disabled_refuses_adapter_requests(tiny_model_dir: Path) -> None:
         engine.add_request("x", [5, 6], SamplingParams(), lora="anything")
     # No slot buffers at all: the base model runs exactly as without LoRA support.
     assert engine.runner.lora_slots is None
-    assert engine.runner.model.model.layers[0].self_attn.q_proj.lora_a is None
+    layer = engine.runner.model.model.layers[0]
+    assert isinstance(layer, DecoderLayer) and layer.self_attn.q_proj.lora_a is None
 
 
 def test_capped_adapter_pool_preempts_its_own_requests_first(
