@@ -17,7 +17,9 @@
    throughput and the prefix hit rate summed over the instances' /metrics (target: router's
    hit rate >= 1.5x round-robin's). Two KV sizes per instance: one that holds about half
    the workload's distinct prefix blocks, and one under pressure (about a ninth), where
-   what an instance keeps cached depends on which adapters' traffic it is sent.
+   what an instance keeps cached depends on which adapters' traffic it is sent. Beside the
+   live runs, benchmarks/routing_replay.py replays the same request list against idealized
+   caches: what one shared cache, round-robin and adapter-partitioned placement would get.
 
 Engines and the gateway are real processes on loopback ports (`loragate engine`,
 `loragate serve --engine URL`). On a small CPU box every instance shares the same cores, so
@@ -34,17 +36,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from benchmarks.bench_adapters import bench_adapters_dir, ensure_adapters
-from benchmarks.rag_workload import RagSpec, make_rag_workload
+from benchmarks.routing_replay import replay_all, routing_workload
 from benchmarks.serving import (
     BenchConfig,
     BenchResult,
-    assign_adapters,
     from_workload,
     run_benchmark,
 )
@@ -213,9 +215,12 @@ def routing(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     paths = ensure_adapters(args.model, bench_adapters_dir(args.model), 8)
     names = list(paths)
     adapters = {n: str(p) for n, p in paths.items()}
-    spec = RagSpec(num_requests=40 if args.quick else args.rag_requests, num_documents=32,
-                   vocab_size=load_hf_config(args.model).vocab_size, seed=4)
-    requests = assign_adapters(from_workload(make_rag_workload(spec)), names, seed=5)
+    requests = routing_workload(40 if args.quick else args.rag_requests, names,
+                                load_hf_config(args.model).vocab_size)
+    replays = replay_all(requests, names, 2, [None, *args.kv_blocks])
+    for r in replays:
+        print(f"replay, {r.kv_blocks or 'unbounded'} KV blocks, {r.placement}: hit rate "
+              f"{r.hit_rate:.1%}", flush=True)
     runs: list[dict[str, Any]] = []
     ratios: dict[str, float] = {}
     for kv_blocks in args.kv_blocks:
@@ -230,7 +235,8 @@ def routing(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         runs += pair
     runs.append(routing_run(args, log_dir, 1, "score", args.kv_blocks[0], requests, adapters))
     return {"requests": len(requests), "adapters": names, "rate": args.rag_rate,
-            "runs": runs, "hit_rate_ratio_by_kv_blocks": ratios,
+            "runs": runs, "replay": [asdict(r) for r in replays],
+            "hit_rate_ratio_by_kv_blocks": ratios,
             "hit_rate_ratio": ratios[str(args.kv_blocks[-1])]}
 
 
