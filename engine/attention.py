@@ -71,9 +71,9 @@ def build_attention_metadata(
     """decodes: (block_table, context_len) per one-token request, in batch order.
     prefills: (block_table, start_pos, q_len) per multi-token chunk, after the decodes.
     cascade: plan cascade attention when the device and model allow it."""
+    slot_mapping = _slot_mapping(decodes, prefills, block_size, device)
     if cascade and sliding_window is None and cascade_available(device):
-        return _cascade_metadata(decodes, prefills, block_size, device)
-    slot_mapping: list[int] = []
+        return _cascade_metadata(decodes, prefills, block_size, slot_mapping, device)
     num_decodes = len(decodes)
     decode_blocks = decode_mask = None
     decode_len = 0
@@ -90,17 +90,12 @@ def build_attention_metadata(
         if sliding_window is not None:
             valid &= positions[None, :] > (ctx_lens[:, None] - 1 - sliding_window)
         decode_mask = valid[:, None, None, :].to(device)
-        for block_table, ctx in decodes:
-            last = ctx - 1
-            slot_mapping.append(block_table[last // block_size] * block_size + last % block_size)
         decode_blocks = decode_blocks.to(device)
 
     seqs: list[PrefillSeq] = []
     query_start = num_decodes
     for block_table, start_pos, q_len in prefills:
         ctx_len = start_pos + q_len
-        slot_mapping.extend(block_table[p // block_size] * block_size + p % block_size
-                            for p in range(start_pos, ctx_len))
         fresh = start_pos == 0
         context_blocks = None if fresh else torch.tensor(
             block_table[:-(-ctx_len // block_size)], dtype=torch.int64, device=device)
@@ -116,7 +111,7 @@ def build_attention_metadata(
         query_start += q_len
 
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        slot_mapping=slot_mapping,
         num_decodes=num_decodes,
         decode_blocks=decode_blocks,
         decode_len=decode_len,
@@ -125,26 +120,35 @@ def build_attention_metadata(
     )
 
 
-def _cascade_metadata(
+def _slot_mapping(
     decodes: list[tuple[list[int], int]],
     prefills: list[tuple[list[int], int, int]],
     block_size: int,
     device: torch.device,
+) -> torch.Tensor:
+    """[T] cache slot of each token of the step, in batch order (decodes, then chunks)."""
+    positions = [(block_table, ctx - 1) for block_table, ctx in decodes]
+    positions += [(block_table, p) for block_table, start_pos, q_len in prefills
+                  for p in range(start_pos, start_pos + q_len)]
+    return torch.tensor([bt[p // block_size] * block_size + p % block_size
+                         for bt, p in positions], dtype=torch.int64, device=device)
+
+
+def _cascade_metadata(
+    decodes: list[tuple[list[int], int]],
+    prefills: list[tuple[list[int], int, int]],
+    block_size: int,
+    slot_mapping: torch.Tensor,
+    device: torch.device,
 ) -> AttentionMetadata:
-    slot_mapping: list[int] = []
-    requests: list[CascadeRequest] = []
-    for row, (block_table, ctx) in enumerate(decodes):
-        last = ctx - 1
-        slot_mapping.append(block_table[last // block_size] * block_size + last % block_size)
-        requests.append(CascadeRequest(block_table, ctx, row, 1, fresh=False))
+    requests = [CascadeRequest(block_table, ctx, row, 1, fresh=False)
+                for row, (block_table, ctx) in enumerate(decodes)]
     query_start = len(decodes)
     for block_table, start_pos, q_len in prefills:
-        slot_mapping.extend(block_table[p // block_size] * block_size + p % block_size
-                            for p in range(start_pos, start_pos + q_len))
         requests.append(CascadeRequest(block_table, start_pos, query_start, q_len, fresh=True))
         query_start += q_len
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        slot_mapping=slot_mapping,
         num_decodes=len(decodes), decode_blocks=None, decode_len=0, decode_mask=None,
         prefills=[], cascade=build_cascade_plan(requests, block_size, device),
     )
