@@ -20,6 +20,9 @@
    what an instance keeps cached depends on which adapters' traffic it is sent. Beside the
    live runs, benchmarks/routing_replay.py replays the same request list against idealized
    caches: what one shared cache, round-robin and adapter-partitioned placement would get.
+   Then the same pair of runs at the pressured size on conversations (``--turns``, default
+   3): RAG chat, where each follow-up is the previous turn's prompt + answer + a question
+   on the same documents, so a conversation's history is cached only where it was served.
 
 Engines and the gateway are real processes on loopback ports (`loragate engine`,
 `loragate serve --engine URL`). On a small CPU box every instance shares the same cores, so
@@ -211,33 +214,59 @@ def routing_run(args: argparse.Namespace, log_dir: Path, instances: int, policy:
     return {"instances": instances, "policy": policy, "kv_blocks": kv_blocks, **result}
 
 
+def _routing_pair(args: argparse.Namespace, log_dir: Path, kv_blocks: int,
+                  requests: list[ServingRequest], adapters: dict[str, str], label: str
+                  ) -> tuple[list[dict[str, Any]], float]:
+    """Round-robin then the scoring router on 2 fresh instances: both runs and the ratio of
+    their hit rates."""
+    pair = [routing_run(args, log_dir, 2, policy, kv_blocks, requests, adapters)
+            for policy in ("round_robin", "score")]
+    rr, ours = pair
+    ratio = ours.get("prefix_hit_rate", 0.0) / max(1e-9, rr.get("prefix_hit_rate", 0.0))
+    print(f"{label}, {kv_blocks} KV blocks: hit rate router / round-robin {ratio:.2f}x "
+          f"(target >= 1.5x); throughput "
+          f"{ours['request_throughput'] / max(1e-9, rr['request_throughput']):.2f}x", flush=True)
+    return pair, ratio
+
+
+def _replays(requests: list[ServingRequest], names: list[str], kv_blocks: list[int | None],
+             label: str) -> list[dict[str, Any]]:
+    replays = replay_all(requests, names, 2, kv_blocks)
+    for r in replays:
+        print(f"replay ({label}), {r.kv_blocks or 'unbounded'} KV blocks, {r.placement}: "
+              f"hit rate {r.hit_rate:.1%}", flush=True)
+    return [asdict(r) for r in replays]
+
+
 def routing(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     paths = ensure_adapters(args.model, bench_adapters_dir(args.model), 8)
     names = list(paths)
     adapters = {n: str(p) for n, p in paths.items()}
-    requests = routing_workload(40 if args.quick else args.rag_requests, names,
-                                load_hf_config(args.model).vocab_size)
-    replays = replay_all(requests, names, 2, [None, *args.kv_blocks])
-    for r in replays:
-        print(f"replay, {r.kv_blocks or 'unbounded'} KV blocks, {r.placement}: hit rate "
-              f"{r.hit_rate:.1%}", flush=True)
+    vocab_size = load_hf_config(args.model).vocab_size
+    num_requests = 40 if args.quick else args.rag_requests
+    requests = routing_workload(num_requests, names, vocab_size)
+    replays = _replays(requests, names, [None, *args.kv_blocks], "single-turn")
     runs: list[dict[str, Any]] = []
     ratios: dict[str, float] = {}
     for kv_blocks in args.kv_blocks:
-        pair = [routing_run(args, log_dir, 2, policy, kv_blocks, requests, adapters)
-                for policy in ("round_robin", "score")]
-        rr, ours = pair
-        ratio = ours.get("prefix_hit_rate", 0.0) / max(1e-9, rr.get("prefix_hit_rate", 0.0))
-        ratios[str(kv_blocks)] = ratio
-        print(f"{kv_blocks} KV blocks: hit rate router / round-robin {ratio:.2f}x (target >= "
-              f"1.5x); throughput "
-              f"{ours['request_throughput'] / max(1e-9, rr['request_throughput']):.2f}x")
+        pair, ratios[str(kv_blocks)] = _routing_pair(args, log_dir, kv_blocks, requests,
+                                                     adapters, "single-turn")
         runs += pair
     runs.append(routing_run(args, log_dir, 1, "score", args.kv_blocks[0], requests, adapters))
-    return {"requests": len(requests), "adapters": names, "rate": args.rag_rate,
-            "runs": runs, "replay": [asdict(r) for r in replays],
-            "hit_rate_ratio_by_kv_blocks": ratios,
-            "hit_rate_ratio": ratios[str(args.kv_blocks[-1])]}
+    report: dict[str, Any] = {
+        "requests": len(requests), "adapters": names, "rate": args.rag_rate,
+        "runs": runs, "replay": replays, "hit_rate_ratio_by_kv_blocks": ratios,
+        "hit_rate_ratio": ratios[str(args.kv_blocks[-1])]}
+    if args.turns > 1:
+        kv_blocks = args.kv_blocks[-1]
+        conversations = routing_workload(num_requests, names, vocab_size, args.turns)
+        conversation_replays = _replays(conversations, names, [None, kv_blocks],
+                                        f"{args.turns}-turn conversations")
+        pair, ratio = _routing_pair(args, log_dir, kv_blocks, conversations, adapters,
+                                    f"{args.turns}-turn conversations")
+        report["conversations"] = {"turns": args.turns, "kv_blocks": kv_blocks, "runs": pair,
+                                   "replay": conversation_replays, "hit_rate_ratio": ratio}
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -249,6 +278,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rag-requests", type=int, default=120)
     parser.add_argument("--rag-rate", type=float, default=1.0)
     parser.add_argument("--max-loras", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=3,
+                        help="turns per conversation in the routing part's conversation "
+                             "workload, run at the last --kv-blocks size (1: skip it)")
     parser.add_argument("--kv-blocks", type=lambda v: [int(x) for x in v.split(",")],
                         default=[2048, 512],
                         help="KV blocks per instance in the routing part, comma-separated; "

@@ -2,8 +2,12 @@
 
 Documents are drawn with Zipf popularity, laid out in a stable order (ascending document id)
 so that requests retrieving the same documents share the longest possible prefix, and
-requests arrive as a Poisson process. ``theoretical_reuse`` computes, from the request list
-alone, the share of prompt tokens an unbounded prefix cache could serve.
+requests arrive as a Poisson process. With ``turns_per_session`` > 1 the requests are
+conversations over their retrieved documents (what a RAG chat backend serves): each
+follow-up's prompt is the previous turn's prompt + that turn's answer + a new question, so a
+conversation's own history is a prefix only the instance that served it has cached.
+``theoretical_reuse`` computes, from the request list alone, the share of prompt tokens an
+unbounded prefix cache could serve.
 """
 
 from __future__ import annotations
@@ -31,8 +35,16 @@ class RagSpec:
     """Mean arrivals per second (Poisson)."""
     shuffle_docs: bool = False
     """Random document order per request (the cache-unfriendly layout)."""
+    turns_per_session: int = 1
+    """Requests per conversation; 1 = independent single-turn requests."""
+    mean_turn_gap_s: float = 8.0
+    """Mean seconds between a conversation's turns (exponential: the user reads and types)."""
     vocab_size: int = 8192
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.turns_per_session < 1:
+            raise ValueError(f"turns_per_session must be >= 1, got {self.turns_per_session}")
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,8 @@ class RagRequest:
     output_len: int
     arrival_s: float
     doc_ids: tuple[int, ...]
+    session_id: int = 0
+    """The conversation this request belongs to (its index when turns_per_session is 1)."""
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -59,14 +73,19 @@ def _zipf_sample(rng: random.Random, weights: list[float], k: int) -> list[int]:
 
 
 def make_rag_workload(spec: RagSpec) -> list[RagRequest]:
+    """``spec.num_requests`` requests in arrival order. Conversations start as a Poisson
+    process at ``rate / turns_per_session`` (so requests arrive at ``rate`` on average) and
+    the first ``num_requests`` turns by arrival time are kept."""
     rng = random.Random(spec.seed)
     docs = [_tokens(rng, rng.randint(*spec.doc_len), spec.vocab_size)
             for _ in range(spec.num_documents)]
     system = _tokens(rng, spec.system_prompt_len, spec.vocab_size)
     weights = [1.0 / (rank + 1) ** spec.zipf_s for rank in range(spec.num_documents)]
-    t = 0.0
+    turns = spec.turns_per_session
+    num_sessions = -(-spec.num_requests // turns)
+    start = 0.0
     requests = []
-    for _ in range(spec.num_requests):
+    for session in range(num_sessions):
         doc_ids = _zipf_sample(rng, weights, spec.docs_per_request)
         if spec.shuffle_docs:
             rng.shuffle(doc_ids)
@@ -74,23 +93,35 @@ def make_rag_workload(spec: RagSpec) -> list[RagRequest]:
         for d in doc_ids:
             prompt.extend(docs[d])
         prompt.extend(_tokens(rng, rng.randint(*spec.question_len), spec.vocab_size))
-        requests.append(RagRequest(prompt, spec.output_len, t, tuple(doc_ids)))
-        t += rng.expovariate(spec.rate)
-    return requests
+        requests.append(RagRequest(prompt, spec.output_len, start, tuple(doc_ids), session))
+        arrival = start
+        for _ in range(turns - 1):
+            # The client sends back the answer it was shown; the benchmark's outputs are
+            # random tokens, so a stand-in answer of the same length takes their place.
+            prompt = [*prompt, *_tokens(rng, spec.output_len, spec.vocab_size),
+                      *_tokens(rng, rng.randint(*spec.question_len), spec.vocab_size)]
+            arrival += rng.expovariate(1.0 / spec.mean_turn_gap_s)
+            requests.append(RagRequest(prompt, spec.output_len, arrival, tuple(doc_ids),
+                                       session))
+        start += rng.expovariate(spec.rate / turns)
+    requests.sort(key=lambda r: r.arrival_s)
+    return requests[:spec.num_requests]
 
 
-def theoretical_reuse(requests: list[RagRequest], block_size: int) -> float:
+def theoretical_reuse(requests: list[RagRequest], block_size: int, warm: int = 0) -> float:
     """Share of prompt tokens that an unbounded, block-granular prefix cache could serve
-    (each hit capped at prompt_len - 1, as the engine caps it), in arrival order."""
+    (each hit capped at prompt_len - 1, as the engine caps it), in arrival order. The first
+    ``warm`` requests only fill the cache (a warm-up, not counted)."""
     seen: set[int] = set()
     reusable = total = 0
-    for request in requests:
+    for i, request in enumerate(requests):
         hashes = chain_hashes(request.prompt_token_ids, block_size)
         cap = (len(request.prompt_token_ids) - 1) // block_size
         hit = 0
         while hit < min(cap, len(hashes)) and hashes[hit] in seen:
             hit += 1
-        reusable += hit * block_size
-        total += len(request.prompt_token_ids)
+        if i >= warm:
+            reusable += hit * block_size
+            total += len(request.prompt_token_ids)
         seen.update(hashes)
     return reusable / total if total else 0.0

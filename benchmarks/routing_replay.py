@@ -39,11 +39,15 @@ class ReplayResult:
     hit_rate: float
 
 
-def routing_workload(num_requests: int, adapters: Sequence[str], vocab_size: int = 8192
-                     ) -> list[ServingRequest]:
-    """gateway_bench's routing workload: 32 documents, Zipf 1.1, adapters drawn uniformly."""
-    spec = RagSpec(num_requests=num_requests, num_documents=32, vocab_size=vocab_size, seed=4)
-    return assign_adapters(from_workload(make_rag_workload(spec)), adapters, seed=5)
+def routing_workload(num_requests: int, adapters: Sequence[str], vocab_size: int = 8192,
+                     turns_per_session: int = 1) -> list[ServingRequest]:
+    """gateway_bench's routing workload: 32 documents, Zipf 1.1, adapters drawn uniformly
+    (per conversation when ``turns_per_session`` > 1)."""
+    spec = RagSpec(num_requests=num_requests, num_documents=32, vocab_size=vocab_size, seed=4,
+                   turns_per_session=turns_per_session)
+    rag = make_rag_workload(spec)
+    sessions = [r.session_id for r in rag] if turns_per_session > 1 else None
+    return assign_adapters(from_workload(rag), adapters, seed=5, sessions=sessions)
 
 
 def replay(requests: Sequence[ServingRequest], adapters: Sequence[str], instances: int,
@@ -92,13 +96,15 @@ def main(argv: list[str] | None = None) -> list[ReplayResult]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=120)
     parser.add_argument("--instances", type=int, default=2)
+    parser.add_argument("--turns", type=int, default=1,
+                        help="requests per conversation (1 = single-turn RAG)")
     parser.add_argument("--kv-blocks", default="none,2048,512",
                         help="comma-separated blocks per instance; none = unbounded")
     args = parser.parse_args(argv)
     adapters = [f"bench-{i}" for i in range(8)]
     sizes = [None if v == "none" else int(v) for v in args.kv_blocks.split(",")]
-    results = replay_all(routing_workload(args.requests, adapters), adapters, args.instances,
-                         sizes)
+    requests = routing_workload(args.requests, adapters, turns_per_session=args.turns)
+    results = replay_all(requests, adapters, args.instances, sizes)
     print(f"{'KV blocks':>10} {'placement':>12} {'hit rate':>9} {'vs round_robin':>15}")
     for r in results:
         rr = next(x for x in results if x.kv_blocks == r.kv_blocks

@@ -133,13 +133,23 @@ def from_workload(requests: Sequence[BenchRequest | RagRequest]) -> list[Serving
 
 
 def assign_adapters(requests: Sequence[ServingRequest], adapters: Sequence[str],
-                    seed: int = 0) -> list[ServingRequest]:
+                    seed: int = 0, sessions: Sequence[int] | None = None
+                    ) -> list[ServingRequest]:
     """Each request gets one adapter drawn uniformly with a seeded generator (same seed,
-    same assignment); no adapters leaves the requests on the base model."""
+    same assignment); with ``sessions`` (one id per request) every request of a conversation
+    gets its conversation's adapter. No adapters leaves the requests on the base model."""
     if not adapters:
         return list(requests)
     rng = random.Random(seed)
-    return [replace(r, lora=rng.choice(adapters)) for r in requests]
+    if sessions is None:
+        return [replace(r, lora=rng.choice(adapters)) for r in requests]
+    by_session: dict[int, str] = {}
+    assigned = []
+    for request, session in zip(requests, sessions, strict=True):
+        if session not in by_session:
+            by_session[session] = rng.choice(adapters)
+        assigned.append(replace(request, lora=by_session[session]))
+    return assigned
 
 
 async def _scrape(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, float] | None:

@@ -77,6 +77,10 @@ def _gateway(r: dict[str, Any]) -> list[Row]:
         rows.append(Row("gateway", "prefix hit rate, router / round-robin (2 inst., KV "
                         "pressure)",
                         f"{r['routing']['hit_rate_ratio']:.2f}x", ">= 1.5x"))
+        if "conversations" in r["routing"]:
+            c = r["routing"]["conversations"]
+            rows.append(Row("gateway", f"same, {c['turns']}-turn RAG conversations",
+                            f"{c['hit_rate_ratio']:.2f}x", ">= 1.5x"))
     return rows
 
 

@@ -156,15 +156,27 @@ class Gateway:
         return min(sizes) if sizes else 0
 
     # ---------------------------------------------------------------- routing
-    def _candidates(self, job: Job, instances: list[Instance]) -> list[Candidate]:
-        matched: dict[str, int] = {}
+    def _prefix_chain(self, job: Job) -> list[tuple[int, int]] | None:
+        """The request's sparse chain in the router's prefix index (None: not routing by
+        prefix, no engine has reported its block size yet, or the adapter's digest is not
+        known yet: no engine has loaded it, so no engine can hold its blocks)."""
         index = self.pool.index
-        if index is not None and self.config.prefix_weight > 0:
-            digest = self.pool.digest_of(job.adapter) if job.adapter else None
-            lora = (job.adapter, digest) if job.adapter and digest else None
-            chain = index.request_chain(job.prompt_token_ids,
-                                        request_extra_keys(lora=lora, cache_salt=job.cache_salt))
-            matched = index.match(chain, [i.instance_id for i in instances])
+        if index is None or self.config.prefix_weight <= 0:
+            return None
+        lora = None
+        if job.adapter is not None:
+            digest = self.pool.digest_of(job.adapter)
+            if digest is None:
+                return None
+            lora = (job.adapter, digest)
+        return index.request_chain(job.prompt_token_ids,
+                                   request_extra_keys(lora=lora, cache_salt=job.cache_salt))
+
+    def _candidates(self, job: Job, instances: list[Instance],
+                    chain: list[tuple[int, int]] | None) -> list[Candidate]:
+        matched: dict[str, int] = {}
+        if chain is not None and self.pool.index is not None:
+            matched = self.pool.index.match(chain, [i.instance_id for i in instances])
         bound = max(1, int(self.config.max_in_flight_per_instance * job.admission_share))
         return [Candidate(
             instance_id=i.instance_id, in_flight=i.in_flight, max_in_flight=bound,
@@ -177,13 +189,16 @@ class Gateway:
         if not instances:
             raise ApiError(503, "no engine instance is ready; retry later", code="unavailable",
                            headers={"Retry-After": str(self.config.retry_after_s)})
-        decision = self.router.choose(self._candidates(job, instances), job.adapter,
+        chain = self._prefix_chain(job)
+        decision = self.router.choose(self._candidates(job, instances, chain), job.adapter,
                                       len(job.prompt_token_ids))
         if decision is None:
             raise ApiError(429, "every engine instance is at its admission limit; retry "
                            "later", code="overloaded",
                            headers={"Retry-After": str(self.config.retry_after_s)})
         self.metrics.routing.labels(decision.reason).inc()
+        if chain is not None and self.pool.index is not None:
+            self.pool.index.note_routed(decision.instance_id, chain)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s: %s", job.request_id, decision.explain())
         job.decision = decision

@@ -5,11 +5,20 @@ gateway hashes a request's prompt with the same function (prefix_cache.hashing) 
 for the deepest sparse hash each engine holds. A chain hash covers its whole prefix, so the
 deepest hit is the match length; eviction goes suffix-first, so a deeper hit without the
 shallower ones is rare and still a true match of the blocks it names.
+
+Publishes arrive with the gateway's next poll, after the engine has computed the blocks; a
+request that shares a prefix with one routed a moment ago (a burst on a new document, a
+chat's next turn sent quickly) would not see it yet. So the gateway also notes the chain of
+every request it routes (``note_routed``): those hashes count as held by that engine for
+``routed_ttl_s`` seconds, or until the engine's own publish confirms or withdraws them.
+This is the same bet as the prefix-aware routers that track what they sent where (SGLang's
+cache-aware router): an engine that was sent a prefix is about to have it cached.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from prefix_cache.cache import PrefixUpdate
@@ -19,15 +28,30 @@ from prefix_cache.hashing import ExtraKey, chain_hashes, sparse_chain
 @dataclass
 class _EngineEntry:
     hashes: set[int] = field(default_factory=set)
+    """Published and not withdrawn."""
+    routed: dict[int, float] = field(default_factory=dict)
+    """Noted by note_routed, not yet published: hash -> when noted. Insertion order is
+    noting order (a re-noted hash moves to the end), so expiry pops from the front."""
     cursor: int = 0
+
+    def expire(self, before: float) -> None:
+        while self.routed:
+            oldest = next(iter(self.routed))
+            if self.routed[oldest] >= before:
+                break
+            del self.routed[oldest]
 
 
 class PrefixIndex:
-    """Per-engine sets of published sparse hashes, kept current by apply()."""
+    """Per-engine sets of published sparse hashes, kept current by apply(), plus the
+    hashes of requests recently routed to each engine (note_routed)."""
 
-    def __init__(self, block_size: int, publish_every: int) -> None:
+    def __init__(self, block_size: int, publish_every: int, routed_ttl_s: float = 20.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         self.publish_every = publish_every
+        self.routed_ttl_s = routed_ttl_s
+        self._clock = clock
         self._engines: dict[str, _EngineEntry] = {}
 
     def cursor(self, engine_id: str) -> int:
@@ -42,10 +66,26 @@ class PrefixIndex:
         else:
             entry.hashes.update(update.added)
             entry.hashes.difference_update(update.removed)
+        # The engine's word replaces the guess: published hashes are held, withdrawn ones
+        # are gone whatever was routed there since.
+        for h in (*update.added, *update.removed):
+            entry.routed.pop(h, None)
+        entry.expire(self._clock() - self.routed_ttl_s)
         entry.cursor = update.cursor
 
+    def note_routed(self, engine_id: str, chain: Sequence[tuple[int, int]]) -> None:
+        """A request with this chain (from request_chain) was sent to engine_id: count its
+        hashes as held there until published, withdrawn or ``routed_ttl_s`` old."""
+        entry = self._engines.setdefault(engine_id, _EngineEntry())
+        now = self._clock()
+        entry.expire(now - self.routed_ttl_s)
+        for _, h in chain:
+            if h not in entry.hashes:
+                entry.routed.pop(h, None)
+                entry.routed[h] = now
+
     def size(self, engine_id: str) -> int:
-        """Sparse hashes engine_id has published and not withdrawn."""
+        """Sparse hashes engine_id has published and not withdrawn (routed ones aside)."""
         entry = self._engines.get(engine_id)
         return len(entry.hashes) if entry else 0
 
@@ -63,12 +103,13 @@ class PrefixIndex:
         """Matched prefix length in tokens per engine (0 when nothing matches)."""
         ids = list(self._engines) if engine_ids is None else list(engine_ids)
         result: dict[str, int] = {}
+        expired_before = self._clock() - self.routed_ttl_s
         for engine_id in ids:
             entry = self._engines.get(engine_id)
             matched = 0
             if entry is not None:
                 for index, h in reversed(chain):
-                    if h in entry.hashes:
+                    if h in entry.hashes or entry.routed.get(h, expired_before) > expired_before:
                         matched = (index + 1) * self.block_size
                         break
             result[engine_id] = matched

@@ -228,3 +228,26 @@ def test_overloaded_prefix_holder_sheds_to_the_other_instance(cluster: Cluster) 
         assert instances(cluster.gateway.url)[holder]["in_flight"] == 3, (
             "the long streams ended before the probe was routed")
     wait_quiet(cluster)
+
+
+def test_a_burst_on_a_new_prefix_stays_together(cluster: Cluster) -> None:
+    """No engine has published the prefix yet: the gateway's notes of what it just routed
+    keep the burst on one instance, where the document is computed once."""
+    wait_quiet(cluster)
+    prefix = random_tokens(3, PREFIX_LEN)
+    hits_before = {url: metric(httpx.get(url + "/metrics").text,
+                               "loragate_prefix_cache_hit_tokens_total") for url in cluster.urls}
+
+    def send(suffix: int) -> httpx.Response:
+        return complete(cluster, [*prefix, suffix, suffix + 1], max_tokens=16)
+
+    with ThreadPoolExecutor(3) as pool:
+        burst = list(pool.map(send, (20, 30, 40)))
+    assert len({r.headers["x-loragate-instance"] for r in burst}) == 1, [
+        r.headers["x-loragate-route"] for r in burst]
+    followers = [r for r in burst if route_reason(r) == "prefix"]
+    assert len(followers) == 2, [r.headers["x-loragate-route"] for r in burst]
+    assert all(" matched=256 " in r.headers["x-loragate-route"] for r in followers)
+    hits = sum(metric(httpx.get(url + "/metrics").text, "loragate_prefix_cache_hit_tokens_total")
+               - hits_before[url] for url in cluster.urls)
+    assert hits == 2 * PREFIX_LEN
