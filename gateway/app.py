@@ -80,7 +80,8 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0)
         async with aiohttp.ClientSession(connector=connector) as http:
             pool = InstancePool(engine_urls, http, config.eject_after_failures,
-                                {n: a.path for n, a in view.snapshot.adapters.items()})
+                                {n: a.path for n, a in view.snapshot.adapters.items()},
+                                config.routed_prefix_ttl_s)
             view.listeners.append(lambda snap: setattr(
                 pool, "adapter_paths", {n: a.path for n, a in snap.adapters.items()}))
             pool_holder["pool"] = pool

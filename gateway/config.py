@@ -45,6 +45,10 @@ class GatewayConfig:
     """Router: weight of load (in-flight / max_num_seqs + KV usage)."""
     imbalance: float = 0.5
     """Router: load gap beyond which an instance's prefix affinity stops counting."""
+    routed_prefix_ttl_s: float = 20.0
+    """Router: seconds a routed request's prompt counts as cached on its instance before
+    that engine publishes it (a burst on a new document, a chat's quick next turn); 0 trusts
+    only what engines published."""
     redis_url: str | None = None
     """Shared state (tenants, keys, adapters, rate-limit counters) in Redis, e.g.
     redis://127.0.0.1:6379/0, so several gateway replicas act as one; default: in memory."""
@@ -79,5 +83,7 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
-        if not all(w >= 0 for w in (self.prefix_weight, self.load_weight, self.imbalance)):
-            raise ValueError("prefix_weight, load_weight and imbalance must be >= 0")
+        if not all(w >= 0 for w in (self.prefix_weight, self.load_weight, self.imbalance,
+                                    self.routed_prefix_ttl_s)):
+            raise ValueError("prefix_weight, load_weight, imbalance and routed_prefix_ttl_s "
+                             "must be >= 0")

@@ -78,7 +78,8 @@ class InstancePool:
     """Engine instances, kept current by poll()."""
 
     def __init__(self, urls: list[str], http: aiohttp.ClientSession, eject_after: int = 2,
-                 adapters: dict[str, str] | None = None) -> None:
+                 adapters: dict[str, str] | None = None, routed_prefix_ttl_s: float = 20.0
+                 ) -> None:
         self._http = http
         self.instances: dict[str, Instance] = {}
         for url in urls:
@@ -88,6 +89,7 @@ class InstancePool:
         """Adapters registered on every instance: name -> PEFT directory (on the engines'
         filesystem)."""
         self.index: PrefixIndex | None = None
+        self.routed_prefix_ttl_s = routed_prefix_ttl_s
         self._cursors: dict[str, int] = {}
         self._registered: dict[str, set[str]] = {}
 
@@ -174,7 +176,8 @@ class InstancePool:
                                     a["running_requests"])
             for a in state["adapters"]}
         if self.index is None:
-            self.index = PrefixIndex(instance.block_size, instance.publish_every)
+            self.index = PrefixIndex(instance.block_size, instance.publish_every,
+                                     self.routed_prefix_ttl_s)
         prefix = state["prefix"]
         self.index.apply(instance.instance_id, PrefixUpdate(
             cursor=int(prefix["cursor"]), full=bool(prefix["full"]),

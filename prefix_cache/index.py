@@ -75,7 +75,9 @@ class PrefixIndex:
 
     def note_routed(self, engine_id: str, chain: Sequence[tuple[int, int]]) -> None:
         """A request with this chain (from request_chain) was sent to engine_id: count its
-        hashes as held there until published, withdrawn or ``routed_ttl_s`` old."""
+        hashes as held there until published, withdrawn or ``routed_ttl_s`` old (0: never)."""
+        if self.routed_ttl_s <= 0:
+            return
         entry = self._engines.setdefault(engine_id, _EngineEntry())
         now = self._clock()
         entry.expire(now - self.routed_ttl_s)

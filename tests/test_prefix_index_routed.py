@@ -75,3 +75,10 @@ def test_removing_an_engine_drops_its_routed_notes() -> None:
     index.note_routed("e0", index.request_chain(doc))
     index.remove_engine("e0")
     assert index.longest_match(index.request_chain(doc)) == (None, 0)
+
+
+def test_a_zero_ttl_trusts_only_publishes() -> None:
+    index = PrefixIndex(block_size=BS, publish_every=2, routed_ttl_s=0.0, clock=FakeClock())
+    doc = list(range(40))
+    index.note_routed("e0", index.request_chain(doc))
+    assert index.longest_match(index.request_chain(doc)) == (None, 0)

@@ -229,8 +229,12 @@ def test_gateway_config_defaults_are_valid() -> None:
     ({"startup_timeout_s": 0.0}, "startup_timeout_s must be > 0, got 0.0"),
     ({"drain_timeout_s": -5}, "drain_timeout_s must be > 0, got -5"),
     ({"retry_after_s": -1}, "retry_after_s must be >= 0, got -1"),
-    ({"prefix_weight": -0.5}, "prefix_weight, load_weight and imbalance must be >= 0"),
-    ({"imbalance": math.nan}, "prefix_weight, load_weight and imbalance must be >= 0"),
+    ({"prefix_weight": -0.5}, "prefix_weight, load_weight, imbalance and routed_prefix_ttl_s "
+                              "must be >= 0"),
+    ({"imbalance": math.nan}, "prefix_weight, load_weight, imbalance and routed_prefix_ttl_s "
+                              "must be >= 0"),
+    ({"routed_prefix_ttl_s": -1.0}, "prefix_weight, load_weight, imbalance and "
+                                    "routed_prefix_ttl_s must be >= 0"),
 ])
 def test_gateway_config_refuses_bad_values(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
