@@ -27,8 +27,9 @@ def _throughput(r: dict[str, Any], ax: Axes) -> None:
 
 
 def _prefix(r: dict[str, Any], ax: Axes) -> None:
-    rows = [x for x in r["results"] if x["phase"] == "throughput"]
-    _bars(ax, [f"{x['layout']} {x['mode']}" for x in rows],
+    rows = [x for x in r["results"] if x["phase"] in ("throughput", "warm throughput")]
+    _bars(ax, [f"{x['layout']} {x['mode']}{' warm' if x['phase'].startswith('warm') else ''}"
+               for x in rows],
           [x["throughput_rps"] for x in rows], "requests/s (all at once)",
           "RAG prefix caching: capacity by mode")
 
@@ -68,8 +69,13 @@ def _rate(r: dict[str, Any], ax: Axes) -> None:
 
 
 def _gateway(r: dict[str, Any], ax: Axes) -> None:
-    runs = r.get("routing", {}).get("runs", [])
-    _bars(ax, [f"{x['instances']}x {x['policy']}, {x.get('kv_blocks', '?')} blk" for x in runs],
+    routing = r.get("routing", {})
+    runs = routing.get("runs", [])
+    conversations = routing.get("conversations", {}).get("runs", [])
+    labels = [f"{x['instances']}x {x['policy']}, {x.get('kv_blocks', '?')} blk" for x in runs]
+    labels += [f"chat 2x {x['policy']}, {x.get('kv_blocks', '?')} blk" for x in conversations]
+    runs = runs + conversations
+    _bars(ax, labels,
           [x.get("prefix_hit_rate", 0.0) for x in runs], "prefix hit rate",
           "routing: hit rate by policy")
 
