@@ -20,9 +20,10 @@
    what an instance keeps cached depends on which adapters' traffic it is sent. Beside the
    live runs, benchmarks/routing_replay.py replays the same request list against idealized
    caches: what one shared cache, round-robin and adapter-partitioned placement would get.
-   Then the same pair of runs at the pressured size on conversations (``--turns``, default
-   3): RAG chat, where each follow-up is the previous turn's prompt + answer + a question
-   on the same documents, so a conversation's history is cached only where it was served.
+   Then the same runs (2 instances each way, 1 instance) at the pressured size on
+   conversations (``--turns``, default 3): RAG chat, where each follow-up is the previous
+   turn's prompt + answer + a question on the same documents, so a conversation's history
+   is cached only where it was served.
 
 Engines and the gateway are real processes on loopback ports (`loragate engine`,
 `loragate serve --engine URL`). On a small CPU box every instance shares the same cores, so
@@ -264,8 +265,10 @@ def routing(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                                         f"{args.turns}-turn conversations")
         pair, ratio = _routing_pair(args, log_dir, kv_blocks, conversations, adapters,
                                     f"{args.turns}-turn conversations")
-        report["conversations"] = {"turns": args.turns, "kv_blocks": kv_blocks, "runs": pair,
-                                   "replay": conversation_replays, "hit_rate_ratio": ratio}
+        single = routing_run(args, log_dir, 1, "score", kv_blocks, conversations, adapters)
+        report["conversations"] = {"turns": args.turns, "kv_blocks": kv_blocks,
+                                   "runs": [*pair, single], "replay": conversation_replays,
+                                   "hit_rate_ratio": ratio}
     return report
 
 
