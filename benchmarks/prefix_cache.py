@@ -52,6 +52,11 @@ class ModeResult:
     makespan_s: float
 
 
+def _greedy(request: RagRequest) -> SamplingParams:
+    """Exactly the request's output length, greedy (the same work in every mode)."""
+    return SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+
+
 def run_mode(model: str, mode: str, requests: list[RagRequest], layout: str,
              engine_kwargs: dict[str, object], rate: float | None = None,
              warmup: list[RagRequest] | None = None) -> ModeResult:
@@ -68,8 +73,7 @@ def run_mode(model: str, mode: str, requests: list[RagRequest], layout: str,
     engine.add_request("warmup", list(range(100, 400)), SamplingParams(max_tokens=4,
                                                                        ignore_eos=True))
     for i, r in enumerate(warmup):
-        engine.add_request(f"warm-{i}", r.prompt_token_ids, SamplingParams(
-            max_tokens=r.output_len, temperature=0.0, ignore_eos=True))
+        engine.add_request(f"warm-{i}", r.prompt_token_ids, _greedy(r))
     while engine.has_unfinished_requests():
         engine.step()
     before = engine.stats()
@@ -82,9 +86,8 @@ def run_mode(model: str, mode: str, requests: list[RagRequest], layout: str,
         now = time.monotonic()
         while pending and start + pending[0][1].arrival_s <= now:
             i, r = pending.pop(0)
-            engine.add_request(f"rag-{i}", r.prompt_token_ids, SamplingParams(
-                max_tokens=r.output_len, temperature=0.0, ignore_eos=True),
-                arrival_time=start + r.arrival_s)
+            engine.add_request(f"rag-{i}", r.prompt_token_ids, _greedy(r),
+                               arrival_time=start + r.arrival_s)
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, start + pending[0][1].arrival_s - time.monotonic()))
             continue
