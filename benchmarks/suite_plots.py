@@ -28,8 +28,8 @@ def _throughput(r: dict[str, Any], ax: Axes) -> None:
 
 def _prefix(r: dict[str, Any], ax: Axes) -> None:
     rows = [x for x in r["results"] if x["phase"] in ("throughput", "warm throughput")]
-    _bars(ax, [f"{x['layout']} {x['mode']}{' warm' if x['phase'].startswith('warm') else ''}"
-               for x in rows],
+    _bars(ax, [f"{'wide ' if x.get('model') == 'wide' else ''}{x['layout']} {x['mode']}"
+               f"{' warm' if x['phase'].startswith('warm') else ''}" for x in rows],
           [x["throughput_rps"] for x in rows], "requests/s (all at once)",
           "RAG prefix caching: capacity by mode")
 

@@ -41,6 +41,12 @@ def _prefix(r: dict[str, Any]) -> list[Row]:
     if s.get("warm_throughput_on_over_off") is not None:
         rows.append(Row("prefix", f"throughput on / off, steady state ({s['warm_requests']} "
                         "warm-up requests)", f"{s['warm_throughput_on_over_off']:.2f}x", ">= 3x"))
+    if s.get("wide_throughput_on_over_off") is not None:
+        rows.append(Row("prefix", "wide shape: throughput on / off, cold cache",
+                        f"{s['wide_throughput_on_over_off']:.2f}x", ">= 3x"))
+    if s.get("wide_warm_throughput_on_over_off") is not None:
+        rows.append(Row("prefix", "wide shape: throughput on / off, steady state",
+                        f"{s['wide_warm_throughput_on_over_off']:.2f}x", ">= 3x"))
     rows.append(Row("prefix", "shuffled document order: hit rate",
                     f"{s['shuffled_hit_rate']:.1%}", "(report)"))
     return rows

@@ -8,6 +8,7 @@ environment, which wins over the file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -15,18 +16,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+DEMO_SIZE_FLAGS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                   "num_kv_heads", "max_position_embeddings", "seed")
+"""make-demo's flags, one per DemoModelSpec field."""
+
 DEMO_HOME = Path(os.environ.get("LORAGATE_HOME", Path.home() / ".cache" / "loragate"))
 
 
 def _make_demo(args: argparse.Namespace) -> int:
-    from engine.demo_model import DemoModelSpec, make_demo_adapters, make_demo_model
+    from engine.demo_model import SHAPES, make_demo_adapters, make_demo_model
 
-    spec = DemoModelSpec(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size, num_layers=args.num_layers,
-        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-        max_position_embeddings=args.max_position_embeddings, seed=args.seed,
-    )
+    # The shape gives the defaults; every size flag given overrides its field.
+    overrides = {name: getattr(args, name) for name in DEMO_SIZE_FLAGS
+                 if getattr(args, name) is not None}
+    spec = dataclasses.replace(SHAPES[args.shape], **overrides)
     out = make_demo_model(args.dir, spec)
     print(f"demo model written to {out}")
     for path in make_demo_adapters(out, args.adapters, seed=args.seed):
@@ -194,7 +197,7 @@ def _add_adapter_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.demo_model import DemoModelSpec
+    from engine.demo_model import SHAPES
 
     parser = argparse.ArgumentParser(
         prog="loragate", description="Serve one base LLM with many LoRA adapters.")
@@ -203,12 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("make-demo", help="write a seeded random-weight Llama model with a "
                           "trained BPE tokenizer (HF format) into DIR")
     demo.add_argument("dir")
-    defaults = DemoModelSpec()
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "max_position_embeddings", "seed"):
-        demo.add_argument(f"--{name.replace('_', '-')}", type=int,
-                          default=getattr(defaults, name),
-                          help=f"(default {getattr(defaults, name)})")
+    demo.add_argument("--shape", choices=sorted(SHAPES), default="demo",
+                      help="named sizes: demo (~32M params, the default) or wide (hidden "
+                           "1024, head_dim 128, GQA 4:1: attention's share of a long-context "
+                           "token closer to a real model's); the flags below override them")
+    for name in DEMO_SIZE_FLAGS:
+        demo.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                          help=f"(demo {getattr(SHAPES['demo'], name)}, wide "
+                               f"{getattr(SHAPES['wide'], name)})")
     demo.add_argument("--adapters", type=int, default=4,
                       help="seeded random PEFT LoRA adapters to write under DIR/adapters "
                            "(ranks 8 and 16; default 4)")
