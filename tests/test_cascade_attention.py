@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from engine import cascade_attention
 from engine.attention import build_attention_metadata, paged_attention
 from engine.cascade_attention import (
     CascadeRequest,
@@ -53,7 +54,11 @@ def _batch(rng: random.Random, num_blocks: int, shared_pool: int
 
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
-def test_cascade_matches_reference(seed: int, heads: tuple[int, int]) -> None:
+@pytest.mark.parametrize("piece_rows", [128, 3])
+def test_cascade_matches_reference(seed: int, heads: tuple[int, int], piece_rows: int,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # 3-row pieces split most of the 2-9-row chunks: earlier pieces' keys become a node.
+    monkeypatch.setattr(cascade_attention, "FRESH_PIECE_ROWS", piece_rows)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_heads, num_kv_heads = heads
@@ -88,10 +93,11 @@ def test_shared_blocks_are_read_once() -> None:
 
     def blocks(span: KeySpan) -> list[int]:
         first, last = span.start // BLOCK, -(-(span.start + span.length) // BLOCK)
-        return list(range(first, last)) if span.in_place else gathered[first:last]
+        return list(range(first, last)) if span.source == "cache" else gathered[first:last]
 
     nodes = sorted((sorted(n.query_rows.tolist()),
-                    [(blocks(s), s.in_place, s.length) for s in n.spans]) for n in plan.nodes)
+                    [(blocks(s), s.source == "cache", s.length) for s in n.spans])
+                   for n in plan.nodes)
     assert nodes == [
         ([0], [([10], False, 2)]),
         ([0, 1], [([3], False, 4)]),
@@ -101,6 +107,17 @@ def test_shared_blocks_are_read_once() -> None:
     ]
     assert sorted(plan.gather_blocks.tolist()) == [3, 10, 11, 12]
     assert plan.fresh == [(2, 5)]
+
+
+def test_a_long_chunk_runs_in_pieces_over_its_earlier_rows() -> None:
+    # Rows 2-6 are one 5-row chunk: pieces of 2 rows; pieces 2 and 3 read rows 2-3 and 2-5
+    # of the step's own K/V without a mask, and each piece its own rows causally.
+    plan = build_cascade_plan([CascadeRequest([0, 1], 0, 2, 5, fresh=True)], BLOCK, CPU,
+                              fresh_piece_rows=2)
+    assert plan.fresh == [(2, 2), (4, 2), (6, 1)]
+    assert [(n.query_rows.tolist(), n.spans) for n in plan.nodes] == [
+        ([4, 5], [KeySpan("step", 2, 2)]), ([6], [KeySpan("step", 2, 4)])]
+    assert plan.merge_rows.tolist() == [4, 5, 6, 2, 3, 4, 5, 6]
 
 
 def test_sliding_window_keeps_the_reference_path() -> None:
