@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora.adapter import SUPPORTED_MODULES, LoraAdapter, module_dims
-from lora.ops import LoraBatchMetadata, expand, shrink
+from lora.ops import LoraBatchMetadata, add_lora
 
 if TYPE_CHECKING:  # llama.py imports this module for LoraLinear
     from engine.models.llama import LlamaForFlatBatch
@@ -37,7 +37,7 @@ class LoraLinear(nn.Linear):
         y = F.linear(x, self.weight, self.bias)
         if lora is not None and lora.num_segments and self.lora_a is not None:
             assert self.lora_b is not None
-            expand(shrink(x, self.lora_a, lora), self.lora_b, lora, y)
+            add_lora(x, self.lora_a, self.lora_b, lora, y)
         return y
 
 

@@ -3,6 +3,7 @@
     meta = build_lora_metadata(token_slots, device)   # once per step
     t = shrink(x, lora_a, meta)                        # t[r]  = x[r] @ lora_a[slot(r)].T
     expand(t, lora_b, meta, y)                         # y[r] += t[r] @ lora_b[slot(r)].T
+    add_lora(x, lora_a, lora_b, meta, y)               # both (the torch path fuses them)
 
 Two backends with the same semantics: "triton" (lora.ops.sgmv_triton, one launch per op)
 and "torch" (lora.ops.sgmv_reference, one matmul per distinct slot). With backend="auto",
@@ -20,7 +21,7 @@ from typing import Literal, get_args
 import torch
 
 from lora.ops.metadata import HostSegment, LoraBatchMetadata, build_lora_metadata
-from lora.ops.sgmv_reference import expand_reference, shrink_reference
+from lora.ops.sgmv_reference import add_lora_reference, expand_reference, shrink_reference
 
 Backend = Literal["auto", "torch", "triton"]
 BACKEND_ENV = "LORAGATE_LORA_BACKEND"
@@ -30,6 +31,8 @@ __all__ = [
     "Backend",
     "HostSegment",
     "LoraBatchMetadata",
+    "add_lora",
+    "add_lora_reference",
     "build_lora_metadata",
     "expand",
     "expand_reference",
@@ -89,3 +92,16 @@ def expand(t: torch.Tensor, lora_b: torch.Tensor, meta: LoraBatchMetadata, y: to
         sgmv_expand(t, lora_b, meta, y)
         return
     expand_reference(t, lora_b, meta, y)
+
+
+def add_lora(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             meta: LoraBatchMetadata, y: torch.Tensor, *, backend: Backend = "auto") -> None:
+    """y[r, :] += (x[r, :] @ lora_a[slot(r)].T) @ lora_b[slot(r)].T in place for every LoRA
+    token r: shrink then expand (Triton: the two kernels; torch: one fused pass).
+
+    x [T, H_in], lora_a [num_slots, R, H_in], lora_b [num_slots, H_out, R], y [T, H_out].
+    """
+    if resolve_backend(backend, x.device) == "triton":
+        expand(shrink(x, lora_a, meta, backend="triton"), lora_b, meta, y, backend="triton")
+        return
+    add_lora_reference(x, lora_a, lora_b, meta, y)

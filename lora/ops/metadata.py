@@ -20,6 +20,11 @@ holes; with the example (T = 8, longest segment 3):
     padded_valid      = [ 0  1  2 | 3 |       6  7  8 ]   positions of real rows, in the
                                                           order of sorted_token_ids
 
+For the torch path's fused op (shrink and expand in one pass), runs of at least
+IN_PLACE_MIN_ROWS consecutive rows of one slot (a prefill chunk) are listed in
+`in_place_runs`, to be sliced in place; `rest` is the metadata of the other rows (decodes,
+short chunks) alone, built by the same function with the runs' rows taken out.
+
 The device arrays travel in one host-to-device copy; `host_segments` mirrors them on the host
 so the torch path and the launchers never read a device tensor back (no sync per layer).
 This module also holds the argument checks shared by the torch and Triton paths.
@@ -33,6 +38,10 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+IN_PLACE_MIN_ROWS = 16
+"""Shortest run of consecutive same-slot rows the fused torch path slices in place rather
+than gathers (a gather and scatter-add of a few rows costs less than two more matmul calls)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +78,11 @@ class LoraBatchMetadata:
     Grouped layout (device, int64; see the module docstring):
         padded_rows:      [num_segments * max_seg_len]
         padded_valid:     [num_lora_tokens]
+    Fused torch path (see the module docstring):
+        in_place_runs:    runs of >= IN_PLACE_MIN_ROWS consecutive rows of one slot
+                          (``start`` is -1: they are addressed by row only)
+        rest:             metadata of every other LoRA row; None when there is no run
+                          (then the rest is this metadata itself)
     """
 
     sorted_token_ids: torch.Tensor
@@ -82,6 +96,8 @@ class LoraBatchMetadata:
     host_segments: tuple[HostSegment, ...]
     padded_rows: torch.Tensor
     padded_valid: torch.Tensor
+    in_place_runs: tuple[HostSegment, ...] = ()
+    rest: LoraBatchMetadata | None = None
 
     @property
     def padding_ratio(self) -> float:
@@ -100,13 +116,15 @@ class LoraBatchMetadata:
 
 
 def build_lora_metadata(
-    token_slots: Sequence[int] | torch.Tensor, device: torch.device | str
+    token_slots: Sequence[int] | torch.Tensor, device: torch.device | str,
+    find_runs: bool = True,
 ) -> LoraBatchMetadata:
     """Group the flat batch's tokens by adapter slot.
 
     token_slots[t] is the slot of flat-batch token t, or -1 for no adapter. Tokens of one
     request are contiguous but the batch need not be sorted by slot. Raises ValueError for
-    a non-1-D or non-integer input or a slot below -1.
+    a non-1-D or non-integer input or a slot below -1. find_runs: also list the long runs
+    and the rest's metadata (the fused torch path's layout).
     """
     if isinstance(token_slots, torch.Tensor):
         if token_slots.dtype.is_floating_point or token_slots.dtype == torch.bool:
@@ -147,6 +165,28 @@ def build_lora_metadata(
     padded_rows = torch.full((s * max_len,), slots.numel(), dtype=torch.int64)
     padded_rows[padded_valid] = sorted_ids
 
+    in_place_runs: tuple[HostSegment, ...] = ()
+    rest = None
+    if find_runs and n >= IN_PLACE_MIN_ROWS:
+        # A run breaks where the slot changes or the next sorted row is not the next row.
+        sorted_slots = slots[sorted_ids]
+        breaks = torch.ones(n, dtype=torch.bool)
+        breaks[1:] = (sorted_slots[1:] != sorted_slots[:-1]) | (sorted_ids[1:]
+                                                                != sorted_ids[:-1] + 1)
+        run_starts = torch.nonzero(breaks).squeeze(1)
+        run_lens = torch.diff(run_starts, append=torch.tensor([n]))
+        long = run_lens >= IN_PLACE_MIN_ROWS
+        if bool(long.any()):
+            firsts = sorted_ids[run_starts[long]]
+            in_place_runs = tuple(
+                HostSegment(slot, -1, length, row, True) for slot, length, row in zip(
+                    sorted_slots[run_starts[long]].tolist(), run_lens[long].tolist(),
+                    firsts.tolist(), strict=True))
+            rest_slots = slots.clone()
+            for run in in_place_runs:
+                rest_slots[run.row_start:run.row_start + run.length] = -1
+            rest = build_lora_metadata(rest_slots, device, find_runs=False)
+
     # One transfer for all arrays, then views into it.
     packed = torch.cat([sorted_ids, seg_starts, seg_lens, seg_slots, padded_valid,
                         padded_rows]).to(device)
@@ -162,6 +202,8 @@ def build_lora_metadata(
         host_segments=host_segments,
         padded_valid=packed[n + 3 * s:2 * n + 3 * s],
         padded_rows=packed[2 * n + 3 * s:],
+        in_place_runs=in_place_runs,
+        rest=rest,
     )
 
 

@@ -27,6 +27,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 ShrinkFn = Callable[..., torch.Tensor]
 ExpandFn = Callable[..., None]
+AddFn = Callable[..., None]
 
 
 
@@ -115,3 +116,16 @@ def check_ops(shrink_fn: ShrinkFn, expand_fn: ExpandFn, token_slots: list[int],
     y = tensors["y0"].clone()
     expand_fn(shrink_fn(tensors["x"], tensors["lora_a"], meta), tensors["lora_b"], meta, y)
     torch.testing.assert_close(y.float().cpu(), y_ref, rtol=2 * tol, atol=2 * tol)
+
+
+def check_add(add_fn: AddFn, token_slots: list[int], dtype: torch.dtype, device: str) -> None:
+    """The fused op (shrink then expand in one call) against the oracle's y."""
+    tensors = make_tensors(len(token_slots), H_IN, H_OUT, RANK, dtype, device)
+    meta = build_lora_metadata(token_slots, device)
+    _, y_ref = oracle(tensors, token_slots)
+    no_lora = torch.tensor([s < 0 for s in token_slots], dtype=torch.bool)
+    y = tensors["y0"].clone()
+    add_fn(tensors["x"], tensors["lora_a"], tensors["lora_b"], meta, y)
+    tol = 2 * TOL[dtype]
+    torch.testing.assert_close(y.float().cpu(), y_ref, rtol=tol, atol=tol)
+    assert torch.equal(y.cpu()[no_lora], tensors["y0"].cpu()[no_lora])  # untouched

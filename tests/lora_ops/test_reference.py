@@ -13,6 +13,7 @@ from lora.ops import (
     Backend,
     HostSegment,
     LoraBatchMetadata,
+    add_lora_reference,
     build_lora_metadata,
     expand,
     expand_reference,
@@ -27,6 +28,7 @@ from tests.lora_ops.oracle import (
     POPULARITIES,
     RANK,
     TOKEN_COUNTS,
+    check_add,
     check_ops,
     make_tensors,
     make_token_slots,
@@ -107,6 +109,43 @@ def test_reference_matches_oracle(popularity: str, num_tokens: int, layout: str,
                                   dtype: torch.dtype) -> None:
     check_ops(shrink_reference, expand_reference,
               make_token_slots(popularity, num_tokens, layout), dtype, "cpu")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_reference_matches_oracle(popularity: str, num_tokens: int, layout: str,
+                                        dtype: torch.dtype) -> None:
+    check_add(add_lora_reference, make_token_slots(popularity, num_tokens, layout), dtype, "cpu")
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per_segment"])
+def test_fused_reference_on_a_mixed_step(grouped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes over every slot, then two prefill chunks: the chunks are sliced in place,
+    the decodes gathered (grouped or per slot) and added back."""
+    from lora.ops import sgmv_reference
+
+    monkeypatch.setattr(sgmv_reference, "GROUPED_MIN_SEGMENTS", 1 if grouped else 10**9)
+    slots = [i % 6 for i in range(30)] + [-1] * 3 + [2] * 40 + [5] * 17 + [4] * 5
+    meta = build_lora_metadata(slots, "cpu")
+    assert [(r.slot, r.row_start, r.length) for r in meta.in_place_runs] == [(2, 33, 40),
+                                                                            (5, 73, 17)]
+    assert meta.rest is not None and meta.rest.num_lora_tokens == 35
+    assert sgmv_reference._grouped(meta.rest) is grouped
+    check_add(add_lora_reference, slots, torch.float32, "cpu")
+
+
+def test_metadata_lists_long_runs_and_the_rest() -> None:
+    # Rows 0-19: slot 2 (one run, in place); 20: slot 0; 21-23: slot 1; 24: slot 2 again.
+    meta = build_lora_metadata([2] * 20 + [0, 1, 1, 1, 2], "cpu")
+    assert meta.in_place_runs == (HostSegment(slot=2, start=-1, length=20, row_start=0,
+                                              contiguous=True),)
+    assert meta.rest is not None and meta.rest.in_place_runs == () and meta.rest.rest is None
+    assert meta.rest.sorted_token_ids.tolist() == [20, 21, 22, 23, 24]
+    assert meta.rest.seg_slots.tolist() == [0, 1, 2]
+    short = build_lora_metadata([2] * 15 + [0], "cpu")
+    assert short.in_place_runs == () and short.rest is None
 
 
 def test_reference_without_lora_tokens_is_a_no_op() -> None:
