@@ -9,6 +9,10 @@ Triton kernels are tested against. Two forms, chosen per call, same results:
   ops instead of three per slot (on a CPU, per-op overhead dominates those tiny matmuls).
   Used when there are several segments and padding at most doubles the rows.
 Both multiply in the input dtype (torch accumulates low-precision matmuls in fp32).
+
+The model's layers call add_lora_reference, shrink and expand fused: prefill chunks (long
+runs of one slot's rows) are sliced in place and only the other rows take the forms above,
+gathered once and added back once per projection.
 """
 
 from __future__ import annotations
