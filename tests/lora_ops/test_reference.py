@@ -105,19 +105,14 @@ def test_metadata_rejects_bad_slots(token_slots: list[int] | torch.Tensor, messa
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
 @pytest.mark.parametrize("popularity", POPULARITIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fused", [False, True], ids=["shrink_expand", "fused"])
 def test_reference_matches_oracle(popularity: str, num_tokens: int, layout: str,
-                                  dtype: torch.dtype) -> None:
-    check_ops(shrink_reference, expand_reference,
-              make_token_slots(popularity, num_tokens, layout), dtype, "cpu")
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
-@pytest.mark.parametrize("popularity", POPULARITIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_reference_matches_oracle(popularity: str, num_tokens: int, layout: str,
-                                        dtype: torch.dtype) -> None:
-    check_add(add_lora_reference, make_token_slots(popularity, num_tokens, layout), dtype, "cpu")
+                                  dtype: torch.dtype, fused: bool) -> None:
+    slots = make_token_slots(popularity, num_tokens, layout)
+    if fused:
+        check_add(add_lora_reference, slots, dtype, "cpu")
+    else:
+        check_ops(shrink_reference, expand_reference, slots, dtype, "cpu")
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per_segment"])
