@@ -13,6 +13,7 @@ from lora.ops import (
     Backend,
     HostSegment,
     LoraBatchMetadata,
+    add_lora,
     add_lora_reference,
     build_lora_metadata,
     expand,
@@ -195,5 +196,10 @@ def test_dispatcher_matches_oracle(request: pytest.FixtureRequest,
                   y: torch.Tensor) -> None:
         expand(t, lora_b, meta, y, backend=chosen)
 
+    def add_fn(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+               meta: LoraBatchMetadata, y: torch.Tensor) -> None:
+        add_lora(x, lora_a, lora_b, meta, y, backend=chosen)
+
     check_ops(shrink_fn, expand_fn, make_token_slots("zipf", 133, "decode"), torch.float32,
               "cpu")
+    check_add(add_fn, make_token_slots("zipf", 133, "prefill"), torch.float32, "cpu")
