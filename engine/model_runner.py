@@ -14,7 +14,7 @@ from engine.models.llama import LlamaForFlatBatch
 from engine.sampler import Sampler
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from lora.layers import LoraSlots
-from lora.ops import LoraBatchMetadata, build_lora_metadata
+from lora.ops import LoraBatchMetadata, build_lora_metadata, resolve_backend
 
 
 @dataclass
@@ -123,7 +123,9 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             meta,
             torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
-            build_lora_metadata(token_slots, self.device)
+            # The runs and rest layout serve only the torch path's fused op.
+            build_lora_metadata(token_slots, self.device,
+                                find_runs=resolve_backend("auto", self.device) == "torch")
             if any(s >= 0 for s in token_slots) else None,
         )
 
