@@ -148,8 +148,8 @@ def _workloads(spec: RagSpec, model: str, num_warm: int
     return drawn[:spec.num_requests], drawn[spec.num_requests:], shuffled
 
 
-def _capacity_ratios(capacity: dict[str, ModeResult], warm: dict[str, ModeResult],
-                     prefix: str = "") -> dict[str, float]:
+def _capacity_ratios(capacity: dict[str, ModeResult], warm: dict[str, ModeResult]
+                     ) -> dict[str, float]:
     """Capacity on/off and prompt tokens computed off/on, cold and (if run) steady state."""
     off = capacity["off"]
     ratios = {
@@ -164,20 +164,20 @@ def _capacity_ratios(capacity: dict[str, ModeResult], warm: dict[str, ModeResult
             "warm_prompt_tokens_computed_off_over_on": off.prompt_tokens_computed
             / max(1, warm["on"].prompt_tokens_computed),
         })
-    return {prefix + key: value for key, value in ratios.items()}
+    return ratios
 
 
 def _print_capacity(label: str, ratios: dict[str, float], warm: dict[str, ModeResult],
-                    num_warm: int, prefix: str = "") -> None:
+                    num_warm: int) -> None:
     print(f"{label}: throughput on/off (capacity, cold cache): "
-          f"{ratios[prefix + 'throughput_on_over_off']:.2f}x (target >= 3x); prompt tokens "
-          f"computed off/on {ratios[prefix + 'prompt_tokens_computed_off_over_on']:.2f}x")
+          f"{ratios['throughput_on_over_off']:.2f}x (target >= 3x); prompt tokens "
+          f"computed off/on {ratios['prompt_tokens_computed_off_over_on']:.2f}x")
     if "on" in warm:
         print(f"{label}: steady state (after {num_warm} warm-up requests): hit rate "
               f"{warm['on'].hit_rate:.1%} of {warm['on'].theoretical_reuse:.1%} theoretical; "
-              f"throughput on/off {ratios[prefix + 'warm_throughput_on_over_off']:.2f}x "
+              f"throughput on/off {ratios['warm_throughput_on_over_off']:.2f}x "
               f"(target >= 3x); prompt tokens computed off/on "
-              f"{ratios[prefix + 'warm_prompt_tokens_computed_off_over_on']:.2f}x")
+              f"{ratios['warm_prompt_tokens_computed_off_over_on']:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -258,25 +258,26 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     on = latency.get("on")
     off = latency.get("off")
+    ratios = _capacity_ratios(capacity, warm)
+    wide_ratios = _capacity_ratios(wide_capacity, wide_warm) if wide_capacity else {}
     summary: dict[str, object] = {
         "latency_rate_rps": rate,
         "auto_hit_rate": capacity["auto"].hit_rate if "auto" in capacity else None,
         "hit_rate_over_theoretical": capacity["on"].hit_rate / capacity["on"].theoretical_reuse,
         "ttft_p50_on_over_off": on.ttft_p50_s / off.ttft_p50_s if on and off else None,
-        **_capacity_ratios(capacity, warm),
+        **ratios,
         "shuffled_hit_rate": shuffled_results[0].hit_rate if shuffled_results else None,
         "warm_requests": len(warm_up),
     }
-    wide_ratios = _capacity_ratios(wide_capacity, wide_warm, "wide_") if wide_capacity else {}
-    summary.update(wide_ratios)
+    summary.update({f"wide_{key}": value for key, value in wide_ratios.items()})
     print(f"\nhit rate / theoretical: {summary['hit_rate_over_theoretical']:.3f} "
           f"(target >= 0.95)")
     if summary["ttft_p50_on_over_off"] is not None:
         print(f"TTFT p50 on/off at {rate:.3f} req/s: {summary['ttft_p50_on_over_off']:.3f} "
               f"(target <= 0.25)")
-    _print_capacity("--model", _capacity_ratios(capacity, warm), warm, len(warm_up))
+    _print_capacity("--model", ratios, warm, len(warm_up))
     if wide_ratios:
-        _print_capacity("wide shape", wide_ratios, wide_warm, len(warm_up), "wide_")
+        _print_capacity("wide shape", wide_ratios, wide_warm, len(warm_up))
     if summary["shuffled_hit_rate"] is not None:
         print(f"shuffled layout hit rate: {summary['shuffled_hit_rate']:.1%} "
               f"(stable: {capacity['on'].hit_rate:.1%})")
