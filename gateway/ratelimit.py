@@ -94,6 +94,12 @@ class RateLimiter:
         self._in_flight[tenant.tenant_id] = self._in_flight.get(tenant.tenant_id, 0) + 1
         return Ticket(principal, admission.window, store)
 
+    async def reserve(self, ticket: Ticket | None, tokens: int) -> None:
+        """Claim ``tokens`` (prompt + max_tokens) of the tenant's TPM for an admitted request,
+        after it was tokenized; ApiError 429 when the tenant's token budget cannot hold
+        them now. release() later refunds what the request did not use."""
+        return None
+
     async def release(self, ticket: Ticket | None, tokens: int, reached_engine: bool) -> None:
         """End a ticket: charge its tokens, or refund it if it never reached an engine."""
         if ticket is None or ticket.released:
