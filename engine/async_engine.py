@@ -3,6 +3,12 @@
 Only the engine thread touches LLMEngine state. Event-loop code talks to it through a
 command queue (add / abort) and gets outputs back through per-request asyncio queues fed
 with call_soon_threadsafe, so the event loop never waits on a forward pass.
+
+Nothing a client does can stop the engine thread: a command whose caller went away
+(cancelled future) is skipped, never half-applied; a failed step fails only the request
+that caused it (engine/fault_isolation.py); an unexpected error between steps fails the
+requests in flight with a generic message and the loop goes on. Should the loop die anyway,
+``on_fatal`` is called (the engine server exits non-zero, so a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -26,10 +32,17 @@ from lora.adapter import LoraAdapter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+INTERNAL_ERROR_MESSAGE = "the engine hit an internal error; the request was aborted"
+"""What in-flight requests are told when the loop fails between steps (details are logged,
+never sent: one request's error text must not reach another tenant)."""
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
+
+
+class EngineInternalError(RuntimeError):
+    """The engine failed between steps and aborted the requests in flight (a bug)."""
 
 
 @dataclass
@@ -48,8 +61,13 @@ class AsyncEngine:
     the next step is scheduled. Every accepted request ends with a finished output or an
     exception raised from its generate() iterator."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self.on_fatal = on_fatal
+        """Called on the engine thread if the loop dies (never, unless there is a bug)."""
+        self.fatal_error: BaseException | None = None
+        """Why the loop died, if it did (None after a normal shutdown)."""
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -61,8 +79,9 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig,
+                    on_fatal: Callable[[BaseException], None] | None = None) -> AsyncEngine:
+        return cls(LLMEngine(config), on_fatal)
 
     # --------------------------------------------------------------- event-loop side
     async def generate(
@@ -170,26 +189,35 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- engine thread
     def _loop(self) -> None:
-        while not self._stopping:
-            self._apply_commands()
-            if not self.engine.has_unfinished_requests():
-                self._stats = self.engine.stats()
-                self._wakeup.wait()
-                self._wakeup.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a bug: fail what is in flight, keep serving
-                log.exception("engine step failed")
-                self._fail_all(exc)
-                continue
+        try:
+            while not self._stopping:
+                try:
+                    self._iterate()
+                except Exception:  # a bug between steps: fail what is in flight, go on
+                    log.exception("engine loop failed; aborting the requests in flight")
+                    self._fail_all(EngineInternalError(INTERNAL_ERROR_MESSAGE))
+        except BaseException as exc:  # _fail_all itself failed: the engine state is lost
+            log.critical("engine loop died", exc_info=True)
+            self.fatal_error = exc
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+        finally:
+            self._fail_streams(EngineDeadError("engine shut down"))
+
+    def _iterate(self) -> None:
+        self._apply_commands()
+        if not self.engine.has_unfinished_requests():
             self._stats = self.engine.stats()
-            self._deliver(outputs)
-            if not outputs and self.engine.last_step_idle:
-                # Everything waits on something outside the step (an adapter loading).
-                self._wakeup.wait(0.005)
-                self._wakeup.clear()
-        self._fail_all(EngineDeadError("engine shut down"))
+            self._wakeup.wait()
+            self._wakeup.clear()
+            return
+        outputs = self.engine.step()
+        self._stats = self.engine.stats()
+        self._deliver(outputs)
+        if not outputs and self.engine.last_step_idle:
+            # Everything waits on something outside the step (an adapter loading).
+            self._wakeup.wait(0.005)
+            self._wakeup.clear()
 
     def _apply_commands(self) -> None:
         with self._lock:
@@ -198,6 +226,10 @@ class AsyncEngine:
             return
         results: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
         for fn, done in commands:
+            # False: the caller cancelled while this waited (client gone): skip it whole.
+            # True: the future is running now and can no longer be cancelled.
+            if not done.set_running_or_notify_cancel():
+                continue
             try:
                 results.append((done, fn(), None))
             except Exception as exc:
@@ -235,6 +267,9 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self.engine.scheduler.requests):
             self.engine.abort_request(request_id)
+        self._fail_streams(exc)
+
+    def _fail_streams(self, exc: BaseException) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
         for stream in streams.values():

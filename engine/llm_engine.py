@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -13,6 +14,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBas
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.fault_isolation import FaultIsolation
 from engine.kv_cache import KVCacheManager
 from engine.metrics import EngineMetrics, EngineStats, PrefixCacheStats, StepTiming
 from engine.model_runner import ModelRunner
@@ -27,6 +29,10 @@ from prefix_cache.adaptive import AdaptiveConfig
 from prefix_cache.cache import PrefixUpdate
 from prefix_cache.hashing import request_extra_keys
 from prefix_cache.pools import BASE_POOL
+
+log = logging.getLogger(__name__)
+STEP_FAILED_MESSAGE = "the engine could not run this request (internal error)"
+"""What the request whose step failed is told; details go to the engine's log only."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,6 +91,7 @@ class LLMEngine:
         self.last_step_idle = False
         """The last step scheduled nothing (e.g. every request waits for an adapter load)."""
         self._arrival_counter = itertools.count()
+        self.isolation = FaultIsolation()
 
     @classmethod
     def from_model(cls, model: str, **overrides: Any) -> LLMEngine:
@@ -113,6 +120,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size ({vocab}), got "
+                             f"{params.top_k}")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -166,6 +176,8 @@ class LLMEngine:
         request = replace(request, arrival_seq=next(self._arrival_counter))
         params = request.sampling_params
         self.scheduler.add(request)
+        # Per-request sampling state is made here, so nothing about it can fail in a step.
+        self.runner.sampler.prepare(request.request_id, params)
         self._tracked[request.request_id] = _Tracked(
             request, IncrementalDetokenizer(self.tokenizer, params.stop,
                                             params.skip_special_tokens))
@@ -222,12 +234,16 @@ class LLMEngine:
         for request in list(self.scheduler.waiting) + list(self.scheduler.swapped):
             error = self.lora.load_errors.get(request.lora_name or "")
             if error is not None:
-                self.scheduler.finish(request.request_id, "error")
-                self.runner.sampler.release([request.request_id])
-                out = self._output(self._tracked[request.request_id], finished_here=True)
-                out.error = error
-                outputs.append(out)
+                outputs.append(self._fail(request.request_id, error))
         return outputs
+
+    def _fail(self, request_id: str, error: str) -> RequestOutput:
+        """End one request with an error (its final output carries it)."""
+        self.scheduler.finish(request_id, "error")
+        self.runner.sampler.release([request_id])
+        out = self._output(self._tracked[request_id], finished_here=True)
+        out.error = error
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -236,13 +252,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         failed = self._fail_broken_adapter_requests() if self.lora is not None else []
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
+        focus, suspects = self.isolation.plan(self.scheduler.requests)
+        sched = self.scheduler.schedule(focus)
+        if focus is not None and sched.is_empty:
+            # The suspect cannot run now: let everyone else run, so it gets what it waits for.
+            focus, finished = None, sched.finished_request_ids
+            sched = self.scheduler.schedule(exclude=suspects)
+            sched.finished_request_ids[:0] = finished
         t1 = time.perf_counter()
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
             self.runner.sampler.release(sched.finished_request_ids)
             return failed
-        result = self.runner.execute(sched)
+        try:
+            result = self.runner.execute(sched)
+        except Exception:
+            log.exception("a step of %d request(s) failed; isolating the cause",
+                          len(sched.chunks))
+            culprits = self.isolation.failed(self.scheduler.rollback(sched), focus)
+            return failed + [self._fail(r, STEP_FAILED_MESSAGE) for r in culprits]
+        self.isolation.succeeded(sched)
         t2 = time.perf_counter()
         updated = self.scheduler.update(sched, result.sampled)
         now = time.monotonic()

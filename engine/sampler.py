@@ -21,6 +21,13 @@ class Sampler:
         self._shared = torch.Generator(device=device).manual_seed(seed)
         self._per_request: dict[str, torch.Generator] = {}
 
+    def prepare(self, request_id: str, params: SamplingParams) -> None:
+        """Make a request's own state (its seeded generator) when it is admitted, so that
+        nothing per-request is created, or can fail, inside a step."""
+        if params.seed is not None and not params.greedy:
+            self._per_request[request_id] = torch.Generator(
+                device=self.device).manual_seed(params.seed)
+
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._per_request.pop(request_id, None)
@@ -72,11 +79,7 @@ class Sampler:
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
             return self._shared
-        gen = self._per_request.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
-            self._per_request[request_id] = gen
-        return gen
+        return self._per_request[request_id]  # made by prepare() at admission
 
     @staticmethod
     def _logprobs(

@@ -50,6 +50,10 @@ class Scheduler:
         # Never preempted again in the step that brought them back (their swap-in copy
         # would race the swap-out copy of the same device blocks).
         self._swapped_in_this_step: set[str] = set()
+        # Set for one schedule() call: only `_focus` (when given) and nothing in `_exclude`
+        # may be scheduled (engine/fault_isolation.py runs suspects of a failed step alone).
+        self._focus: str | None = None
+        self._exclude: frozenset[str] = frozenset()
         self._queue_key: Callable[[Request], QueueKey] = (
             (lambda r: (-r.priority, r.arrival_seq))
             if config.scheduling_policy == "priority"
@@ -86,7 +90,11 @@ class Scheduler:
         return bool(self.requests)
 
     # ----------------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, focus: str | None = None,
+                 exclude: frozenset[str] = frozenset()) -> SchedulerOutput:
+        """The next step. ``focus``: schedule that request alone (others keep their blocks
+        and slots, but may be preempted for it); ``exclude``: never schedule these."""
+        self._focus, self._exclude = focus, exclude
         out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
         budget = self.config.max_num_batched_tokens
@@ -109,8 +117,8 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status is not RequestStatus.RUNNING or not self._eligible(request):
+                continue  # preempted earlier in this loop, or held back this step
             n = self._num_new_tokens(request, budget)
             if n == 0:
                 continue
@@ -130,15 +138,16 @@ class Scheduler:
     def _schedule_swapped(
         self, out: SchedulerOutput, scheduled: dict[str, ScheduledChunk], budget: int
     ) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.swapped[0]
+        for request in [r for r in self.swapped if self._eligible(r)]:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             n = self._num_new_tokens(request, budget)
             need = blocks_for(request.num_computed_tokens + n, self.kv.block_size)
             if n == 0 or need > self.kv.num_free_blocks:
                 break
             if not self._take_lora_slot(request, out):
                 break
-            self.swapped.pop(0)
+            self.swapped.remove(request)
             self._swapped_in_this_step.add(request.request_id)
             out.blocks_to_swap_in.extend(self.kv.swap_in(request))
             allocated = self.kv.allocate_slots(request, n)
@@ -154,8 +163,8 @@ class Scheduler:
         for request in self._admission_order():
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if request.status is not RequestStatus.WAITING:
-                continue  # admitted or finished since the order was taken
+            if request.status is not RequestStatus.WAITING or not self._eligible(request):
+                continue  # admitted or finished since the order was taken, or held back
             hit = self.kv.find_cached_prefix(request)
             if self.kv.next_block_in_flight(request, len(hit)):
                 continue  # another request is computing that block now: reuse it next step
@@ -179,6 +188,10 @@ class Scheduler:
             scheduled[request.request_id] = self._chunk(request, n)
             budget -= n
         return budget
+
+    def _eligible(self, request: Request) -> bool:
+        return ((self._focus is None or request.request_id == self._focus)
+                and request.request_id not in self._exclude)
 
     def _admission_order(self) -> list[Request]:
         """Queue order, except that while the queue is short the head's priority group
@@ -334,6 +347,28 @@ class Scheduler:
         request.finish_reason = reason
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)
+
+    def rollback(self, out: SchedulerOutput) -> list[str]:
+        """Undo a step whose forward failed: every request it scheduled, and every request
+        it swapped out (their copies may not have happened), starts over by recompute, and
+        adapters it placed in slots leave them (their weights may not have been copied).
+        Returns the ids of the scheduled requests."""
+        ids = [c.request_id for c in out.chunks]
+        for request_id in ids + out.preempted_request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status is RequestStatus.WAITING:
+                continue
+            (self.running if request.status is RequestStatus.RUNNING
+             else self.swapped).remove(request)
+            self._drop_lora_slot(request)
+            self.kv.free(request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, request, key=self._queue_key)
+        if self.lora is not None:
+            for slot, _ in out.lora_loads:
+                self.lora.vacate(slot)
+        return ids
 
     # ------------------------------------------------------------------------ update
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

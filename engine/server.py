@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, EngineInternalError
 from engine.config import EngineConfig
 from engine.http_errors import ApiError, install_error_handlers
 from engine.request import RequestOutput
@@ -46,6 +46,8 @@ from engine.server_metrics import EngineCollector, EngineMetricsRegistry
 from lora.manager import AdapterInfo
 
 log = logging.getLogger(__name__)
+EXIT_ENGINE_DIED = 70
+"""Exit status of an engine process whose engine loop died (EX_SOFTWARE)."""
 
 
 class SamplingBody(BaseModel):
@@ -288,7 +290,7 @@ async def _chunks(state: EngineServer, request_id: str, outputs: AsyncGenerator[
                     log.warning("request %s failed: %s", request_id, out.error)
                 yield _chunk(out, reported)
                 reported = len(out.token_ids)
-    except (EngineDeadError, ValueError) as exc:
+    except (EngineDeadError, EngineInternalError, ValueError) as exc:
         log.warning("request %s failed: %s", request_id, exc)
         yield _error_chunk(request_id, str(exc))
     finally:
@@ -306,8 +308,18 @@ def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = 
           model_name: str | None = None, adapters: dict[str, str] | None = None,
           drain_timeout_s: float = 30.0,
           background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> None:
-    """Build the engine, register adapters, serve until SIGTERM/SIGINT, then drain."""
-    engine = AsyncEngine.from_config(config)
+    """Build the engine, register adapters, serve until SIGTERM/SIGINT, then drain.
+
+    If the engine loop dies (a bug: nothing a client sends can do it), the server stops
+    and the process exits with EXIT_ENGINE_DIED, so whoever supervises it (`loragate
+    serve`, Kubernetes) restarts it; a dead engine never keeps answering."""
+    exit_now: list[Callable[[], None]] = []
+
+    def on_fatal(_: BaseException) -> None:
+        for stop in exit_now:
+            stop()
+
+    engine = AsyncEngine.from_config(config, on_fatal=on_fatal)
     for name, path in (adapters or {}).items():
         engine.engine.load_lora(name, path)
     instance_id = instance_id or f"{host}:{port}"
@@ -315,8 +327,15 @@ def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = 
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=int(drain_timeout_s)))
     server.on_drain = lambda: setattr(app.state.server, "draining", True)
+    # uvicorn's main loop checks should_exit every 0.1 s: setting it from the engine thread
+    # is how a dead engine takes its server down.
+    exit_now.append(lambda: setattr(server, "should_exit", True))
     log.info("engine %s listening on http://%s:%d", instance_id, host, port)
     server.run()
+    if engine.fatal_error is not None:
+        log.critical("engine %s exits: its engine loop died (%s)", instance_id,
+                     type(engine.fatal_error).__name__)
+        raise SystemExit(EXIT_ENGINE_DIED)
 
 
 class DrainingServer(uvicorn.Server):

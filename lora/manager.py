@@ -173,6 +173,16 @@ class LoraManager:
         assert self._running[name] > 0, f"release of {name!r} without acquire"
         self._running[name] -= 1
 
+    def vacate(self, slot: int) -> None:
+        """Forget which adapter a slot holds (its weights may not have been copied in), so
+        the next request of that adapter loads it again; no-op while requests run on it."""
+        name = self._slot_names[slot]
+        if name is None or self._running[name]:
+            return
+        self._slot_names[slot] = None
+        del self._slot_of[name]
+        self._slot_lru.move_to_end(slot, last=False)
+
     def is_resident(self, name: str) -> bool:
         return name in self._slot_of
 

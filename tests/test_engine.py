@@ -54,10 +54,24 @@ def test_bad_requests_are_refused_before_scheduling(
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
-    ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+    ({"max_tokens": 0}, r"max_tokens must be an integer in \[1, 2147483647\], got 0"),
+    ({"max_tokens": 2**31}, "max_tokens must be an integer in"),
+    ({"max_tokens": True}, "max_tokens must be an integer in"),
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0, got -0.5"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"temperature": float("inf")}, "temperature must be a finite number"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+    ({"top_p": float("nan")}, r"top_p must be in \(0, 1\], got nan"),
+    ({"top_k": 2**63}, "top_k must be an integer in"),
+    ({"top_k": -2}, "top_k must be an integer in"),
+    ({"seed": 2**64}, r"seed must be an integer in \[0, 2\*\*64\)"),
+    ({"seed": -2**63 - 1}, "seed must be an integer in"),
+    ({"seed": -1}, "seed must be an integer in"),
+    ({"logprobs": 21}, "logprobs must be an integer between 0 and 20"),
+    ({"stop": ["x"] * 65}, "stop must be at most 64"),
+    ({"stop": ["x" * 1025]}, "stop must be at most 64"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids must be integers"),
     ({"n": 2}, "n must be 1"),
 ])
 def test_bad_sampling_params(kwargs: dict[str, float], match: str) -> None:
