@@ -29,6 +29,7 @@ from engine.server import DrainingServer
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.config_args import field_default
+from gateway.engine_supervisor import EngineSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,16 @@ class EngineProcess:
     url: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    command: list[str] = dataclasses.field(default_factory=list)
+    env: dict[str, str] | None = None
+    """The command line and environment it was started with (a restart uses them again)."""
+
+    def respawn(self) -> None:
+        """Start the same engine again on the same port (its previous process exited); its
+        output is appended to the same log."""
+        with open(self.log_path, "ab") as out:
+            self.process = subprocess.Popen(self.command, stdout=out,
+                                            stderr=subprocess.STDOUT, env=self.env)
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -83,7 +94,7 @@ def start_engines(config: EngineConfig, count: int, log_dir: Path,
             command += ["--lora", f"{name}={path}"]
         with open(log_path, "wb") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        engines.append(EngineProcess(f"http://127.0.0.1:{port}", process, log_path))
+        engines.append(EngineProcess(f"http://127.0.0.1:{port}", process, log_path, command))
     return engines
 
 
@@ -150,6 +161,7 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
     come from the Redis registry) and the gateway in front."""
     engines: list[EngineProcess] = []
     log_dir = Path(tempfile.mkdtemp(prefix="loragate-engines-"))
+    supervisor: EngineSupervisor | None = None
     try:
         if not engine_urls and instances > 0:
             assert engine_config is not None
@@ -158,9 +170,13 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
             engines = start_engines(engine_config, instances, log_dir, adapters)
             wait_ready(engines, gateway_config.startup_timeout_s)
             engine_urls = [e.url for e in engines]
+            supervisor = EngineSupervisor(engines)
+            supervisor.start()
         run_gateway(gateway_config, engine_urls, tokenizer_dir, adapters,
                     banner=ready_banner(gateway_config, tokenizer_dir, adapters))
     finally:
+        if supervisor is not None:
+            supervisor.stop()  # before the engines: their exits now are no crash
         stop_engines(engines, gateway_config.drain_timeout_s)
 
 
