@@ -10,7 +10,11 @@ Two engine processes, a private redis-server and the gateway (on that Redis) in 
    Redis stopped and started; the same counts.
 3. disconnects: --disconnects streams dropped at random points.
 4. soak (with --soak-s): 70% of the sustainable rate, engine RSS sampled; reports its drift.
+5. adversarial (benchmarks/adversarial.py): --hangups streams reset mid-request while two
+   clients keep the engines in long prefills; hostile parameters and a 2 MB prompt beside a
+   victim stream. Engines must stay alive, victims clean, no stall over 1 s.
 After each part: every engine must be idle with zero KV blocks in use (leaks are counted).
+`--parts` picks some of overload, faults, disconnects, adversarial (default all).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks import adversarial
 from benchmarks.gateway_bench import start_gateway, stop_gateway
 from engine.config import EngineConfig
 from gateway.serve import EngineProcess, free_port, start_engines, stop_engines, wait_ready
@@ -123,10 +128,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--fault-s", type=float, default=60.0)
     parser.add_argument("--disconnects", type=int, default=1000)
     parser.add_argument("--soak-s", type=float, default=0.0)
+    parser.add_argument("--hangups", type=int, default=200,
+                        help="streams reset mid-request in the adversarial part")
+    parser.add_argument("--parts", default="overload,faults,disconnects,adversarial",
+                        help="comma-separated subset of overload,faults,disconnects,"
+                             "adversarial")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.quick:
         args.overload_s, args.fault_s, args.disconnects = 10.0, 20.0, 100
+        args.hangups = 50
+    parts = set(args.parts.split(","))
     log_dir = Path(tempfile.mkdtemp(prefix="loragate-reliability-"))
     redis_port = free_port()
     redis_cmd = ["redis-server", "--port", str(redis_port), "--save", "", "--appendonly",
@@ -148,11 +160,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["sustainable_rps"] = sustainable
         print(f"sustainable rate ~{sustainable:.2f} req/s", flush=True)
 
-        rate = args.overload_x * sustainable
-        report["overload"] = asyncio.run(load(gateway.url, model, rate, args.overload_s, 2))
-        report["overload"]["rate"] = rate
-        report["overload"]["leaked_blocks"] = leaks(engines)
-        print("overload:", report["overload"], flush=True)
+        if "overload" in parts:
+            rate = args.overload_x * sustainable
+            report["overload"] = asyncio.run(load(gateway.url, model, rate, args.overload_s, 2))
+            report["overload"]["rate"] = rate
+            report["overload"]["leaked_blocks"] = leaks(engines)
+            print("overload:", report["overload"], flush=True)
 
         victim = engines[1]
         port = int(victim.url.rsplit(":", 1)[1])
@@ -174,15 +187,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         def redis_start() -> None:
             redis_box["process"] = subprocess.Popen(redis_cmd, stdout=subprocess.DEVNULL)
 
-        s = args.fault_s
-        events = [(0.2 * s, kill), (0.4 * s, restart), (0.6 * s, redis_stop),
-                  (0.8 * s, redis_start)]
-        report["faults"] = asyncio.run(load(gateway.url, model, 0.7 * sustainable, s, 3,
-                                            events))
-        wait_ready(engines, 300)
-        report["faults"]["leaked_blocks"] = leaks(engines)
-        print("faults:", report["faults"], flush=True)
-        redis = redis_box["process"]
+        if "faults" in parts:
+            s = args.fault_s
+            events = [(0.2 * s, kill), (0.4 * s, restart), (0.6 * s, redis_stop),
+                      (0.8 * s, redis_start)]
+            report["faults"] = asyncio.run(load(gateway.url, model, 0.7 * sustainable, s, 3,
+                                                events))
+            wait_ready(engines, 300)
+            report["faults"]["leaked_blocks"] = leaks(engines)
+            print("faults:", report["faults"], flush=True)
+            redis = redis_box["process"]
 
         async def disconnects() -> Counter[str]:
             rng = random.Random(4)
@@ -205,10 +219,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                                      - start))))
             return seen
 
-        report["disconnects"] = {"sent": args.disconnects,
-                                 "statuses": dict(asyncio.run(disconnects())),
-                                 "leaked_blocks": leaks(engines)}
-        print("disconnects:", report["disconnects"], flush=True)
+        if "disconnects" in parts:
+            report["disconnects"] = {"sent": args.disconnects,
+                                     "statuses": dict(asyncio.run(disconnects())),
+                                     "leaked_blocks": leaks(engines)}
+            print("disconnects:", report["disconnects"], flush=True)
+
+        if "adversarial" in parts:
+            report["adversarial"] = adversarial.run(gateway.url, model, args.hangups)
+            report["adversarial"]["engines_alive"] = sum(
+                e.process.poll() is None and httpx.get(e.url + "/health").status_code == 200
+                for e in engines)
+            report["adversarial"]["leaked_blocks"] = leaks(engines)
+            print("adversarial:", json.dumps(report["adversarial"]), flush=True)
 
         if args.soak_s > 0:
             samples: list[tuple[float, int]] = []
