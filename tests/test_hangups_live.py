@@ -24,23 +24,36 @@ from typing import Any
 import httpx
 import pytest
 
+from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
 from gateway.serve import free_port
 from tests.live_http import poll, sse_events, wait_engines_idle
 from tests.live_servers import LiveServer, _spawn, start_engine, start_gateway
 
-LONG_PROMPT = [5 + i % 400 for i in range(900)]  # many 32-token chunks per request
+LONG_PROMPT = [5 + i % 400 for i in range(3000)]
 HANGUPS = 50
+# Wide enough that a 1,024-token prefill step takes a good fraction of a second on 2 cores:
+# a hang-up then often lands while the request's admission waits for the running step.
+SLOW_SPEC = DemoModelSpec(vocab_size=512, hidden_size=512, intermediate_size=1536,
+                          num_layers=4, num_heads=8, num_kv_heads=4,
+                          max_position_embeddings=4096, seed=3)
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir: Path, tiny_adapters: dict[str, Path],
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, LiveServer]]:
+def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = make_demo_model(tmp_path_factory.mktemp("slow-model"), SLOW_SPEC)
+    make_peft_adapter(model, model / "a0", rank=8, target_modules=("q_proj", "v_proj"),
+                      seed=9)
+    return model
+
+
+@pytest.fixture(scope="module")
+def servers(slow_model: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[LiveServer, LiveServer]]:
     logs = tmp_path_factory.mktemp("hangup-logs")
-    engine = start_engine(tiny_model_dir, logs, "--max-num-batched-tokens", "32",
-                          "--num-kv-blocks", "512", "--max-loras", "1",
-                          adapters={"a0": tiny_adapters["a0"]})
-    gateway = start_gateway(tiny_model_dir, [engine.url], logs,
-                            adapters={"a0": tiny_adapters["a0"]})
+    adapters = {"a0": slow_model / "a0"}
+    engine = start_engine(slow_model, logs, "--max-num-batched-tokens", "1024",
+                          "--num-kv-blocks", "1024", "--max-loras", "1", adapters=adapters)
+    gateway = start_gateway(slow_model, [engine.url], logs, adapters=adapters)
     try:
         engine.wait_ready()
         gateway.wait_ready()
@@ -79,9 +92,9 @@ def _stream_text(url: str, body: dict[str, Any]) -> tuple[int, int]:
 
 
 def test_resets_mid_request_under_load_leave_the_engine_serving(
-        servers: tuple[LiveServer, LiveServer], tiny_model_dir: Path) -> None:
+        servers: tuple[LiveServer, LiveServer], slow_model: Path) -> None:
     engine, gateway = servers
-    base = tiny_model_dir.name
+    base = slow_model.name
     rng = random.Random(1234)
     busy_results: list[tuple[int, int]] = []
     stop = threading.Event()
