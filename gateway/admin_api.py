@@ -137,12 +137,18 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
     @router.delete("/tenants/{tenant_id}")
     async def delete_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
         await _get_tenant(gw, tenant_id)
+        paths = {a.name: a.path for a in (await gw.view.store.snapshot()).adapters.values()}
         # Keys and owned adapters go with it; a tenant created later under this id gets a
         # new uid, hence a new cache salt: it inherits nothing.
         deleted = await gw.view.store.delete_tenant(tenant_id)
         await gw.view.refresh()
         unloaded = {name: await _on_instances(gw, None, functools.partial(_unload, name))
                     for name in deleted}
+        # Uploaded copies go too (directories registered by path are the operator's).
+        for name in deleted:
+            path = Path(paths.get(name, ""))
+            if path.is_absolute() and path.resolve().parent == uploads.resolve():
+                await asyncio.to_thread(shutil.rmtree, path, True)
         return {"tenant_id": tenant_id, "status": "deleted", "adapters_deleted": deleted,
                 "unloaded": unloaded}
 

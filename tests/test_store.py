@@ -15,6 +15,7 @@ from typing import TypeVar
 import pytest
 import redis
 
+from gateway.redact import redact_text, redact_url
 from gateway.redis_store import RedisStore
 from gateway.sliding_window import SPAN_S
 from gateway.store import MemoryStore, Snapshot, StateStore
@@ -251,3 +252,17 @@ def test_engine_heartbeats_expire(make_store: Callable[[], StateStore]) -> None:
         await store.close()
 
     run(scenario())
+
+
+@pytest.mark.parametrize(("raw", "shown"), [
+    ("redis://:secretpw@10.0.0.1:6379/0", "redis://***@10.0.0.1:6379/0"),
+    ("rediss://user:secretpw@h/1?password=secretpw&ssl_cert_reqs=none",
+     "rediss://***@h/1?password=***&ssl_cert_reqs=none"),
+    ("unix://:secretpw@/run/redis.sock?db=2", "unix://***@/run/redis.sock?db=2"),
+    ("redis://10.0.0.1:6379/0", "redis://10.0.0.1:6379/0"),
+])
+def test_redis_urls_are_shown_without_credentials(raw: str, shown: str) -> None:
+    assert redact_url(raw) == shown
+    assert redact_text(f"error talking to {raw}: refused") == (
+        f"error talking to {shown}: refused")
+

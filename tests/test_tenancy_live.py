@@ -156,6 +156,9 @@ def test_a_recreated_tenant_inherits_no_adapter_and_no_cached_prefix(setup: Setu
     response = admin(setup, "POST", "/admin/adapters", json={
         "name": "omega-bot", "path": str(setup.adapters["a-bot"]), "owner": "omega"})
     assert response.status_code == 201, response.text
+    response = admin(setup, "POST", "/admin/adapters/upload?name=omega-up&owner=omega",
+                     content=_tar(setup.adapters["a-bot"]))
+    assert response.status_code == 201, response.text
     base = models(setup, key)[0]
     prompt = list(range(300, 460))  # 10 full blocks no other test sends
     assert complete(setup, key, "omega-bot").status_code == 200
@@ -166,8 +169,11 @@ def test_a_recreated_tenant_inherits_no_adapter_and_no_cached_prefix(setup: Setu
     assert engine_hits(setup) == before + 144  # the old omega's prefix is cached
     deleted = admin(setup, "DELETE", "/admin/tenants/omega")
     assert deleted.status_code == 200
-    assert deleted.json()["adapters_deleted"] == ["omega-bot"]
-    assert admin(setup, "GET", "/admin/adapters/omega-bot").status_code == 404
+    assert deleted.json()["adapters_deleted"] == ["omega-bot", "omega-up"]
+    for name in ("omega-bot", "omega-up"):
+        assert admin(setup, "GET", f"/admin/adapters/{name}").status_code == 404
+    assert not (setup.upload_dir / "omega-up").exists()  # its upload is gone
+    assert setup.adapters["a-bot"].is_dir()  # a directory registered by path is not
     new_key = new_tenant(setup, "omega")
     assert "omega-bot" not in models(setup, new_key)
     refused = complete(setup, new_key, "omega-bot")
