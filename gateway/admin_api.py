@@ -19,6 +19,7 @@ state_refresh_s, and a revoked key fails at once (the rate limiter re-checks it)
 from __future__ import annotations
 
 import asyncio
+import functools
 import shutil
 import tempfile
 import time
@@ -134,11 +135,22 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
         return asdict(tenant)
 
     @router.delete("/tenants/{tenant_id}")
-    async def delete_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, str]:
+    async def delete_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
         await _get_tenant(gw, tenant_id)
-        await gw.view.store.delete_tenant(tenant_id)
+        paths = {a.name: a.path for a in (await gw.view.store.snapshot()).adapters.values()}
+        # Keys and owned adapters go with it; a tenant created later under this id gets a
+        # new uid, hence a new cache salt: it inherits nothing.
+        deleted = await gw.view.store.delete_tenant(tenant_id)
         await gw.view.refresh()
-        return {"tenant_id": tenant_id, "status": "deleted"}
+        unloaded = {name: await _on_instances(gw, None, functools.partial(_unload, name))
+                    for name in deleted}
+        # Uploaded copies go too (directories registered by path are the operator's).
+        for name in deleted:
+            path = Path(paths.get(name, ""))
+            if path.is_absolute() and path.resolve().parent == uploads.resolve():
+                await asyncio.to_thread(shutil.rmtree, path, True)
+        return {"tenant_id": tenant_id, "status": "deleted", "adapters_deleted": deleted,
+                "unloaded": unloaded}
 
     # -------------------------------------------------------------------- keys
     @router.post("/tenants/{tenant_id}/keys", status_code=201)
@@ -184,6 +196,7 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
             raise ApiError(400, f"adapter name {name!r} must match {NAME_PATTERN}",
                            param="name")
         target = uploads / name
+        await _owner_uid(gw, owner)  # before unpacking anything
         if name in gw.view.snapshot.adapters or target.exists():
             raise ApiError(409, f"adapter {name!r} already exists")
         staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=_ensure(uploads)))
@@ -217,6 +230,8 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
         if "shared_with" in changes:
             changes["shared_with"] = tuple(changes["shared_with"] or ())
         record = replace(record, **changes)
+        if "owner" in changes:
+            record = replace(record, owner_uid=await _owner_uid(gw, record.owner))
         await gw.view.store.put_adapter(record)
         await gw.view.refresh()
         return _adapter_status(gw, record)
@@ -296,6 +311,20 @@ async def _get_tenant(gw: Gateway, tenant_id: str) -> Tenant:
     return tenant
 
 
+async def _owner_uid(gw: Gateway, owner: str | None) -> str:
+    """The uid that binds an adapter to its owner ("" for none); 400 if no such tenant."""
+    if owner is None:
+        return ""
+    tenant = (await gw.view.store.snapshot()).tenants.get(owner)
+    if tenant is None:
+        raise ApiError(400, f"owner: tenant {owner!r} does not exist", param="owner")
+    return tenant.uid
+
+
+async def _unload(name: str, client: Any) -> Any:
+    return await client.unload_adapter(name)
+
+
 async def _get_key(gw: Gateway, tenant_id: str, key_id: str) -> ApiKey:
     for key in (await gw.view.store.snapshot()).keys.values():
         if key.tenant_id == tenant_id and key.key_id == key_id:
@@ -325,6 +354,7 @@ async def _register(gw: Gateway, record: AdapterRecord, shape: ModelShape,
         raise ApiError(409, f"adapter {record.name!r} already exists")
     if record.name == gw.base_model:
         raise ApiError(409, f"{record.name!r} is the base model's name")
+    record = replace(record, owner_uid=await _owner_uid(gw, record.owner))
     if not validated:
         try:
             await asyncio.to_thread(_validate, record.name, record.path, shape)

@@ -33,6 +33,7 @@ from gateway.instances import InstancePool
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import build_router
 from gateway.ratelimit import RateLimiter
+from gateway.redact import redact_url
 from gateway.redis_store import RedisStore
 from gateway.registry import discover
 from gateway.router import Router, RouterWeights
@@ -71,7 +72,8 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         view = StateView(store, config.state_refresh_s)
         await view.refresh()
         if not view.store_available:
-            raise RuntimeError(f"the state store at {config.redis_url} is unreachable")
+            raise RuntimeError(f"the state store at {redact_url(config.redis_url or '')} is "
+                               f"unreachable")
         # Adapters given on the command line are public unless the store already knows them.
         for adapter_name, path in (adapters or {}).items():
             if adapter_name not in view.snapshot.adapters:
@@ -116,7 +118,8 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
 
     @app.exception_handler(StoreUnavailable)
     async def _store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:
-        return ApiError(503, f"state store unavailable: {exc}", code="store_unavailable",
+        log.warning("state store unavailable: %s", exc)  # the message holds no credentials
+        return ApiError(503, "state store unavailable; retry later", code="store_unavailable",
                         headers={"Retry-After": str(config.retry_after_s)}).response()
     app.include_router(build_router(lambda: app.state.gateway, tokenizer))
     app.include_router(build_admin_router(tokenizer_dir, config.adapter_upload_dir))

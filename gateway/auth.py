@@ -99,8 +99,9 @@ class StateView:
 
     def adapters_for(self, principal: Principal) -> dict[str, AdapterRecord]:
         tenant_id = principal.tenant_id
+        uid = principal.tenant.uid if principal.tenant else ""
         return {name: a for name, a in self.snapshot.adapters.items()
-                if a.visible_to(tenant_id)}
+                if a.visible_to(tenant_id, uid)}
 
 
 def bearer(request: Request) -> str | None:

@@ -1,9 +1,20 @@
 """Per-tenant RPM / TPM limits and concurrency, enforced before a request is routed.
 
-admit() makes the store's one atomic check (see gateway/store.py); over a limit is a 429 with
-Retry-After and a body naming the limit. A request that then fails before reaching an engine
-(no capacity, no instance) is refunded; tokens (prompt + completion) are charged when it
-ends. Max concurrency is counted by each gateway for its own requests.
+A request passes three steps, each one atomic operation of the store (gateway/store.py):
+- admit(), before the prompt is tokenized: the key is still valid, the tenant's sliding
+  minute still has a request and a token left (cheap refusals before expensive work);
+  counts the request;
+- reserve(ticket, prompt_tokens + max_tokens), once tokenized: takes the most the request
+  can use from the tenant's sliding TPM window, or refuses (a burst of concurrent requests
+  can never overrun the limit, because each holds its tokens before it runs);
+- release(ticket, tokens_used, reached_engine), when it ends: gives back what it did not
+  use (all of it, and the request, if it never reached an engine).
+The windows slide over per-second buckets (gateway/sliding_window.py): no 60 s interval
+serves more than rpm requests or tpm tokens, however requests straddle a minute boundary.
+Over a limit is a 429 with Retry-After (seconds until enough of the window is free) and a
+body naming the limit; a request whose prompt + max_tokens exceeds the whole tpm is a 429
+that says it can never fit, without Retry-After. Max concurrency is counted by each gateway
+for its own requests.
 
 When the store is down (StoreUnavailable), ``failure_policy`` decides:
 - "open" (default): keep serving, with the same limits counted in this process's memory
@@ -15,17 +26,22 @@ When the store is down (StoreUnavailable), ``failure_policy`` decides:
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter
 
 from engine.http_errors import ApiError
+from gateway import sliding_window as sw
 from gateway.auth import Principal
-from gateway.store import MemoryStore, StateStore, StoreUnavailable
+from gateway.store import Admission, MemoryStore, StateStore, StoreUnavailable
+from gateway.tenancy import Tenant
 
 log = logging.getLogger(__name__)
 FailurePolicy = Literal["open", "closed"]
+T = TypeVar("T")
 
 
 @dataclass
@@ -33,24 +49,35 @@ class Ticket:
     """An admitted request's claim on its tenant's limits."""
 
     principal: Principal
-    window: int
+    second: int
+    """The bucket its request was counted in."""
     store: StateStore
-    """Where it was counted (the shared store, or the local fallback)."""
+    """Where the request was counted (the shared store, or the local fallback)."""
+    reserved: int = 0
+    """Tokens reserve() took for it."""
+    reserved_second: int = 0
+    token_store: StateStore | None = None
+    """Where reserve() took them (None: not yet)."""
     released: bool = False
 
 
 class RateLimiter:
-    """Admits requests against their tenant's limits (see the module docstring)."""
+    """Admits requests against their tenant's limits (see the module docstring).
+
+    ``clock`` gives unix seconds (injectable: tests replay bursts at chosen instants)."""
 
     def __init__(self, store: StateStore, registry: CollectorRegistry,
-                 failure_policy: FailurePolicy = "open") -> None:
+                 failure_policy: FailurePolicy = "open",
+                 clock: Callable[[], float] = time.time) -> None:
         if failure_policy not in ("open", "closed"):
             raise ValueError(f"store failure policy must be 'open' or 'closed', got "
                              f"{failure_policy!r}")
         self.store = store
         self.fallback = MemoryStore()
         self.failure_policy = failure_policy
+        self.clock = clock
         self._in_flight: dict[str, int] = {}
+        self._store_down = False
         self.rejections = Counter("loragate_gateway_rate_limited",
                                   "Requests refused by a tenant limit", ["limit"],
                                   registry=registry)
@@ -70,49 +97,100 @@ class RateLimiter:
             raise ApiError(429, f"tenant {tenant.tenant_id} has {tenant.max_concurrency} "
                            f"requests in flight (its max_concurrency)",
                            code="concurrency_limit_exceeded", headers={"Retry-After": "1"})
-        store = self.store
-        try:
-            admission = await store.admit(principal.key_hash, tenant.tenant_id, tenant.rpm,
-                                          tenant.tpm)
-        except StoreUnavailable as exc:
-            self.store_unavailable.labels(self.failure_policy).inc()
-            if self.failure_policy == "closed":
-                raise ApiError(503, f"rate-limit store unavailable: {exc}",
-                               code="store_unavailable", headers={"Retry-After": "1"}) from None
-            store = self.fallback
-            admission = await store.admit(None, tenant.tenant_id, tenant.rpm, tenant.tpm)
+        now = self.clock()
+        store, admission = await self._decide(self.store, lambda s: s.admit(
+            # The fallback cannot check revocation: it knows no keys.
+            principal.key_hash if s is self.store else None, tenant.tenant_id, tenant.rpm,
+            tenant.tpm, now))
         if not admission.allowed:
             if admission.reason == "revoked":
                 raise ApiError(401, "invalid API key", code="invalid_api_key")
-            limit = tenant.rpm if admission.reason == "rpm" else tenant.tpm
-            unit = "requests" if admission.reason == "rpm" else "tokens"
-            self.rejections.labels(admission.reason or "").inc()
-            raise ApiError(429, f"rate limit exceeded: {admission.reason} (tenant "
-                           f"{tenant.tenant_id} may use {limit} {unit} per minute); retry "
-                           f"in {admission.retry_after_s}s", code=f"{admission.reason}_exceeded",
-                           headers={"Retry-After": str(admission.retry_after_s)})
+            raise self._refusal(tenant, admission)
         self._in_flight[tenant.tenant_id] = self._in_flight.get(tenant.tenant_id, 0) + 1
-        return Ticket(principal, admission.window, store)
+        return Ticket(principal, admission.second, store)
 
     async def reserve(self, ticket: Ticket | None, tokens: int) -> None:
         """Claim ``tokens`` (prompt + max_tokens) of the tenant's TPM for an admitted request,
         after it was tokenized; ApiError 429 when the tenant's token budget cannot hold
-        them now. release() later refunds what the request did not use."""
-        return None
+        them now (or ever), 503 under the closed policy while the store is down. Call at
+        most once per ticket; release() later refunds what the request did not use."""
+        if ticket is None or tokens <= 0:
+            return
+        tenant = ticket.principal.tenant
+        assert tenant is not None and not ticket.released and ticket.token_store is None
+        if tenant.tpm is None:
+            return
+        tpm: int = tenant.tpm
+        if tokens > tpm:
+            self.rejections.labels("tpm").inc()
+            raise ApiError(429, f"this request can never fit tenant {tenant.tenant_id}'s "
+                           f"token limit: its prompt plus max_tokens come to {tokens} tokens, "
+                           f"and the tenant may use {tpm} tokens per minute; lower "
+                           f"max_tokens or shorten the prompt", code="tpm_exceeded",
+                           param="max_tokens")
+        now = self.clock()
+        store, admission = await self._decide(ticket.store, lambda s: s.reserve(
+            tenant.tenant_id, tokens, tpm, now))
+        if not admission.allowed:
+            raise self._refusal(tenant, admission, tokens)
+        ticket.reserved, ticket.reserved_second, ticket.token_store = (
+            tokens, admission.second, store)
 
     async def release(self, ticket: Ticket | None, tokens: int, reached_engine: bool) -> None:
-        """End a ticket: charge its tokens, or refund it if it never reached an engine."""
+        """End a ticket: settle its tokens (``tokens`` used: refund the rest of the
+        reservation, charge any excess), or refund everything if it never reached an
+        engine. Once per ticket (later calls do nothing)."""
         if ticket is None or ticket.released:
             return
         ticket.released = True
         tenant = ticket.principal.tenant
         assert tenant is not None
         self._in_flight[tenant.tenant_id] -= 1
+        now = self.clock()
+        token_store = ticket.token_store or ticket.store
         try:
             if not reached_engine:
-                await ticket.store.refund(tenant.tenant_id, ticket.window)
-            elif tokens:
-                await ticket.store.charge(tenant.tenant_id, tokens, ticket.window)
+                await ticket.store.refund(tenant.tenant_id, ticket.second, now)
+                tokens = 0
+            extra = tokens - ticket.reserved
+            if extra < 0:  # give back the unused part, where it was taken
+                await token_store.charge(tenant.tenant_id, extra, ticket.reserved_second, now)
+            elif extra > 0 and tenant.tpm is not None:  # used more than it reserved
+                await token_store.charge(tenant.tenant_id, extra, sw.second_of(now), now)
         except StoreUnavailable as exc:
             self.store_unavailable.labels(self.failure_policy).inc()
-            log.warning("could not settle tokens of tenant %s: %s", tenant.tenant_id, exc)
+            log.warning("could not settle the tokens of tenant %s: %s", tenant.tenant_id, exc)
+
+    async def _decide(self, store: StateStore, op: Callable[[StateStore], Awaitable[T]]
+                      ) -> tuple[StateStore, T]:
+        """op on ``store``; if that is the shared store and it is down, the failure policy:
+        503 (closed) or op on the local fallback (open)."""
+        try:
+            result = await op(store)
+        except StoreUnavailable as exc:
+            if store is not self.store:
+                raise
+            self.store_unavailable.labels(self.failure_policy).inc()
+            if not self._store_down:
+                log.warning("rate-limit store unavailable (policy %s): %s",
+                            self.failure_policy, exc)
+            self._store_down = True
+            if self.failure_policy == "closed":
+                # Generic on purpose: the store's address is none of the tenant's business.
+                raise ApiError(503, "rate-limit store unavailable; retry later",
+                               code="store_unavailable", headers={"Retry-After": "1"}) from None
+            return self.fallback, await op(self.fallback)
+        if store is self.store and self._store_down:
+            log.warning("rate-limit store reachable again")
+            self._store_down = False
+        return store, result
+
+    def _refusal(self, tenant: Tenant, admission: Admission, tokens: int = 0) -> ApiError:
+        limit = tenant.rpm if admission.reason == "rpm" else tenant.tpm
+        unit = "requests" if admission.reason == "rpm" else "tokens"
+        need = f"; this request needs {tokens} (prompt + max_tokens)" if tokens else ""
+        self.rejections.labels(admission.reason or "").inc()
+        return ApiError(429, f"rate limit exceeded: {admission.reason} (tenant "
+                        f"{tenant.tenant_id} may use {limit} {unit} per minute{need}); retry "
+                        f"in {admission.retry_after_s}s", code=f"{admission.reason}_exceeded",
+                        headers={"Retry-After": str(admission.retry_after_s)})

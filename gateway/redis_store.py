@@ -3,43 +3,117 @@
 Layout (prefix ``lg:`` by default):
     lg:version                 INCR on every write; replicas reload their view when it moves
     lg:tenants / lg:keys / lg:adapters   hashes of JSON records (keys by SHA-256 of the key)
-    lg:rl:{tenant}:{window}    hash {req, tok}, expires two windows later
+    lg:rl:{tenant}:req         hash unix second -> requests admitted in that second
+    lg:rl:{tenant}:tok         hash unix second -> tokens reserved (net of refunds) in it
     lg:engines                 sorted set url -> expiry (unix seconds): engine heartbeats
 
-admit() is one Lua script (key still valid? tokens under TPM? requests under RPM? count it),
-so two gateways can never both take the last request of a window. The script touches keys
-of different hash slots: it needs a standalone Redis (or one shard), not Redis Cluster.
+The rate hashes are the sliding window of gateway/sliding_window.py: every script prunes the
+seconds that left the window, and a hash expires SPAN_S + 1 s after its last write. admit(),
+reserve() and charge()/refund() are each one Lua script, so two gateways can never both take
+the last request or the last tokens of a window. The scripts touch keys of different hash
+slots: they need a standalone Redis (or one shard), not Redis Cluster. ``now`` comes from
+the gateway's clock: replicas' clocks should agree within a second (NTP).
+
 Every connection or timeout error becomes StoreUnavailable, fast: no retries and short
-socket timeouts, because the gateway's failure policy (gateway/limits.py) has a better
-answer than waiting.
+socket timeouts, because the gateway's failure policy (gateway/ratelimit.py) has a better
+answer than waiting. Its message, like everything this module logs, names the server
+without credentials. A record that does not parse (hand-edited, or written by a newer
+version) is skipped by snapshot() with one warning instead of failing every replica;
+unknown fields of an otherwise valid record are ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 
-from gateway.store import WINDOW_S, Admission, Snapshot, StoreUnavailable, retry_after, window_of
+from gateway import sliding_window as sw
+from gateway.redact import redact_text, redact_url
+from gateway.store import Admission, Snapshot, StoreUnavailable
 from gateway.tenancy import AdapterRecord, ApiKey, Tenant
 
-_ADMIT = """
-if ARGV[1] ~= '' and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return -3 end
-local req = tonumber(redis.call('HGET', KEYS[2], 'req') or '0')
-local tok = tonumber(redis.call('HGET', KEYS[2], 'tok') or '0')
-local rpm = tonumber(ARGV[2])
-local tpm = tonumber(ARGV[3])
-if tpm >= 0 and tok >= tpm then return -2 end
-if rpm >= 0 and req >= rpm then return -1 end
-redis.call('HINCRBY', KEYS[2], 'req', 1)
-redis.call('EXPIRE', KEYS[2], ARGV[4])
-return req + 1
+log = logging.getLogger(__name__)
+R = TypeVar("R", Tenant, ApiKey, AdapterRecord)
+Builder = Callable[[dict[str, Any]], tuple[R, list[str]]]
+"""A record from its JSON fields, and the names of the fields it does not know."""
+DELETE_ATTEMPTS = 20
+"""delete_tenant retries its optimistic transaction this often while other writes race it."""
+
+# live(key, oldest): drop the seconds before `oldest`, return the sum of the rest and the
+# rest as {second, amount} pairs. wait(...): seconds until `need` more fits under `limit`,
+# the oldest seconds leaving first, each at second + span (sliding_window.wait_s).
+_LIB = """
+local function live(key, oldest)
+  local flat = redis.call('HGETALL', key)
+  local total, kept, dead = 0, {}, {}
+  for i = 1, #flat, 2 do
+    local second, amount = tonumber(flat[i]), tonumber(flat[i + 1])
+    if second == nil or amount == nil or second < oldest then
+      dead[#dead + 1] = flat[i]
+    else
+      total = total + amount
+      kept[#kept + 1] = {second, amount}
+    end
+  end
+  if #dead > 0 then redis.call('HDEL', key, unpack(dead)) end
+  return total, kept
+end
+local function wait(kept, total, need, limit, now, span)
+  table.sort(kept, function(a, b) return a[1] < b[1] end)
+  for _, bucket in ipairs(kept) do
+    total = total - bucket[2]
+    if total + need <= limit then return math.max(1, math.ceil(bucket[1] + span - now)) end
+  end
+  return span
+end
+local now = tonumber(ARGV[1])
+local second = math.floor(now)
+local oldest = second - tonumber(ARGV[2])
+local span = tonumber(ARGV[3])
+"""
+# KEYS: keys table, req hash, tok hash. ARGV: now, window, span, key hash ('' for none),
+# rpm, tpm (-1: unlimited). Returns {1, second} or {-1 rpm | -2 tpm | -3 revoked, wait}.
+_ADMIT = _LIB + """
+if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[1], ARGV[4]) == 0 then return {-3, 0} end
+local rpm, tpm = tonumber(ARGV[5]), tonumber(ARGV[6])
+local used, used_buckets = live(KEYS[3], oldest)
+if tpm >= 0 and used >= tpm then return {-2, wait(used_buckets, used, 1, tpm, now, span)} end
+local made, buckets = live(KEYS[2], oldest)
+if rpm >= 0 and made >= rpm then return {-1, wait(buckets, made, 1, rpm, now, span)} end
+redis.call('HINCRBY', KEYS[2], string.format('%d', second), 1)
+redis.call('EXPIRE', KEYS[2], span + 1)
+return {1, second}
+"""
+# KEYS: tok hash. ARGV: now, window, span, tokens, tpm. Returns {1, second} or {-2, wait}.
+_RESERVE = _LIB + """
+local need, tpm = tonumber(ARGV[4]), tonumber(ARGV[5])
+local used, buckets = live(KEYS[1], oldest)
+if used + need > tpm then return {-2, wait(buckets, used, need, tpm, now, span)} end
+redis.call('HINCRBY', KEYS[1], string.format('%d', second), need)
+redis.call('EXPIRE', KEYS[1], span + 1)
+return {1, second}
+"""
+# KEYS: req or tok hash. ARGV: now, window, span, second, amount (negative: give back).
+# Adds to that second while it is in the window; a second never goes below zero.
+_ADD = _LIB + """
+local at = tonumber(ARGV[4])
+if at < oldest then return 0 end
+local field = string.format('%d', at)
+local value = redis.call('HINCRBY', KEYS[1], field, tonumber(ARGV[5]))
+if value <= 0 then redis.call('HDEL', KEYS[1], field) end
+redis.call('EXPIRE', KEYS[1], span + 1)
+return value
 """
 _REFUSED = {-1: "rpm", -2: "tpm", -3: "revoked"}
 
@@ -48,12 +122,21 @@ class RedisStore:
     """StateStore over one Redis server (see the module docstring)."""
 
     def __init__(self, url: str, prefix: str = "lg:", timeout_s: float = 0.5) -> None:
-        self.url = url
+        self.url = redact_url(url)
+        """The server's URL without credentials (for messages)."""
         self.prefix = prefix
-        self._redis = aioredis.from_url(
-            url, decode_responses=True, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+        try:
+            self._redis = aioredis.from_url(
+                url, decode_responses=True, socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+        except ValueError:
+            # redis-py's message may quote pieces of the URL, credentials included.
+            raise ValueError(f"invalid Redis URL {self.url}: check its scheme, host, port "
+                             f"and database") from None
         self._admit = self._redis.register_script(_ADMIT)
+        self._reserve = self._redis.register_script(_RESERVE)
+        self._add = self._redis.register_script(_ADD)
+        self._warned: set[tuple[str, str, str]] = set()
 
     def _k(self, name: str) -> str:
         return self.prefix + name
@@ -61,9 +144,14 @@ class RedisStore:
     async def _call(self, coro: Any) -> Any:
         try:
             return await coro
+        except WatchError:
+            raise
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"redis at {self.url}: {type(exc).__name__}: {exc}") from exc
+            # No chained cause: tracebacks must not carry the client's own error text.
+            raise StoreUnavailable(f"redis at {self.url}: {type(exc).__name__}: "
+                                   f"{redact_text(str(exc))}") from None
 
+    # ---------------------------------------------------------------- records
     async def snapshot(self) -> Snapshot:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.get(self._k("version"))
@@ -71,11 +159,45 @@ class RedisStore:
             pipe.hgetall(self._k("keys"))
             pipe.hgetall(self._k("adapters"))
             version, tenants, keys, adapters = await self._call(pipe.execute())
-        return Snapshot(
-            version=int(version or 0),
-            tenants={k: _tenant(json.loads(v)) for k, v in tenants.items()},
-            keys={k: ApiKey(**json.loads(v)) for k, v in keys.items()},
-            adapters={k: _adapter(json.loads(v)) for k, v in adapters.items()})
+        return Snapshot(version=int(version or 0),
+                        tenants=self._records("tenants", tenants, _tenant),
+                        keys=self._records("keys", keys, _key),
+                        adapters=self._records("adapters", adapters, _adapter))
+
+    def _records(self, table: str, raw: dict[str, str], build: Builder[R]) -> dict[str, R]:
+        records = {}
+        for name, value in raw.items():
+            record = self._parse(table, name, value, build)
+            if record is not None:
+                records[name] = record
+        return records
+
+    def _parse(self, table: str, name: str, value: str, build: Builder[R]) -> R | None:
+        """The record stored under ``name``, or None (warned once per record content) when
+        it does not parse; unknown fields are dropped with a warning."""
+        try:
+            data = json.loads(value)
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            record, unknown = build(data)
+            if _id_of(record) != name:
+                raise ValueError(f"it is stored under another id ({_id_of(record)!r})")
+        except (ValueError, TypeError) as exc:
+            self._warn_once(table, name, value, f"skipping unreadable {table} record "
+                            f"{name!r}: {redact_text(str(exc))}")
+            return None
+        if unknown:
+            self._warn_once(table, name, value, f"ignoring unknown fields of {table} record "
+                            f"{name!r}: {unknown} (written by a newer version?)")
+        return record
+
+    def _warn_once(self, table: str, name: str, value: str, message: str) -> None:
+        seen = (table, name, hashlib.sha256(value.encode()).hexdigest())
+        if seen not in self._warned:
+            if len(self._warned) > 10_000:  # bounded: records come and go over months
+                self._warned.clear()
+            self._warned.add(seen)
+            log.warning("%s", message)
 
     async def version(self) -> int:
         return int(await self._call(self._redis.get(self._k("version"))) or 0)
@@ -93,15 +215,33 @@ class RedisStore:
     async def put_tenant(self, tenant: Tenant) -> None:
         await self._write("set", "tenants", tenant.tenant_id, json.dumps(asdict(tenant)))
 
-    async def delete_tenant(self, tenant_id: str) -> None:
-        keys = await self._call(self._redis.hgetall(self._k("keys")))
-        owned = [h for h, v in keys.items() if json.loads(v)["tenant_id"] == tenant_id]
+    async def delete_tenant(self, tenant_id: str) -> list[str]:
+        tables = self._k("keys"), self._k("adapters")
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hdel(self._k("tenants"), tenant_id)
-            if owned:
-                pipe.hdel(self._k("keys"), *owned)
-            pipe.incr(self._k("version"))
-            await self._call(pipe.execute())
+            for _ in range(DELETE_ATTEMPTS):
+                try:
+                    # Optimistic: if a key or adapter is written meanwhile, start over.
+                    await self._call(pipe.watch(*tables))
+                    keys = await self._call(pipe.hgetall(tables[0]))
+                    adapters = await self._call(pipe.hgetall(tables[1]))
+                    owned_keys = [h for h, v in keys.items()
+                                  if _field(v, "tenant_id") == tenant_id]
+                    owned, unshared = _tenant_adapters(adapters, tenant_id)
+                    pipe.multi()
+                    pipe.hdel(self._k("tenants"), tenant_id)
+                    if owned_keys:
+                        pipe.hdel(tables[0], *owned_keys)
+                    if owned:
+                        pipe.hdel(tables[1], *owned)
+                    for name, value in unshared.items():
+                        pipe.hset(tables[1], name, value)
+                    pipe.incr(self._k("version"))
+                    await self._call(pipe.execute())
+                    return owned
+                except WatchError:
+                    continue
+        raise StoreUnavailable(f"redis at {self.url}: tenant {tenant_id!r} could not be "
+                               f"deleted: its keys and adapters kept changing")
 
     async def put_key(self, key: ApiKey) -> None:
         await self._write("set", "keys", key.key_hash, json.dumps(asdict(key)))
@@ -115,30 +255,39 @@ class RedisStore:
     async def delete_adapter(self, name: str) -> None:
         await self._write("del", "adapters", name)
 
+    # ------------------------------------------------------------- rate limits
+    def _rate_keys(self, tenant_id: str) -> list[str]:
+        return [self._k(f"rl:{tenant_id}:req"), self._k(f"rl:{tenant_id}:tok")]
+
+    async def _script(self, script: Any, keys: list[str], now: float | None,
+                      *args: Any) -> Any:
+        now = time.time() if now is None else now
+        return await self._call(script(keys=keys, args=[repr(float(now)), sw.WINDOW_S,
+                                                        sw.SPAN_S, *args]))
+
     async def admit(self, key_hash: str | None, tenant_id: str, rpm: int | None,
                     tpm: int | None, now: float | None = None) -> Admission:
         now = time.time() if now is None else now
-        window = window_of(now)
-        result = int(await self._call(self._admit(
-            keys=[self._k("keys"), self._k(f"rl:{tenant_id}:{window}")],
-            args=[key_hash or "", -1 if rpm is None else rpm, -1 if tpm is None else tpm,
-                  2 * WINDOW_S])))
-        if result < 0:
-            reason = _REFUSED[result]
-            return Admission(False, window, reason,
-                             0 if reason == "revoked" else retry_after(now))
-        return Admission(True, window)
+        code, value = await self._script(
+            self._admit, [self._k("keys"), *self._rate_keys(tenant_id)], now, key_hash or "",
+            -1 if rpm is None else rpm, -1 if tpm is None else tpm)
+        return _admission(int(code), int(value), now)
 
-    async def charge(self, tenant_id: str, tokens: int, window: int) -> None:
-        key = self._k(f"rl:{tenant_id}:{window}")
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hincrby(key, "tok", tokens)
-            pipe.expire(key, 2 * WINDOW_S)
-            await self._call(pipe.execute())
+    async def reserve(self, tenant_id: str, tokens: int, tpm: int,
+                      now: float | None = None) -> Admission:
+        now = time.time() if now is None else now
+        code, value = await self._script(self._reserve, self._rate_keys(tenant_id)[1:], now,
+                                         tokens, tpm)
+        return _admission(int(code), int(value), now)
 
-    async def refund(self, tenant_id: str, window: int) -> None:
-        await self._call(self._redis.hincrby(self._k(f"rl:{tenant_id}:{window}"), "req", -1))
+    async def charge(self, tenant_id: str, tokens: int, second: int,
+                     now: float | None = None) -> None:
+        await self._script(self._add, self._rate_keys(tenant_id)[1:], now, second, tokens)
 
+    async def refund(self, tenant_id: str, second: int, now: float | None = None) -> None:
+        await self._script(self._add, self._rate_keys(tenant_id)[:1], now, second, -1)
+
+    # ---------------------------------------------------------------- engines
     async def register_engine(self, url: str, ttl_s: float) -> None:
         await self._call(self._redis.zadd(self._k("engines"), {url: time.time() + ttl_s}))
 
@@ -152,9 +301,64 @@ class RedisStore:
         await self._redis.aclose()
 
 
-def _tenant(data: dict[str, Any]) -> Tenant:
-    return Tenant(**data)
+def _admission(code: int, value: int, now: float) -> Admission:
+    if code > 0:
+        return Admission(True, value)
+    return Admission(False, sw.second_of(now), _REFUSED[code], value)
 
 
-def _adapter(data: dict[str, Any]) -> AdapterRecord:
-    return AdapterRecord(**{**data, "shared_with": tuple(data.get("shared_with") or ())})
+def _known(cls: type, data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The fields cls knows, and the names of the others (sorted)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in data.items() if k in names}, sorted(set(data) - names)
+
+
+def _tenant(data: dict[str, Any]) -> tuple[Tenant, list[str]]:
+    known, unknown = _known(Tenant, data)
+    known.setdefault("uid", "")  # written before uids: keep its old salt and ownership
+    return Tenant(**known), unknown
+
+
+def _key(data: dict[str, Any]) -> tuple[ApiKey, list[str]]:
+    known, unknown = _known(ApiKey, data)
+    return ApiKey(**known), unknown
+
+
+def _adapter(data: dict[str, Any]) -> tuple[AdapterRecord, list[str]]:
+    known, unknown = _known(AdapterRecord, data)
+    shared = known.get("shared_with") or []
+    if not isinstance(shared, list) or not all(isinstance(t, str) for t in shared):
+        raise ValueError(f"shared_with must be a list of tenant ids, got {shared!r}")
+    return AdapterRecord(**{**known, "shared_with": tuple(shared)}), unknown
+
+
+def _id_of(record: Tenant | ApiKey | AdapterRecord) -> str:
+    if isinstance(record, Tenant):
+        return record.tenant_id
+    return record.key_hash if isinstance(record, ApiKey) else record.name
+
+
+def _field(value: str, name: str) -> Any:
+    """One field of a stored JSON record (None if the record does not parse)."""
+    try:
+        data = json.loads(value)
+    except ValueError:
+        return None
+    return data.get(name) if isinstance(data, dict) else None
+
+
+def _tenant_adapters(adapters: dict[str, str], tenant_id: str
+                     ) -> tuple[list[str], dict[str, str]]:
+    """The adapters tenant_id owns (sorted names), and the others shared with it, rewritten
+    without it. The raw JSON is edited, so fields of a newer version survive."""
+    owned, unshared = [], {}
+    for name, value in adapters.items():
+        if _field(value, "owner") == tenant_id:
+            owned.append(name)
+            continue
+        shared = _field(value, "shared_with")
+        if isinstance(shared, list) and tenant_id in shared:
+            data = json.loads(value)
+            data["shared_with"] = [t for t in shared if t != tenant_id]
+            unshared[name] = json.dumps(data)
+    return sorted(owned), unshared

@@ -31,6 +31,7 @@ from gateway.instances import AdapterState, Instance, InstancePool
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter, Ticket
 from gateway.router import Candidate, Router, RoutingDecision
+from gateway.tenancy import derive_cache_salt
 from prefix_cache.hashing import request_extra_keys
 
 log = logging.getLogger(__name__)
@@ -100,11 +101,10 @@ class Gateway:
                        param="model")
 
     def cache_salt(self, principal: Principal, requested: str | None) -> str | None:
-        """A tenant's salt always leads, so no request can reach another tenant's blocks."""
-        if principal.tenant is None:
-            return requested
-        salt = principal.tenant.cache_salt
-        return f"{salt}/{requested}" if requested else salt
+        """A tenant's salt always leads, length-prefixed, so no request can reach another
+        tenant's blocks (tenancy.derive_cache_salt)."""
+        tenant = principal.tenant
+        return derive_cache_salt(tenant.cache_salt if tenant else None, requested)
 
     def priority(self, principal: Principal, requested: int) -> int:
         """The tenant's tier sets the priority; the body's priority only orders requests

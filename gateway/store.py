@@ -1,33 +1,38 @@
 """State shared by gateway replicas: one protocol, an in-memory and a Redis implementation.
 
-What lives here: tenants, API keys (hashes only), adapter records, per-minute rate-limit
+What lives here: tenants, API keys (hashes only), adapter records, sliding-window rate-limit
 counters and the engine registry. Writes go straight to the store and bump a version
 number; gateways serve the hot path (key -> tenant, which adapters a tenant sees) from a
-local Snapshot they reload when the version moves (gateway/state_view.py), so a request
-costs no store round trip for reads. The one round trip a limited request pays is admit():
-one atomic operation that checks the key is still valid (a revoked key stops working on
-every replica at once), checks the tenant's RPM and TPM windows and counts the request.
+local Snapshot they reload when the version moves (gateway/auth.py StateView), so a request
+costs no store round trip for reads. A limited request pays two atomic round trips: admit()
+(the key is still valid, so a revoked key stops working on every replica at once; the
+tenant's RPM and TPM windows are not full; count the request) and reserve() (its prompt +
+max_tokens fit the TPM window; take them).
 
-Rate-limit semantics (both stores): fixed one-minute windows (window = unix_time // 60);
-admit() refuses when the window's requests >= rpm or its tokens >= tpm, else counts one
-request; charge() adds tokens when a request ends; refund() gives back the request of a
-call that never reached an engine. Counters expire two windows later.
+Rate-limit semantics (both stores): per-second buckets over a sliding minute
+(gateway/sliding_window.py), passed ``now`` (unix seconds) by the caller.
+- admit() refuses when the window's requests >= rpm or its tokens >= tpm, else counts one
+  request in the bucket of ``now``;
+- reserve() refuses when the window's tokens + tokens > tpm, else adds them to the bucket of
+  ``now``;
+- charge() adds tokens (negative: gives back, never below zero) to a given bucket while it
+  is in the window; refund() gives back the request of a call that never reached an engine.
+Refusals carry Retry-After: seconds until enough of the oldest buckets leave the window.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from gateway import sliding_window as sw
 from gateway.tenancy import AdapterRecord, ApiKey, Tenant
-
-WINDOW_S = 60
 
 
 class StoreUnavailable(Exception):
-    """The store cannot be reached (Redis down); the caller applies its failure policy."""
+    """The store cannot be reached (Redis down); the caller applies its failure policy. Its
+    message names the store without credentials (gateway/redact.py)."""
 
 
 @dataclass(frozen=True)
@@ -43,21 +48,13 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class Admission:
-    """admit()'s answer. reason: "rpm", "tpm" or "revoked" when refused."""
+    """admit()'s or reserve()'s answer. reason: "rpm", "tpm" or "revoked" when refused;
+    second: the bucket the request or tokens were counted in (for refund() / charge())."""
 
     allowed: bool
-    window: int
+    second: int
     reason: str | None = None
     retry_after_s: int = 0
-
-
-def window_of(now: float) -> int:
-    return int(now // WINDOW_S)
-
-
-def retry_after(now: float) -> int:
-    """Whole seconds until the current window ends (at least 1)."""
-    return max(1, math.ceil(WINDOW_S - now % WINDOW_S))
 
 
 class StateStore(Protocol):
@@ -69,8 +66,10 @@ class StateStore(Protocol):
 
     async def put_tenant(self, tenant: Tenant) -> None: ...
 
-    async def delete_tenant(self, tenant_id: str) -> None:
-        """Also deletes the tenant's keys."""
+    async def delete_tenant(self, tenant_id: str) -> list[str]:
+        """Also deletes the tenant's keys and the adapters it owns (their names are
+        returned, sorted), and takes it off other adapters' shared_with: a tenant created
+        later under the same id inherits nothing. One atomic change."""
 
     async def put_key(self, key: ApiKey) -> None: ...
 
@@ -83,9 +82,13 @@ class StateStore(Protocol):
     async def admit(self, key_hash: str | None, tenant_id: str, rpm: int | None,
                     tpm: int | None, now: float | None = None) -> Admission: ...
 
-    async def charge(self, tenant_id: str, tokens: int, window: int) -> None: ...
+    async def reserve(self, tenant_id: str, tokens: int, tpm: int,
+                      now: float | None = None) -> Admission: ...
 
-    async def refund(self, tenant_id: str, window: int) -> None: ...
+    async def charge(self, tenant_id: str, tokens: int, second: int,
+                     now: float | None = None) -> None: ...
+
+    async def refund(self, tenant_id: str, second: int, now: float | None = None) -> None: ...
 
     async def register_engine(self, url: str, ttl_s: float) -> None: ...
 
@@ -102,7 +105,8 @@ class MemoryStore:
         self._tenants: dict[str, Tenant] = {}
         self._keys: dict[str, ApiKey] = {}
         self._adapters: dict[str, AdapterRecord] = {}
-        self._counters: dict[tuple[str, int], list[int]] = {}
+        self._rates: dict[tuple[str, str], dict[int, int]] = {}
+        """(tenant, "req" | "tok") -> second -> amount."""
         self._engines: dict[str, float] = {}
 
     def _bump(self) -> None:
@@ -119,11 +123,19 @@ class MemoryStore:
         self._tenants[tenant.tenant_id] = tenant
         self._bump()
 
-    async def delete_tenant(self, tenant_id: str) -> None:
+    async def delete_tenant(self, tenant_id: str) -> list[str]:
         self._tenants.pop(tenant_id, None)
         for key_hash in [h for h, k in self._keys.items() if k.tenant_id == tenant_id]:
             del self._keys[key_hash]
+        owned = sorted(n for n, a in self._adapters.items() if a.owner == tenant_id)
+        for name in owned:
+            del self._adapters[name]
+        for name, adapter in self._adapters.items():
+            if tenant_id in adapter.shared_with:
+                self._adapters[name] = replace(adapter, shared_with=tuple(
+                    t for t in adapter.shared_with if t != tenant_id))
         self._bump()
+        return owned
 
     async def put_key(self, key: ApiKey) -> None:
         self._keys[key.key_hash] = key
@@ -141,32 +153,60 @@ class MemoryStore:
         self._adapters.pop(name, None)
         self._bump()
 
+    def rate_buckets(self, tenant_id: str) -> dict[str, dict[int, int]]:
+        """The tenant's live counters by kind (a copy, for tests and debugging)."""
+        return {kind: dict(self._rates.get((tenant_id, kind), {})) for kind in ("req", "tok")}
+
+    def _buckets(self, tenant_id: str, kind: str) -> dict[int, int]:
+        return self._rates.setdefault((tenant_id, kind), {})
+
     async def admit(self, key_hash: str | None, tenant_id: str, rpm: int | None,
                     tpm: int | None, now: float | None = None) -> Admission:
         now = time.time() if now is None else now
-        window = window_of(now)
+        second = sw.second_of(now)
         if key_hash is not None and key_hash not in self._keys:
-            return Admission(False, window, "revoked")
-        self._expire(window)
-        counts = self._counters.setdefault((tenant_id, window), [0, 0])
-        if tpm is not None and counts[1] >= tpm:
-            return Admission(False, window, "tpm", retry_after(now))
-        if rpm is not None and counts[0] >= rpm:
-            return Admission(False, window, "rpm", retry_after(now))
-        counts[0] += 1
-        return Admission(True, window)
+            return Admission(False, second, "revoked")
+        tokens = self._buckets(tenant_id, "tok")
+        used = sw.prune(tokens, now)
+        if tpm is not None and used >= tpm:
+            return Admission(False, second, "tpm", sw.wait_s(tokens, used, 1, tpm, now))
+        requests = self._buckets(tenant_id, "req")
+        made = sw.prune(requests, now)
+        if rpm is not None and made >= rpm:
+            return Admission(False, second, "rpm", sw.wait_s(requests, made, 1, rpm, now))
+        requests[second] = requests.get(second, 0) + 1
+        return Admission(True, second)
 
-    async def charge(self, tenant_id: str, tokens: int, window: int) -> None:
-        self._counters.setdefault((tenant_id, window), [0, 0])[1] += tokens
+    async def reserve(self, tenant_id: str, tokens: int, tpm: int,
+                      now: float | None = None) -> Admission:
+        now = time.time() if now is None else now
+        second = sw.second_of(now)
+        buckets = self._buckets(tenant_id, "tok")
+        used = sw.prune(buckets, now)
+        if used + tokens > tpm:
+            return Admission(False, second, "tpm", sw.wait_s(buckets, used, tokens, tpm, now))
+        buckets[second] = buckets.get(second, 0) + tokens
+        return Admission(True, second)
 
-    async def refund(self, tenant_id: str, window: int) -> None:
-        counts = self._counters.get((tenant_id, window))
-        if counts is not None and counts[0] > 0:
-            counts[0] -= 1
+    async def charge(self, tenant_id: str, tokens: int, second: int,
+                     now: float | None = None) -> None:
+        self._add(tenant_id, "tok", second, tokens, now)
 
-    def _expire(self, window: int) -> None:
-        for key in [k for k in self._counters if k[1] < window - 1]:
-            del self._counters[key]
+    async def refund(self, tenant_id: str, second: int, now: float | None = None) -> None:
+        self._add(tenant_id, "req", second, -1, now)
+
+    def _add(self, tenant_id: str, kind: str, second: int, amount: int,
+             now: float | None) -> None:
+        now = time.time() if now is None else now
+        buckets = self._buckets(tenant_id, kind)
+        sw.prune(buckets, now)
+        if second < sw.oldest_live(now):
+            return  # that second left the window: nothing to give back or count
+        value = buckets.get(second, 0) + amount
+        if value > 0:
+            buckets[second] = value
+        else:
+            buckets.pop(second, None)
 
     async def register_engine(self, url: str, ttl_s: float) -> None:
         self._engines[url] = time.monotonic() + ttl_s

@@ -3,15 +3,22 @@
 Keys are random tokens shown once at creation; only their SHA-256 is stored, so a leaked
 store does not leak working keys. A tenant sees the adapters it owns, the adapters shared
 with it, and public adapters (registered by the operator without an owner).
+
+A tenant's identity is its id plus a random ``uid`` given at creation: ownership and the
+prefix-cache salt use both, so a tenant deleted and created again under the same id starts
+with nothing of the old one (no adapters, no cached prefixes).
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 from dataclasses import dataclass, field
 
 KEY_PREFIX = "lg-"
+SHARED_SALT_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_UID_PATTERN = re.compile(r"[0-9a-f]{1,64}")
 
 
 def hash_key(key: str) -> str:
@@ -21,6 +28,11 @@ def hash_key(key: str) -> str:
 def new_key() -> str:
     """A fresh API key (shown once; store hash_key(key))."""
     return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def new_uid() -> str:
+    """A fresh tenant uid: 64 random bits, hex."""
+    return secrets.token_hex(8)
 
 
 @dataclass(frozen=True)
@@ -40,7 +52,12 @@ class Tenant:
     """Requests in flight at once through one gateway (None: unlimited)."""
     shared_salt: str | None = None
     """Opt-in: tenants with the same shared salt share prefix-cache blocks; without it a
-    tenant's requests only ever hit blocks its own requests cached."""
+    tenant's requests only ever hit blocks its own requests cached. 1-128 letters, digits,
+    '.', '_' or '-'."""
+    uid: str = field(default_factory=new_uid)
+    """Random id of this incarnation of the tenant (lowercase hex), given at creation and
+    kept by updates; "" for a record written before uids existed (it keeps the salt it
+    had)."""
 
     def __post_init__(self) -> None:
         if not self.tenant_id or not all(c.isalnum() or c in "-_." for c in self.tenant_id):
@@ -50,8 +67,13 @@ class Tenant:
             raise ValueError(f"name must be a string, got {self.name!r}")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
-        if self.shared_salt is not None and not isinstance(self.shared_salt, str):
-            raise ValueError(f"shared_salt must be a string or null, got {self.shared_salt!r}")
+        if self.shared_salt is not None and not (
+                isinstance(self.shared_salt, str)
+                and SHARED_SALT_PATTERN.fullmatch(self.shared_salt)):
+            raise ValueError(f"shared_salt must be null or 1-128 letters, digits, '.', '_' "
+                             f"or '-', got {self.shared_salt!r}")
+        if not isinstance(self.uid, str) or (self.uid and not _UID_PATTERN.fullmatch(self.uid)):
+            raise ValueError(f"uid must be lowercase hex, got {self.uid!r}")
         for name in ("rpm", "tpm", "max_concurrency"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -61,8 +83,25 @@ class Tenant:
 
     @property
     def cache_salt(self) -> str:
-        """Salt mixed into every block hash of this tenant's requests."""
-        return f"shared:{self.shared_salt}" if self.shared_salt else f"tenant:{self.tenant_id}"
+        """Salt mixed into every block hash of this tenant's requests. Never starts with a
+        digit (derive_cache_salt relies on it); ids and salts hold no ':'."""
+        if self.shared_salt:
+            return f"shared:{self.shared_salt}"
+        return f"tenant:{self.tenant_id}:{self.uid}" if self.uid else f"tenant:{self.tenant_id}"
+
+
+def derive_cache_salt(tenant_salt: str | None, requested: str | None) -> str | None:
+    """The salt of a request: the tenant's salt, then the request's own cache_salt if any.
+
+    Injective: the tenant's salt is length-prefixed, so no two distinct (tenant salt,
+    requested) pairs give one string, whatever characters either holds; a tenant salt alone
+    starts with a letter, a derived one with a digit. tenant_salt None (the operator, the
+    open mode): the requested salt as is."""
+    if tenant_salt is None:
+        return requested
+    if not requested:
+        return tenant_salt
+    return f"{len(tenant_salt)}:{tenant_salt}/{requested}"
 
 
 @dataclass(frozen=True)
@@ -84,8 +123,12 @@ class AdapterRecord:
     owner: str | None = None
     """Owning tenant; None: public (every tenant sees it)."""
     shared_with: tuple[str, ...] = field(default_factory=tuple)
+    owner_uid: str = ""
+    """The owner's Tenant.uid when it was bound: a later tenant with the owner's id but
+    another uid does not own it."""
 
-    def visible_to(self, tenant_id: str | None) -> bool:
+    def visible_to(self, tenant_id: str | None, tenant_uid: str = "") -> bool:
         """tenant_id None: the open single-tenant mode, or the operator: sees everything."""
-        return (tenant_id is None or self.owner is None or self.owner == tenant_id
+        return (tenant_id is None or self.owner is None
+                or (self.owner == tenant_id and self.owner_uid == tenant_uid)
                 or tenant_id in self.shared_with)

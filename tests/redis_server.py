@@ -45,10 +45,13 @@ class PrivateRedis:
     port: int
     workdir: Path
     process: subprocess.Popen[bytes] | None = None
+    password: str | None = None
+    """Set: the server requires it (AUTH), and url carries it."""
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> PrivateRedis:
         binary = shutil.which("redis-server")
@@ -57,7 +60,8 @@ class PrivateRedis:
         assert binary is not None
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.workdir)],
+             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.workdir),
+             *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -75,5 +79,5 @@ class PrivateRedis:
         self.process = None
 
 
-def private_redis(workdir: Path) -> PrivateRedis:
-    return PrivateRedis(free_port(), workdir).start()
+def private_redis(workdir: Path, password: str | None = None) -> PrivateRedis:
+    return PrivateRedis(free_port(), workdir, password=password).start()

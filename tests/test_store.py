@@ -1,23 +1,29 @@
-"""Both state stores pass the same suite: records, versions, rate-limit windows, expiry,
-revocation, engine heartbeats. RedisStore runs against a real Redis (REDIS_URL)."""
+"""Both state stores pass the same suite: records, versions, sliding rate-limit windows,
+expiry, revocation, engine heartbeats; RedisStore's snapshot survives unreadable records.
+RedisStore runs against a real Redis (REDIS_URL)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict
 from typing import TypeVar
 
 import pytest
 import redis
 
+from gateway.redact import redact_text, redact_url
 from gateway.redis_store import RedisStore
-from gateway.store import WINDOW_S, MemoryStore, StateStore
+from gateway.sliding_window import SPAN_S
+from gateway.store import MemoryStore, Snapshot, StateStore
 from gateway.tenancy import AdapterRecord, ApiKey, Tenant, hash_key
 from tests.redis_server import shared_redis_url
 
 T = TypeVar("T")
-NOW = 1_000_000 * WINDOW_S + 10.0  # 10 s into a window
+NOW = 60_000_010.0
 
 
 def run(coro: Awaitable[T]) -> T:
@@ -48,7 +54,8 @@ def test_records_round_trip_and_bump_the_version(make_store: Callable[[], StateS
         tenant = Tenant("acme", "Acme", priority=2, rpm=10, tpm=1000, max_concurrency=3,
                         shared_salt="partners")
         key = ApiKey(hash_key("secret"), "acme", "k1", 123.0)
-        adapter = AdapterRecord("bot", "/adapters/bot", owner="acme", shared_with=("beta",))
+        adapter = AdapterRecord("bot", "/adapters/bot", owner="acme", shared_with=("beta",),
+                                owner_uid=tenant.uid)
         await store.put_tenant(tenant)
         await store.put_key(key)
         await store.put_adapter(adapter)
@@ -59,15 +66,40 @@ def test_records_round_trip_and_bump_the_version(make_store: Callable[[], StateS
         assert snapshot.tenants == {"acme": tenant}
         assert snapshot.keys == {key.key_hash: key}
         assert snapshot.adapters == {"bot": adapter}
-        await store.delete_tenant("acme")  # takes its keys with it
-        snapshot = await other.snapshot()
-        assert snapshot.tenants == {} and snapshot.keys == {}
-        assert snapshot.adapters == {"bot": adapter}
         await store.delete_adapter("bot")
         assert (await other.snapshot()).adapters == {}
-        assert await other.version() == v0 + 5
+        assert await other.version() == v0 + 4
         await store.close()
         await other.close()
+
+    run(scenario())
+
+
+def test_deleting_a_tenant_takes_its_keys_and_adapters_and_shares(
+        make_store: Callable[[], StateStore]) -> None:
+    async def scenario() -> None:
+        store = make_store()
+        acme, beta = Tenant("acme"), Tenant("beta")
+        records = [AdapterRecord("mine", "/m", owner="acme", owner_uid=acme.uid),
+                   AdapterRecord("theirs", "/t", owner="beta", owner_uid=beta.uid,
+                                 shared_with=("acme", "gamma")),
+                   AdapterRecord("public", "/p")]
+        for tenant in (acme, beta):
+            await store.put_tenant(tenant)
+            await store.put_key(ApiKey(hash_key(tenant.tenant_id), tenant.tenant_id, "k", 0.0))
+        for record in records:
+            await store.put_adapter(record)
+        v0 = await store.version()
+        assert await store.delete_tenant("acme") == ["mine"]
+        snapshot = await make_store().snapshot()
+        assert snapshot.version == v0 + 1  # one atomic change
+        assert list(snapshot.tenants) == ["beta"]
+        assert [k.tenant_id for k in snapshot.keys.values()] == ["beta"]
+        assert snapshot.adapters == {
+            "theirs": AdapterRecord("theirs", "/t", owner="beta", owner_uid=beta.uid,
+                                    shared_with=("gamma",)),
+            "public": records[2]}
+        await store.close()
 
     run(scenario())
 
@@ -83,30 +115,38 @@ def test_rpm_is_exact_across_gateways_and_refunds_give_back(
         refused = [r for r in results if not r.allowed]
         assert len(allowed) == 20
         assert {r.reason for r in refused} == {"rpm"}
-        assert {r.retry_after_s for r in refused} == {WINDOW_S - 10}
-        await a.refund("acme", allowed[0].window)
+        assert {r.retry_after_s for r in refused} == {SPAN_S}  # the second NOW frees at +61
+        await a.refund("acme", allowed[0].second, now=NOW)
         assert (await b.admit(None, "acme", 20, None, now=NOW)).allowed
         assert not (await b.admit(None, "acme", 20, None, now=NOW)).allowed
-        # The next window starts from zero.
-        assert (await a.admit(None, "acme", 20, None, now=NOW + WINDOW_S)).allowed
+        # Sliding: still full 60 s later, empty once the second NOW left the window.
+        assert not (await a.admit(None, "acme", 20, None, now=NOW + 60.9)).allowed
+        assert (await a.admit(None, "acme", 20, None, now=NOW + SPAN_S)).allowed
         await a.close()
         await b.close()
 
     run(scenario())
 
 
-def test_tpm_counts_charged_tokens(make_store: Callable[[], StateStore]) -> None:
+def test_tpm_counts_reserved_and_charged_tokens(make_store: Callable[[], StateStore]) -> None:
     async def scenario() -> None:
         store = make_store()
         first = await store.admit(None, "acme", rpm=None, tpm=100, now=NOW)
         assert first.allowed
-        await store.charge("acme", 60, first.window)
-        assert (await store.admit(None, "acme", None, 100, now=NOW)).allowed
-        await store.charge("acme", 40, first.window)
-        refused = await store.admit(None, "acme", None, 100, now=NOW + 5)
+        assert (await store.reserve("acme", 60, 100, now=NOW)).allowed
+        refused = await store.reserve("acme", 41, 100, now=NOW + 5)
         assert (refused.allowed, refused.reason, refused.retry_after_s) == (
-            False, "tpm", WINDOW_S - 15)
+            False, "tpm", SPAN_S - 5)
+        await store.charge("acme", -20, first.second, now=NOW + 5)  # unused part back
+        second = await store.reserve("acme", 60, 100, now=NOW + 5)
+        assert (second.allowed, second.second) == (True, int(NOW) + 5)
+        refused = await store.admit(None, "acme", None, 100, now=NOW + 6)
+        assert (refused.allowed, refused.reason) == (False, "tpm")
         assert (await store.admit(None, "other", None, 100, now=NOW)).allowed  # per tenant
+        # A refund never takes a second below zero (40 stay counted in the first one).
+        await store.charge("acme", -1000, second.second, now=NOW + 6)
+        assert (await store.reserve("acme", 60, 100, now=NOW + 7)).allowed
+        assert not (await store.reserve("acme", 1, 100, now=NOW + 7)).allowed
         await store.close()
 
     run(scenario())
@@ -131,21 +171,76 @@ def test_rate_counters_expire() -> None:
     url = shared_redis_url()
     prefix = f"lg-test-{uuid.uuid4().hex[:8]}:"
 
-    async def admit_once() -> int:
+    async def admit_once(now: float) -> None:
         store = RedisStore(url, prefix=prefix)
-        admission = await store.admit(None, "acme", 5, 5, now=NOW)
+        assert (await store.admit(None, "acme", 5, 5, now=now)).allowed
+        assert (await store.reserve("acme", 2, 5, now=now)).allowed
         await store.close()
-        return admission.window
 
-    window = run(admit_once())
-    client = redis.Redis.from_url(url)
-    key = f"{prefix}rl:acme:{window}"
-    assert 0 < int(client.ttl(key)) <= 2 * WINDOW_S
-    client.delete(key)
+    run(admit_once(NOW))
+    client = redis.Redis.from_url(url, decode_responses=True)
+    for kind in ("req", "tok"):
+        key = f"{prefix}rl:acme:{kind}"
+        assert 0 < int(client.ttl(key)) <= SPAN_S + 1
+    run(admit_once(NOW + SPAN_S))  # the older second is pruned from the hash
+    assert client.hgetall(f"{prefix}rl:acme:req") == {str(int(NOW + SPAN_S)): "1"}
+    client.delete(f"{prefix}rl:acme:req", f"{prefix}rl:acme:tok")
     memory = MemoryStore()
     for offset in range(3):
-        run(memory.admit(None, "acme", 5, 5, now=NOW + offset * WINDOW_S))
-    assert sorted(w for _, w in memory._counters) == [window + 1, window + 2]
+        run(memory.admit(None, "acme", 5, 5, now=NOW + offset * SPAN_S))
+    assert memory.rate_buckets("acme") == {"req": {int(NOW) + 2 * SPAN_S: 1}, "tok": {}}
+
+
+def test_snapshot_skips_unreadable_records_and_ignores_unknown_fields(
+        caplog: pytest.LogCaptureFixture) -> None:
+    url = shared_redis_url()
+    prefix = f"lg-test-{uuid.uuid4().hex[:8]}:"
+    client = redis.Redis.from_url(url)
+    acme = Tenant("acme")
+    key = ApiKey(hash_key("k"), "acme", "k1", 1.0)
+    future_tenant = {**asdict(Tenant("future", rpm=5)), "region": "eu"}
+    raw = {
+        "tenants": {"broken": "{not json", "wrong": json.dumps({"tenant_id": "wrong",
+                                                                 "rpm": "lots"}),
+                    "future": json.dumps(future_tenant),
+                    "legacy": json.dumps({"tenant_id": "legacy", "name": "old"}),
+                    "alias": json.dumps(asdict(Tenant("other")))},
+        "keys": {"junk": "[1, 2]"},
+        "adapters": {"bad": json.dumps({"name": "bad"}),
+                     "new": json.dumps({"name": "new", "path": "/n", "quantized": True})},
+    }
+
+    async def scenario() -> Snapshot:
+        store = RedisStore(url, prefix=prefix)
+        await store.put_tenant(acme)
+        await store.put_key(key)
+        for table, records in raw.items():
+            for name, value in records.items():
+                client.hset(prefix + table, name, value)
+        first = await store.snapshot()
+        assert await store.snapshot() == first
+        await store.close()
+        return first
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="gateway.redis_store"):
+            snapshot = run(scenario())
+    finally:
+        client.delete(*client.scan_iter(match=prefix + "*"))
+    del future_tenant["region"]
+    assert snapshot.tenants == {"acme": acme, "future": Tenant(**future_tenant),
+                                "legacy": Tenant("legacy", "old", uid="")}
+    assert snapshot.tenants["legacy"].cache_salt == "tenant:legacy"  # as before uids
+    assert snapshot.keys == {key.key_hash: key}
+    assert snapshot.adapters == {"new": AdapterRecord("new", "/n")}
+    warned = sorted(r.getMessage().split(":")[0] for r in caplog.records)
+    assert warned == ["ignoring unknown fields of adapters record 'new'",
+                      "ignoring unknown fields of tenants record 'future'",
+                      "skipping unreadable adapters record 'bad'",
+                      "skipping unreadable keys record 'junk'",
+                      "skipping unreadable tenants record 'alias'",
+                      "skipping unreadable tenants record 'broken'",
+                      "skipping unreadable tenants record 'wrong'"]  # once each
 
 
 def test_engine_heartbeats_expire(make_store: Callable[[], StateStore]) -> None:
@@ -157,3 +252,17 @@ def test_engine_heartbeats_expire(make_store: Callable[[], StateStore]) -> None:
         await store.close()
 
     run(scenario())
+
+
+@pytest.mark.parametrize(("raw", "shown"), [
+    ("redis://:secretpw@10.0.0.1:6379/0", "redis://***@10.0.0.1:6379/0"),
+    ("rediss://user:secretpw@h/1?password=secretpw&ssl_cert_reqs=none",
+     "rediss://***@h/1?password=***&ssl_cert_reqs=none"),
+    ("unix://:secretpw@/run/redis.sock?db=2", "unix://***@/run/redis.sock?db=2"),
+    ("redis://10.0.0.1:6379/0", "redis://10.0.0.1:6379/0"),
+])
+def test_redis_urls_are_shown_without_credentials(raw: str, shown: str) -> None:
+    assert redact_url(raw) == shown
+    assert redact_text(f"error talking to {raw}: refused") == (
+        f"error talking to {shown}: refused")
+

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import io
 import tarfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
+from gateway.sliding_window import SPAN_S
 from lora.adapter import SUPPORTED_MODULES
 from tests.live_http import metric, poll, wait_engines_idle
 from tests.live_servers import LiveServer, start_engine, start_gateway
@@ -103,14 +103,6 @@ def models(setup: Setup, key: str, gateway: int = 0) -> list[str]:
     return [m["id"] for m in response.json()["data"]]
 
 
-def fresh_window() -> None:
-    """Limits count per clock minute: start a limit test with at least 10 s of the minute
-    left, so the requests it counts cannot straddle two windows."""
-    left = 60 - time.time() % 60
-    if left < 10:
-        time.sleep(left + 0.1)
-
-
 def engine_hits(setup: Setup) -> float:
     text = httpx.get(setup.engine.url + "/metrics", timeout=10.0).text
     return metric(text, "loragate_prefix_cache_hit_tokens_total")
@@ -159,6 +151,52 @@ def test_tenants_never_share_prefix_blocks(setup: Setup, tenants: dict[str, str]
     assert engine_hits(setup) == before + 144  # its own blocks (capped at len - 1)
 
 
+def test_a_recreated_tenant_inherits_no_adapter_and_no_cached_prefix(setup: Setup) -> None:
+    key = new_tenant(setup, "omega")
+    response = admin(setup, "POST", "/admin/adapters", json={
+        "name": "omega-bot", "path": str(setup.adapters["a-bot"]), "owner": "omega"})
+    assert response.status_code == 201, response.text
+    response = admin(setup, "POST", "/admin/adapters/upload?name=omega-up&owner=omega",
+                     content=_tar(setup.adapters["a-bot"]))
+    assert response.status_code == 201, response.text
+    base = models(setup, key)[0]
+    prompt = list(range(300, 460))  # 10 full blocks no other test sends
+    assert complete(setup, key, "omega-bot").status_code == 200
+    assert complete(setup, key, base, prompt).status_code == 200
+    wait_engines_idle(setup.engine.url)
+    before = engine_hits(setup)
+    assert complete(setup, key, base, prompt).status_code == 200
+    assert engine_hits(setup) == before + 144  # the old omega's prefix is cached
+    deleted = admin(setup, "DELETE", "/admin/tenants/omega")
+    assert deleted.status_code == 200
+    assert deleted.json()["adapters_deleted"] == ["omega-bot", "omega-up"]
+    for name in ("omega-bot", "omega-up"):
+        assert admin(setup, "GET", f"/admin/adapters/{name}").status_code == 404
+    assert not (setup.upload_dir / "omega-up").exists()  # its upload is gone
+    assert setup.adapters["a-bot"].is_dir()  # a directory registered by path is not
+    new_key = new_tenant(setup, "omega")
+    assert "omega-bot" not in models(setup, new_key)
+    refused = complete(setup, new_key, "omega-bot")
+    assert refused.status_code == 404
+    assert refused.json()["error"]["code"] == "model_not_found"
+    wait_engines_idle(setup.engine.url)
+    before = engine_hits(setup)
+    assert complete(setup, new_key, base, prompt).status_code == 200
+    assert engine_hits(setup) == before  # same id, new tenant: none of the old blocks
+
+
+def test_shared_salt_must_be_a_safe_name(setup: Setup) -> None:
+    refused = admin(setup, "POST", "/admin/tenants",
+                    json={"tenant_id": "slash", "shared_salt": "a/b"})
+    assert refused.status_code == 400
+    assert "shared_salt" in refused.json()["error"]["message"]
+    assert admin(setup, "GET", "/admin/tenants/slash").status_code == 404
+    new_tenant(setup, "salted", shared_salt="group-1")
+    patched = admin(setup, "PATCH", "/admin/tenants/salted", json={"shared_salt": "x/y"})
+    assert patched.status_code == 400
+    assert admin(setup, "GET", "/admin/tenants/salted").json()["shared_salt"] == "group-1"
+
+
 def test_revoked_key_fails_at_once_on_every_replica(setup: Setup) -> None:
     key = new_tenant(setup, "gamma")
     base = poll(lambda: models(setup, key, 1), "replica 1 to know gamma")[0]
@@ -171,7 +209,6 @@ def test_revoked_key_fails_at_once_on_every_replica(setup: Setup) -> None:
 
 # ---------------------------------------------------------------------------- rate limits
 def test_rpm_is_exact_across_two_gateways(setup: Setup) -> None:
-    fresh_window()
     key = new_tenant(setup, "delta", rpm=4)
     base = poll(lambda: models(setup, key, 1), "replica 1 to know delta")[0]
     statuses = [complete(setup, key, base, gateway=i % 2) for i in range(6)]
@@ -179,18 +216,17 @@ def test_rpm_is_exact_across_two_gateways(setup: Setup) -> None:
     limited = [r for r in statuses if r.status_code == 429]
     assert len(limited) == 2
     for response in limited:
-        assert 1 <= int(response.headers["retry-after"]) <= 60
+        assert 1 <= int(response.headers["retry-after"]) <= SPAN_S  # sliding: up to 61 s
         assert response.json()["error"]["code"] == "rpm_exceeded"
         assert "rpm" in response.json()["error"]["message"]
 
 
 def test_tpm_counts_prompt_and_completion_tokens(setup: Setup) -> None:
-    fresh_window()
     key = new_tenant(setup, "epsilon", tpm=50)
     base = poll(lambda: models(setup, key, 1), "replica 1 to know epsilon")[0]
-    first = complete(setup, key, base, list(range(10, 50)), max_tokens=12)  # 52 tokens
+    first = complete(setup, key, base, list(range(10, 50)), max_tokens=8)  # 48 tokens
     assert first.status_code == 200
-    assert first.json()["usage"]["total_tokens"] == 52
+    assert first.json()["usage"]["total_tokens"] == 48
     refused = poll(lambda: _if_status(complete(setup, key, base, gateway=1), 429),
                    "the charge to reach the shared counter", timeout_s=5)
     assert refused.json()["error"]["code"] == "tpm_exceeded"

@@ -12,26 +12,76 @@ import pytest
 
 from gateway.adapter_upload import extract_archive
 from gateway.auth import Principal
-from gateway.service import tier_share
-from gateway.tenancy import KEY_PREFIX, AdapterRecord, Tenant, hash_key, new_key
+from gateway.service import Gateway, tier_share
+from gateway.tenancy import (
+    KEY_PREFIX,
+    AdapterRecord,
+    Tenant,
+    derive_cache_salt,
+    hash_key,
+    new_key,
+)
 
 
 def test_tenant_validation_and_salts() -> None:
-    assert Tenant("acme").cache_salt == "tenant:acme"
+    acme = Tenant("acme")
+    assert acme.cache_salt == f"tenant:acme:{acme.uid}"
     assert Tenant("acme", shared_salt="partners").cache_salt == "shared:partners"
     assert Tenant("beta", shared_salt="partners").cache_salt == "shared:partners"
+    assert Tenant("acme", uid="").cache_salt == "tenant:acme"  # a record from before uids
     for bad in ({"tenant_id": ""}, {"tenant_id": "a b"}, {"tenant_id": "a", "rpm": 0},
-                {"tenant_id": "a", "tpm": -5}, {"tenant_id": "a", "priority": 101}):
+                {"tenant_id": "a", "tpm": -5}, {"tenant_id": "a", "priority": 101},
+                {"tenant_id": "a", "uid": "not hex!"}):
         with pytest.raises(ValueError):
             Tenant(**bad)
 
 
+@pytest.mark.parametrize("salt", ["a/b", "", "x" * 129, "a b", "a:b", "café", "a\nb"])
+def test_shared_salt_is_a_short_safe_name(salt: str) -> None:
+    with pytest.raises(ValueError, match="shared_salt"):
+        Tenant("acme", shared_salt=salt)
+
+
+def test_a_recreated_tenant_shares_no_salt_and_owns_nothing_of_the_old_one() -> None:
+    old, new = Tenant("acme"), Tenant("acme")
+    assert old.uid != new.uid and len(old.uid) == 16
+    assert old.cache_salt != new.cache_salt
+    owned = AdapterRecord("mine", "/m", owner="acme", owner_uid=old.uid)
+    assert owned.visible_to("acme", old.uid)
+    assert not owned.visible_to("acme", new.uid)
+    assert not AdapterRecord("legacy", "/l", owner="acme").visible_to("acme", new.uid)
+
+
+def test_derived_salts_never_collide() -> None:
+    """No two distinct (tenant salt, requested salt) pairs give one string; a tenant's salt
+    alone never equals a derived one."""
+    tenant_salts = ["shared:a/b", "shared:a", "shared:a/", "tenant:x", "tenant:x/y",
+                    "shared:1:a", "shared:3:a/b"]
+    requested: list[str | None] = [None, "b", "/b", "b/", "y/z", "z", "1:x", "3:a/b", "a"]
+    seen: dict[str | None, tuple[str, str | None]] = {}
+    for salt in tenant_salts:
+        for extra in requested:
+            derived = derive_cache_salt(salt, extra)
+            assert derived not in seen, (salt, extra, seen[derived])
+            seen[derived] = (salt, extra)
+    # What the unescaped f"{salt}/{requested}" let collide:
+    assert derive_cache_salt("shared:a/b", None) != derive_cache_salt("shared:a", "b")
+    assert derive_cache_salt("tenant:x", "y/z") != derive_cache_salt("tenant:x/y", "z")
+    gateway = Gateway.__new__(Gateway)  # cache_salt reads no gateway state
+    acme = Principal(Tenant("acme", shared_salt="a"))
+    assert gateway.cache_salt(acme, "b") == derive_cache_salt("shared:a", "b")
+    assert gateway.cache_salt(acme, None) == "shared:a"
+    assert gateway.cache_salt(Principal(None), "b") == "b"  # the operator picks freely
+
+
 def test_adapter_visibility() -> None:
+    acme, beta = Tenant("acme"), Tenant("beta")
     public = AdapterRecord("pub", "/p")
-    owned = AdapterRecord("mine", "/m", owner="acme", shared_with=("beta",))
-    assert [public.visible_to(t) for t in ("acme", "beta", "gamma", None)] == [True] * 4
-    assert [owned.visible_to(t) for t in ("acme", "beta", "gamma", None)] == [
-        True, True, False, True]
+    owned = AdapterRecord("mine", "/m", owner="acme", owner_uid=acme.uid,
+                          shared_with=("beta",))
+    callers = [("acme", acme.uid), ("beta", beta.uid), ("gamma", "00"), (None, "")]
+    assert [public.visible_to(*c) for c in callers] == [True] * 4
+    assert [owned.visible_to(*c) for c in callers] == [True, True, False, True]
 
 
 def test_keys_are_random_and_stored_as_hashes() -> None:
