@@ -184,3 +184,32 @@ def test_a_command_cancelled_while_queued_is_never_applied(async_engine: AsyncEn
     asyncio.run(main())
     assert calls[0] == 0
     assert async_engine.is_alive()
+
+
+def test_a_dead_loop_calls_on_fatal_and_ends_every_stream(tiny_model_dir: Path) -> None:
+    """If the loop dies anyway (here: even aborting fails), whoever runs the engine is told
+    (the server exits so its supervisor restarts it) and no stream is left hanging."""
+    deaths: list[BaseException] = []
+    engine = AsyncEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64),
+                                     on_fatal=deaths.append)
+
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("injected: engine state lost")
+
+    engine.engine.step = broken  # type: ignore[method-assign]
+    engine.engine.abort_request = broken  # type: ignore[method-assign]
+
+    async def main() -> BaseException | None:
+        try:
+            async for _ in engine.generate([5, 6, 7], GREEDY):
+                pass
+        except Exception as exc:
+            return exc
+        return None
+
+    error = asyncio.run(main())
+    engine._thread.join(timeout=10)
+    assert type(error).__name__ == "EngineDeadError"
+    assert not engine.is_alive()
+    assert len(deaths) == 1 and engine.fatal_error is deaths[0]
+    engine.shutdown()  # returns at once: the thread is gone
