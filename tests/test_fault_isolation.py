@@ -197,7 +197,7 @@ def test_a_dead_loop_calls_on_fatal_and_ends_every_stream(tiny_model_dir: Path) 
         raise RuntimeError("injected: engine state lost")
 
     engine.engine.step = broken  # type: ignore[method-assign]
-    engine.engine.abort_request = broken  # type: ignore[method-assign]
+    engine.engine.abort_request = broken  # type: ignore[method-assign, assignment]
 
     async def main() -> BaseException | None:
         try:
