@@ -84,6 +84,16 @@ class AdapterRecord:
     owner: str | None = None
     """Owning tenant; None: public (every tenant sees it)."""
     shared_with: tuple[str, ...] = field(default_factory=tuple)
+    digest: str | None = None
+    """Content digest of the weights as validated at registration (lora.adapter): engines
+    must report this digest to serve it. None: registered on the command line, trusted by
+    name."""
+    upload_id: str | None = None
+    """Set when the directory was created by an upload (shared by records naming the same
+    upload directory): deleting the last of them removes the directory."""
+    deleting: bool = False
+    """Delete pending until every engine unloaded it: new requests for it are refused and
+    the name cannot be registered again yet."""
 
     def visible_to(self, tenant_id: str | None) -> bool:
         """tenant_id None: the open single-tenant mode, or the operator: sees everything."""
