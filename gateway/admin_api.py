@@ -212,7 +212,10 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
             staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=uploads))
             adapter = await asyncio.to_thread(lifecycle.unpack_and_validate, body, staging,
                                               name, shape, rank, cap)
-            staging.rename(target)
+            try:  # fails if another replica's upload of the name got there first
+                staging.rename(target)
+            except OSError:
+                raise ApiError(409, f"adapter {name!r} already exists") from None
             staging = None
         except ValueError as exc:
             raise ApiError(400, f"adapter upload refused: {exc}") from None
