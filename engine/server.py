@@ -215,6 +215,7 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
             "num_running": stats.num_running, "num_waiting": stats.num_waiting,
             "num_swapped": stats.num_swapped, "kv_blocks_used": stats.kv_blocks_used,
             "kv_blocks_total": stats.kv_blocks_total, "max_loras": config.max_loras,
+            "max_lora_rank": config.max_lora_rank,
             "max_num_seqs": config.max_num_seqs, "block_size": config.block_size,
             "publish_every": config.prefix_publish_every,
             "max_model_len": engine.engine.max_model_len,
@@ -237,10 +238,25 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
 
     @app.post("/adapters")
     async def load_adapter(body: AdapterBody) -> dict[str, Any]:
+        """Validate and register; an adapter of the same name and other content replaces the
+        registered one only when no request (running, queued or preempted) uses it: 409
+        while one does, so no request of the new content runs on the old weights."""
+        llm = engine.engine
         try:
-            adapter = await engine.load_lora(body.name, body.path)
+            adapter = await asyncio.to_thread(llm.validate_lora, body.name, body.path)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="path") from None
+
+        def add() -> None:  # on the engine thread, between steps
+            held = {a.name: a.digest for a in llm.list_loras()}
+            if held.get(adapter.name, adapter.digest) != adapter.digest:
+                llm.remove_lora(adapter.name)  # ValueError while a request uses it
+            llm.add_lora(adapter)
+
+        try:
+            await engine.call(add)
+        except ValueError as exc:
+            raise ApiError(409, str(exc), code="adapter_in_use") from None
         await state.refresh_adapters()
         return {"name": adapter.name, "digest": adapter.digest, "rank": adapter.rank}
 
@@ -321,7 +337,10 @@ def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = 
 
     engine = AsyncEngine.from_config(config, on_fatal=on_fatal)
     for name, path in (adapters or {}).items():
-        engine.engine.load_lora(name, path)
+        try:
+            engine.engine.load_lora(name, path)
+        except ValueError as exc:  # one bad directory must not keep the others offline
+            log.warning("adapter %s not registered: %s", name, exc)
     instance_id = instance_id or f"{host}:{port}"
     app = create_app(engine, instance_id, model_name, background)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning",

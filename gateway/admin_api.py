@@ -6,21 +6,23 @@
     POST              /admin/tenants/{id}/keys/{key_id}/rotate   new key, old one revoked
     DELETE            /admin/tenants/{id}/keys/{key_id}  revoke
     POST/GET          /admin/adapters                    register by path / list with status
-    POST              /admin/adapters/upload?name=&owner=   register a .tar(.gz) or .zip upload
+    POST              /admin/adapters/upload?name=&owner=|public=true   a .tar(.gz)/.zip upload
     GET/PATCH/DELETE  /admin/adapters/{name}             status / owner+sharing / delete
     POST              /admin/adapters/{name}/load|unload|pin   on every (or one) instance
 
-Adapters are validated against the base model before they are recorded (a refused upload
-leaves nothing behind). Delete is refused (409) while requests use the adapter unless
-?force=true. Every change is visible to every gateway replica sharing the store within
-state_refresh_s, and a revoked key fails at once (the rate limiter re-checks it).
+Adapters are validated against the base model and the engines' max_lora_rank before they
+are recorded, with their content digest (a refused upload leaves nothing behind). They are
+private to ``owner`` unless registered with public=true. Delete waits for the engines:
+409 while requests use the adapter, or with ?force=true 202 and a delete that completes
+when they end (gateway/adapter_admin.py). Every change is visible to every gateway replica
+sharing the store within state_refresh_s, and a revoked key fails at once (the rate
+limiter re-checks it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import shutil
 import tempfile
 import time
 import uuid
@@ -36,12 +38,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.http_errors import ApiError
 from engine.models.loader import load_hf_config
 from engine.models.shape import ModelShape
-from gateway.adapter_upload import extract_archive
+from gateway import adapter_admin as lifecycle
+from gateway.adapter_upload import remove_tree
 from gateway.auth import require_admin
 from gateway.engine_client import EngineRejected, EngineUnavailable
 from gateway.service import Gateway
 from gateway.tenancy import AdapterRecord, ApiKey, Tenant, hash_key, new_key
-from lora.adapter import load_adapter
+from lora.adapter import LoraAdapter, load_adapter
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
@@ -82,6 +85,8 @@ class AdapterBody(BaseModel):
     name: str = Field(pattern=NAME_PATTERN)
     path: str
     owner: str | None = None
+    public: bool = False
+    """Every tenant may use it; required (instead of owner) for a public adapter."""
     shared_with: list[str] = Field(default_factory=list)
 
 
@@ -101,7 +106,9 @@ class PlacementBody(BaseModel):
 def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRouter:
     """Admin routes; uploads are stored under adapter_dir (default MODEL/uploaded-adapters)."""
     shape = ModelShape.from_hf_config(load_hf_config(model_dir))
-    uploads = Path(adapter_dir or Path(model_dir) / "uploaded-adapters")
+    uploads = Path(adapter_dir or Path(model_dir) / "uploaded-adapters").resolve()
+    uploading: set[str] = set()  # names whose upload is being received or unpacked
+    finishing: dict[str, asyncio.Task[None]] = {}  # pending deletes, by name
 
     router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -137,18 +144,15 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
     @router.delete("/tenants/{tenant_id}")
     async def delete_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
         await _get_tenant(gw, tenant_id)
-        paths = {a.name: a.path for a in (await gw.view.store.snapshot()).adapters.values()}
+        records = (await gw.view.store.snapshot()).adapters
         # Keys and owned adapters go with it; a tenant created later under this id gets a
         # new uid, hence a new cache salt: it inherits nothing.
         deleted = await gw.view.store.delete_tenant(tenant_id)
         await gw.view.refresh()
         unloaded = {name: await _on_instances(gw, None, functools.partial(_unload, name))
                     for name in deleted}
-        # Uploaded copies go too (directories registered by path are the operator's).
-        for name in deleted:
-            path = Path(paths.get(name, ""))
-            if path.is_absolute() and path.resolve().parent == uploads.resolve():
-                await asyncio.to_thread(shutil.rmtree, path, True)
+        for name in deleted:  # uploaded copies go too
+            await lifecycle.remove_upload_dir(gw, records[name], uploads)
         return {"tenant_id": tenant_id, "status": "deleted", "adapters_deleted": deleted,
                 "unloaded": unloaded}
 
@@ -185,42 +189,68 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
     # ---------------------------------------------------------------- adapters
     @router.post("/adapters", status_code=201)
     async def register_adapter(body: AdapterBody, gw: AdminGateway) -> JSONResponse:
-        record = AdapterRecord(body.name, str(Path(body.path).resolve()), body.owner,
-                               tuple(body.shared_with))
-        return await _register(gw, record, shape)
+        lifecycle.check_owner(body.owner, body.public)
+        await lifecycle.check_name_free(gw, body.name)
+        path = str(Path(body.path).resolve())
+        adapter = await _validate(body.name, path, shape, lifecycle.max_rank(gw))
+        # A second name for an uploaded directory shares the upload (see adapter_admin).
+        known = (await gw.view.store.snapshot()).adapters.values()
+        upload_id = next((a.upload_id for a in known if a.path == path and a.upload_id), None)
+        return await _register(gw, AdapterRecord(
+            body.name, path, body.owner, tuple(body.shared_with), digest=adapter.digest,
+            upload_id=upload_id))
 
     @router.post("/adapters/upload", status_code=201)
     async def upload_adapter(request: Request, gw: AdminGateway, name: str,
-                             owner: str | None = None) -> JSONResponse:
+                             owner: str | None = None, public: bool = False) -> JSONResponse:
         if not _valid_name(name):
             raise ApiError(400, f"adapter name {name!r} must match {NAME_PATTERN}",
                            param="name")
+        lifecycle.check_owner(owner, public)
+        await lifecycle.check_name_free(gw, name)
         target = uploads / name
         await _owner_uid(gw, owner)  # before unpacking anything
-        if name in gw.view.snapshot.adapters or target.exists():
+        if target.exists() or name in uploading:
             raise ApiError(409, f"adapter {name!r} already exists")
-        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=_ensure(uploads)))
+        rank = lifecycle.max_rank(gw)
+        cap = lifecycle.unpacked_cap(shape, rank)
+        uploading.add(name)
+        body: Path | None = None
+        staging: Path | None = None
         try:
-            extract_archive(await request.body(), staging)
-            await asyncio.to_thread(_validate, name, str(staging), shape)
-            staging.rename(target)
+            body = await lifecycle.receive_upload(request, _ensure(uploads), cap)
+            staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=uploads))
+            adapter = await asyncio.to_thread(lifecycle.unpack_and_validate, body, staging,
+                                              name, shape, rank, cap)
+            try:  # fails if another replica's upload of the name got there first
+                staging.rename(target)
+            except OSError:
+                raise ApiError(409, f"adapter {name!r} already exists") from None
+            staging = None
         except ValueError as exc:
-            shutil.rmtree(staging, ignore_errors=True)
             raise ApiError(400, f"adapter upload refused: {exc}") from None
+        finally:
+            uploading.discard(name)
+            if body is not None:
+                body.unlink(missing_ok=True)
+            if staging is not None:
+                await asyncio.to_thread(remove_tree, staging)
+        record = AdapterRecord(name, str(target), owner, digest=adapter.digest,
+                               upload_id=uuid.uuid4().hex)
+        try:
+            return await _register(gw, record)
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            await asyncio.to_thread(remove_tree, target)
             raise
-        return await _register(gw, AdapterRecord(name, str(target), owner), shape,
-                               validated=True)
 
     @router.get("/adapters")
     async def list_adapters(gw: AdminGateway) -> list[dict[str, Any]]:
         snapshot = await gw.view.store.snapshot()
-        return [_adapter_status(gw, a) for a in snapshot.adapters.values()]
+        return [lifecycle.adapter_status(gw, a) for a in snapshot.adapters.values()]
 
     @router.get("/adapters/{name}")
     async def get_adapter(name: str, gw: AdminGateway) -> dict[str, Any]:
-        return _adapter_status(gw, await _get_adapter(gw, name))
+        return lifecycle.adapter_status(gw, await _get_adapter(gw, name))
 
     @router.patch("/adapters/{name}")
     async def update_adapter(name: str, body: AdapterPatch,
@@ -234,30 +264,43 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
             record = replace(record, owner_uid=await _owner_uid(gw, record.owner))
         await gw.view.store.put_adapter(record)
         await gw.view.refresh()
-        return _adapter_status(gw, record)
+        return lifecycle.adapter_status(gw, record)
 
     @router.delete("/adapters/{name}")
     async def delete_adapter(name: str, gw: AdminGateway,
-                             force: bool = False) -> dict[str, Any]:
+                             force: bool = False) -> JSONResponse:
         record = await _get_adapter(gw, name)
-        busy = [i.instance_id for i in gw.pool.instances.values()
-                if (a := i.adapters.get(name)) is not None and a.running_requests]
-        if busy and not force:
-            raise ApiError(409, f"adapter {name!r} is in use on {busy}; retry when idle or "
+        was_pending = record.deleting
+        if not was_pending:
+            await gw.pool.poll()  # running_requests as of now, not of the last poll
+            busy = [i.instance_id for i in gw.pool.instances.values()
+                    if (a := i.adapters.get(name)) is not None and a.running_requests]
+            if busy and not force:
+                raise ApiError(409, f"adapter {name!r} is in use on {busy}; retry when idle "
+                               f"or pass force=true", code="adapter_in_use")
+            # Hidden first: no new request can load it again while it is unloaded.
+            record = replace(record, deleting=True)
+            await gw.view.store.put_adapter(record)
+            await gw.view.refresh()
+        unloaded, held = await lifecycle.unload_everywhere(gw, name)
+        if not held:
+            await lifecycle.drop(gw, record, uploads)
+            return JSONResponse({"name": name, "status": "deleted", "unloaded": unloaded})
+        if not force and not was_pending:  # a request took it between the check and now
+            await gw.view.store.put_adapter(replace(record, deleting=False))
+            await gw.view.refresh()
+            raise ApiError(409, f"adapter {name!r} is in use on {held}; retry when idle or "
                            f"pass force=true", code="adapter_in_use")
-        await gw.view.store.delete_adapter(name)
-        await gw.view.refresh()
-        unloaded = await _on_instances(gw, None, lambda c: c.unload_adapter(name))
-        if record.path.startswith(str(uploads.resolve())):
-            shutil.rmtree(record.path, ignore_errors=True)
-        return {"name": name, "status": "deleted", "unloaded": unloaded}
+        lifecycle.start_finishing(finishing, gw, name, uploads)
+        return JSONResponse({"name": name, "status": "pending_delete", "held_by": held,
+                             "unloaded": unloaded}, status_code=202)
 
     @router.post("/adapters/{name}/load")
     async def load(name: str, body: PlacementBody,
                    gw: AdminGateway) -> dict[str, Any]:
-        record = await _get_adapter(gw, name)
+        record = await _get_live_adapter(gw, name)
         return {"name": name, "instances": await _on_instances(
-            gw, body.instance, lambda c: c.load_adapter(name, record.path))}
+            gw, body.instance, lambda c: lifecycle.load_checked(c, record))}
 
     @router.post("/adapters/{name}/unload")
     async def unload(name: str, body: PlacementBody,
@@ -269,10 +312,10 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
     @router.post("/adapters/{name}/pin")
     async def pin(name: str, body: PlacementBody,
                   gw: AdminGateway) -> dict[str, Any]:
-        record = await _get_adapter(gw, name)
+        record = await _get_live_adapter(gw, name)
 
         async def pin_on(client: Any) -> Any:
-            await client.load_adapter(name, record.path)
+            await lifecycle.load_checked(client, record)
             return await client.pin_adapter(name, body.pinned)
 
         return {"name": name, "instances": await _on_instances(gw, body.instance, pin_on)}
@@ -299,9 +342,13 @@ def _ensure(path: Path) -> Path:
     return path
 
 
-def _validate(name: str, path: str, shape: ModelShape) -> None:
-    # The engines' own max_lora_rank is checked again when they load it.
-    load_adapter(name, path, shape, max_rank=1 << 16)
+async def _validate(name: str, path: str, shape: ModelShape, max_rank: int) -> LoraAdapter:
+    """Validate a PEFT directory off the event loop as the engines will load it (their
+    smallest max_lora_rank included); 400 naming the problem."""
+    try:
+        return await asyncio.to_thread(load_adapter, name, path, shape, max_rank)
+    except ValueError as exc:
+        raise ApiError(400, f"adapter refused: {exc}", param="path") from None
 
 
 async def _get_tenant(gw: Gateway, tenant_id: str) -> Tenant:
@@ -348,39 +395,20 @@ async def _get_adapter(gw: Gateway, name: str) -> AdapterRecord:
     return record
 
 
-async def _register(gw: Gateway, record: AdapterRecord, shape: ModelShape,
-                    validated: bool = False) -> JSONResponse:
-    if record.name in (await gw.view.store.snapshot()).adapters:
-        raise ApiError(409, f"adapter {record.name!r} already exists")
-    if record.name == gw.base_model:
-        raise ApiError(409, f"{record.name!r} is the base model's name")
+async def _get_live_adapter(gw: Gateway, name: str) -> AdapterRecord:
+    record = await _get_adapter(gw, name)
+    if record.deleting:
+        raise ApiError(409, f"adapter {name!r} is being deleted", code="adapter_deleting")
+    return record
+
+
+async def _register(gw: Gateway, record: AdapterRecord) -> JSONResponse:
+    """Record a validated adapter (409 if its name was taken meanwhile)."""
+    await lifecycle.check_name_free(gw, record.name)
     record = replace(record, owner_uid=await _owner_uid(gw, record.owner))
-    if not validated:
-        try:
-            await asyncio.to_thread(_validate, record.name, record.path, shape)
-        except ValueError as exc:
-            raise ApiError(400, f"adapter refused: {exc}", param="path") from None
     await gw.view.store.put_adapter(record)
     await gw.view.refresh()
-    return JSONResponse(_adapter_status(gw, record), status_code=201)
-
-
-def _adapter_status(gw: Gateway, record: AdapterRecord) -> dict[str, Any]:
-    instances = {}
-    for instance in gw.pool.instances.values():
-        state = instance.adapters.get(record.name)
-        pool = instance.kv_pools.get(record.name, {})
-        instances[instance.instance_id] = {
-            "registered": state is not None, "resident": bool(state and state.slot is not None),
-            "pinned": bool(state and state.pinned),
-            "running_requests": state.running_requests if state else 0,
-            "kv_used_blocks": pool.get("used_blocks", 0),
-            "kv_cached_blocks": pool.get("cached_blocks", 0),
-            "prefix_hit_rate": pool.get("hit_rate", 0.0)}
-    usage = gw.usage.get(record.name, (0, 0))
-    return {"name": record.name, "path": record.path, "owner": record.owner,
-            "shared_with": list(record.shared_with), "requests_served": usage[0],
-            "tokens_served": usage[1], "instances": instances}
+    return JSONResponse(lifecycle.adapter_status(gw, record), status_code=201)
 
 
 async def _on_instances(gw: Gateway, instance_id: str | None,

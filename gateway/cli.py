@@ -100,15 +100,25 @@ def _setup_logging() -> None:
 
 def parse_adapters(specs: Sequence[str], adapter_dir: str | None) -> dict[str, str]:
     """--lora NAME=PATH (repeatable) and --adapter-dir DIR (each PEFT directory inside is an
-    adapter named after it) -> name -> absolute path."""
+    adapter named after it) -> name -> absolute path. Under DIR, a link that leads outside
+    it (the directory or one of its PEFT files) is skipped with a warning: whoever can write
+    into DIR must not make the server read files elsewhere."""
     adapters: dict[str, str] = {}
     if adapter_dir:
         root = Path(adapter_dir)
         if not root.is_dir():
             raise ValueError(f"--adapter-dir {adapter_dir!r} is not a directory")
+        real_root = root.resolve()
         for child in sorted(root.iterdir()):
-            if (child / "adapter_config.json").is_file():
-                adapters[child.name] = str(child.resolve())
+            if not (child / "adapter_config.json").is_file():
+                continue
+            real = child.resolve()
+            files = (real, real / "adapter_config.json", real / "adapter_model.safetensors")
+            if not all(f.resolve().is_relative_to(real_root) for f in files):
+                logging.getLogger(__name__).warning(
+                    "--adapter-dir: skipping %s: it links outside %s", child, real_root)
+                continue
+            adapters[child.name] = str(real)
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:

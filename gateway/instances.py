@@ -51,6 +51,8 @@ class Instance:
     num_waiting: int = 0
     kv_usage: float = 0.0
     max_loras: int = 0
+    max_lora_rank: int = 0
+    """The largest adapter rank it loads (0: not reported yet)."""
     max_num_seqs: int = 1
     max_model_len: int = 0
     max_request_tokens: int = 0
@@ -163,6 +165,7 @@ class InstancePool:
         total = int(state["kv_blocks_total"]) or 1
         instance.kv_usage = int(state["kv_blocks_used"]) / total
         instance.max_loras = int(state["max_loras"])
+        instance.max_lora_rank = int(state.get("max_lora_rank", 0))
         instance.max_num_seqs = int(state["max_num_seqs"])
         instance.max_model_len = int(state["max_model_len"])
         instance.max_request_tokens = int(state.get("max_request_tokens",

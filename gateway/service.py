@@ -136,15 +136,39 @@ class Gateway:
         task.add_done_callback(self._background.discard)
 
     async def ensure_adapter(self, instance: Instance, adapter: str) -> None:
-        """Register the adapter on the instance before its first request there (lazy)."""
-        if adapter in instance.adapters:
-            return
+        """Make the instance hold the registered content of the adapter before a request
+        runs there: registered lazily on first use, and reloaded when the instance holds
+        other weights under that name (its digest differs from the record's: an adapter
+        deleted and registered again). Never runs a request on other weights: 503 (retry)
+        while the engine's old adapter of that name is still in use, 500 if the files
+        changed since registration. A record without a digest (command line) is trusted
+        by name. EngineUnavailable passes through (the caller tries another instance)."""
         record = self.view.snapshot.adapters.get(adapter)
-        if record is None:
+        if record is None or record.deleting:
             raise ApiError(404, f"The model '{adapter}' does not exist",
                            code="model_not_found", param="model")
-        info = await instance.client.load_adapter(adapter, record.path)
-        instance.adapters[adapter] = AdapterState(adapter, str(info["digest"]), None, False, 0)
+        state = instance.adapters.get(adapter)
+        if state is not None and record.digest in (None, state.digest):
+            return
+        try:
+            info = await instance.client.load_adapter(adapter, record.path)
+        except EngineRejected as exc:
+            log.error("instance %s refused adapter %s: %s", instance.instance_id, adapter,
+                      exc.message)
+            if exc.status == 409:
+                raise ApiError(503, f"adapter {adapter!r} is being replaced on an engine; "
+                               f"retry shortly", code="adapter_busy",
+                               headers={"Retry-After": str(self.config.retry_after_s)}
+                               ) from None
+            raise ApiError(500, f"adapter {adapter!r} could not be loaded on an engine",
+                           code="adapter_load_failed") from None
+        digest = str(info["digest"])
+        instance.adapters[adapter] = AdapterState(adapter, digest, None, False, 0)
+        if record.digest is not None and digest != record.digest:
+            log.error("adapter %s on %s: the files at %s changed since it was registered",
+                      adapter, instance.instance_id, record.path)
+            raise ApiError(500, f"adapter {adapter!r} could not be loaded: its files changed "
+                           f"since it was registered", code="adapter_load_failed")
 
     def max_model_len(self) -> int:
         lengths = [i.max_model_len for i in self.pool.healthy() if i.max_model_len]

@@ -126,9 +126,22 @@ class AdapterRecord:
     owner_uid: str = ""
     """The owner's Tenant.uid when it was bound: a later tenant with the owner's id but
     another uid does not own it."""
+    digest: str | None = None
+    """Content digest of the weights as validated at registration (lora.adapter): engines
+    must report this digest to serve it. None: registered on the command line, trusted by
+    name."""
+    upload_id: str | None = None
+    """Set when the directory was created by an upload (shared by records naming the same
+    upload directory): deleting the last of them removes the directory."""
+    deleting: bool = False
+    """Delete pending until every engine unloaded it: new requests for it are refused and
+    the name cannot be registered again yet."""
 
     def visible_to(self, tenant_id: str | None, tenant_uid: str = "") -> bool:
-        """tenant_id None: the open single-tenant mode, or the operator: sees everything."""
+        """tenant_id None: the open single-tenant mode, or the operator: sees everything
+        (except an adapter whose delete is pending: nobody may start using it)."""
+        if self.deleting:
+            return False
         return (tenant_id is None or self.owner is None
                 or (self.owner == tenant_id and self.owner_uid == tenant_uid)
                 or tenant_id in self.shared_with)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 
 from engine.models.shape import ModelShape
 
@@ -35,6 +35,9 @@ _UNSUPPORTED_SWITCHES: tuple[tuple[str, Any], ...] = (
     ("layer_replication", None), ("trainable_token_indices", None),
     ("target_parameters", None), ("use_bdlora", None),
 )
+
+MAX_CONFIG_BYTES = 1 << 20
+"""adapter_config.json is a few hundred bytes; anything far larger is not a PEFT config."""
 
 
 def module_dims(shape: ModelShape, module: str) -> tuple[int, int]:
@@ -81,15 +84,30 @@ class LoraAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
+def max_adapter_bytes(shape: ModelShape, max_rank: int) -> int:
+    """Bytes of the largest adapter an engine with max_lora_rank=max_rank can load: every
+    supported module of every layer at that rank, in float32 (the widest dtype PEFT saves)."""
+    per_layer = sum(sum(module_dims(shape, m)) for m in SUPPORTED_MODULES)
+    return shape.num_layers * per_layer * max_rank * 4
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
         raise ValueError(f"adapter directory {str(path)!r} has no adapter_config.json")
+    if config_file.stat().st_size > MAX_CONFIG_BYTES:
+        raise ValueError(f"adapter_config.json in {str(path)!r} is over {MAX_CONFIG_BYTES} "
+                         f"bytes")
     try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        config = json.loads(config_file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"adapter_config.json in {str(path)!r} is not UTF-8") from None
+    except RecursionError:  # json recurses per nesting level: "[[[[...]]]]" exhausts the stack
+        raise ValueError(f"adapter_config.json in {str(path)!r} is nested too deeply"
+                         ) from None
+    except ValueError as exc:  # JSONDecodeError, or an integer over int_max_str_digits
         raise ValueError(f"adapter_config.json in {str(path)!r} is not valid JSON: {exc}"
-                         ) from exc
+                         ) from None
     if not isinstance(config, dict):
         raise ValueError(f"adapter_config.json in {str(path)!r} is not a JSON object")
     return config
@@ -110,20 +128,32 @@ def _check_config(config: dict[str, Any], where: str, max_rank: int) -> tuple[in
         if config.get(key):
             raise ValueError(f"{where}: per-module {key} is not supported")
     rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(rank, int) or rank < 1:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"{where}: r must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise ValueError(f"{where}: rank {rank} exceeds max_lora_rank {max_rank}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    # Python's json reads NaN and Infinity; they would turn every output into NaN. PEFT sets
+    # no sign or range for alpha, so only non-finite values are refused.
+    if not math.isfinite(alpha):
+        raise ValueError(f"{where}: lora_alpha must be finite, got {alpha!r}")
     return rank, float(alpha), bool(config.get("use_rslora", False))
 
 
 def load_adapter(name: str, path: str | Path, shape: ModelShape, max_rank: int) -> LoraAdapter:
-    """Read, validate and digest a PEFT directory. Every problem is a ValueError naming it."""
+    """Read, validate and digest a PEFT directory. Every problem is a ValueError naming it
+    (an unreadable file included: callers catch ValueError only)."""
     if not name or not re.fullmatch(r"[A-Za-z0-9._:/-]{1,128}", name):
         raise ValueError(f"adapter name {name!r} must be 1-128 of [A-Za-z0-9._:/-]")
-    path = Path(path)
+    try:
+        return _load(name, Path(path), shape, max_rank)
+    except OSError as exc:
+        raise ValueError(f"adapter {name!r}: its files cannot be read ({exc.strerror})"
+                         ) from None
+
+
+def _load(name: str, path: Path, shape: ModelShape, max_rank: int) -> LoraAdapter:
     if not path.is_dir():
         raise ValueError(f"adapter directory {str(path)!r} does not exist")
     where = f"adapter {name!r}"
@@ -133,9 +163,9 @@ def load_adapter(name: str, path: str | Path, shape: ModelShape, max_rank: int) 
     if not weights_file.is_file():
         raise ValueError(f"{where}: {str(path)!r} has no adapter_model.safetensors")
     raw = weights_file.read_bytes()
-    try:
-        tensors = load_file(str(weights_file))
-    except (SafetensorError, OSError, ValueError) as exc:
+    try:  # parsed from the bytes digested below: the digest names exactly these weights
+        tensors = load_safetensors(raw)
+    except (SafetensorError, ValueError) as exc:
         raise ValueError(f"{where}: adapter_model.safetensors is corrupt: {exc}") from exc
 
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
@@ -167,7 +197,14 @@ def load_adapter(name: str, path: str | Path, shape: ModelShape, max_rank: int) 
                 f"{where}: layer {layer} {module} has A {tuple(a.shape)} and B "
                 f"{tuple(b.shape)}; the base model and r={rank} need A {(rank, fan_in)} and "
                 f"B {(fan_out, rank)}")
-        weights[(layer, module)] = (a.float().contiguous(), (b.float() * scaling).contiguous())
+        a32, b32 = a.float().contiguous(), (b.float() * scaling).contiguous()
+        # A NaN or inf (stored, or from overflow by the scaling) makes every logit of the
+        # adapter's requests NaN: refused here rather than sampled from.
+        for half, tensor in (("A", a32), ("B", b32)):
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{where}: layer {layer} {module} lora_{half} holds NaN or "
+                                 f"infinite values")
+        weights[(layer, module)] = (a32, b32)
 
     # The digest covers everything that changes the KV an adapter produces.
     digest = hashlib.sha256(raw)

@@ -9,19 +9,27 @@ Three places an adapter can be:
 
 The engine thread owns the tier and slot state. Reading adapters from disk happens on a
 loader thread, off the step loop: a request whose adapter is still loading waits while the
-others run. Slot assignment is bookkeeping only; the copies into the slot buffers are done
-by the model runner from SchedulerOutput.lora_loads.
+others run. A failed reload is recorded in load_errors (the requests waiting for it fail)
+until the adapter's files change on disk: then it is tried again, so a repaired directory
+serves again without being registered anew. Slot assignment is bookkeeping only; the copies
+into the slot buffers are done by the model runner from SchedulerOutput.lora_loads.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.models.shape import ModelShape
 from lora.adapter import LoraAdapter, load_adapter
+
+_Stamp = tuple[tuple[int, int, int] | None, ...] | None
+"""What _stamp() returns: the state of an adapter's files on disk."""
 
 
 @dataclass(frozen=True)
@@ -49,8 +57,8 @@ class LoraManager:
     """See the module docstring. Methods other than register()/identity() must be called
     from the engine thread."""
 
-    def __init__(self, shape: ModelShape, max_loras: int, max_cpu_loras: int, max_rank: int
-                 ) -> None:
+    def __init__(self, shape: ModelShape, max_loras: int, max_cpu_loras: int, max_rank: int,
+                 error_recheck_s: float = 1.0) -> None:
         self.shape = shape
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
@@ -66,6 +74,14 @@ class LoraManager:
         self._running: Counter[str] = Counter()
         self._pinned: set[str] = set()
         self.load_errors: dict[str, str] = {}
+        self._load_stamps: dict[str, _Stamp] = {}
+        """The files' stamp as each disk load started (before the read, so an edit during
+        the read is not missed)."""
+        self._error_stamps: dict[str, _Stamp] = {}
+        """The stamp a failed load started from: a different stamp now clears the error."""
+        self.error_recheck_s = error_recheck_s
+        """How often poll() stats the files of failed adapters (off every step's path)."""
+        self._next_recheck = 0.0
         self.num_slot_loads = 0
 
     # ---------------------------------------------------------------- any thread
@@ -93,7 +109,7 @@ class LoraManager:
             self.remove(adapter.name)
         with self._lock:
             self._registry[adapter.name] = _Record(adapter.path, adapter.digest, adapter.rank)
-        self.load_errors.pop(adapter.name, None)
+        self._clear_error(adapter.name)
         self._put_cpu(adapter)
 
     def remove(self, name: str) -> None:
@@ -105,6 +121,7 @@ class LoraManager:
                              f"request(s)")
         with self._lock:
             del self._registry[name]
+        self._clear_error(name)
         self._cpu.pop(name, None)
         self._pinned.discard(name)
         slot = self._slot_of.pop(name, None)
@@ -120,22 +137,31 @@ class LoraManager:
         (self._pinned.add if pinned else self._pinned.discard)(name)
 
     def poll(self) -> None:
-        """Move finished background loads into the CPU tier."""
+        """Move finished background loads into the CPU tier; forget the load errors of
+        adapters whose files changed since (checked every error_recheck_s)."""
         for name, future in list(self._loading.items()):
             if not future.done():
                 continue
             del self._loading[name]
+            stamp = self._load_stamps.pop(name, None)
             record = self._registry.get(name)
             try:
                 adapter = future.result()
             except ValueError as exc:
-                self.load_errors[name] = str(exc)
+                self._record_error(name, str(exc), stamp)
                 continue
             if record is None or adapter.digest != record.digest:
-                self.load_errors[name] = (f"adapter {name!r} changed on disk since it was "
-                                          f"registered; register it again")
+                self._record_error(name, f"adapter {name!r} changed on disk since it was "
+                                         f"registered; restore its files or register it again",
+                                   stamp)
                 continue
             self._put_cpu(adapter)
+        if self.load_errors and time.monotonic() >= self._next_recheck:
+            self._next_recheck = time.monotonic() + self.error_recheck_s
+            for name in list(self.load_errors):
+                record = self._registry.get(name)
+                if record is None or _stamp(record.path) != self._error_stamps.get(name):
+                    self._clear_error(name)
 
     def wait_for_loads(self, timeout: float) -> None:
         """Block until the disk loads started so far are done (tests, drain)."""
@@ -209,11 +235,35 @@ class LoraManager:
         record = self._registry.get(name)
         if record is None or name in self._loading or name in self.load_errors:
             return
+        self._load_stamps[name] = _stamp(record.path)
         self._loading[name] = self._loader.submit(load_adapter, name, record.path, self.shape,
                                                   self.max_rank)
+
+    def _record_error(self, name: str, message: str, stamp: _Stamp) -> None:
+        self.load_errors[name] = message
+        self._error_stamps[name] = stamp
+
+    def _clear_error(self, name: str) -> None:
+        self.load_errors.pop(name, None)
+        self._error_stamps.pop(name, None)
 
     def _put_cpu(self, adapter: LoraAdapter) -> None:
         self._cpu[adapter.name] = adapter
         self._cpu.move_to_end(adapter.name)
         while len(self._cpu) > self.max_cpu_loras:
             self._cpu.popitem(last=False)  # the device slot, if any, keeps its own copy
+
+
+def _stamp(path: str) -> _Stamp:
+    """(inode, size, mtime) of the directory and the two PEFT files, None where missing:
+    any edit, copy or rename-over of the adapter's files changes it."""
+    stamps: list[tuple[int, int, int] | None] = []
+    for item in (Path(path), Path(path) / "adapter_config.json",
+                 Path(path) / "adapter_model.safetensors"):
+        try:
+            st = os.stat(item)
+        except OSError:
+            stamps.append(None)
+        else:
+            stamps.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(stamps)

@@ -267,7 +267,8 @@ def test_bad_uploads_are_refused_and_leave_nothing(setup: Setup, tiny_model_dir:
     before = sorted(setup.upload_dir.iterdir()) if setup.upload_dir.exists() else []
     for name, body in (("corrupt", b"\x1f\x8b not really gzip"),
                        ("mismatched", _tar(mismatched))):
-        response = admin(setup, "POST", f"/admin/adapters/upload?name={name}", content=body)
+        response = admin(setup, "POST", f"/admin/adapters/upload?name={name}&owner=alpha",
+                         content=body)
         assert response.status_code == 400, response.text
         assert "refused" in response.json()["error"]["message"]
         assert admin(setup, "GET", f"/admin/adapters/{name}").status_code == 404

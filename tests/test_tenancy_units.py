@@ -112,9 +112,14 @@ def _tar(members: dict[str, bytes], link: str | None = None) -> bytes:
     return buffer.getvalue()
 
 
+def _extract(data: bytes, dest: Path) -> None:
+    upload = dest.parent / f"{dest.name}.upload"
+    upload.write_bytes(data)
+    extract_archive(upload, dest, max_bytes=1 << 20)
+
+
 def test_extract_flattens_one_top_directory(tmp_path: Path) -> None:
-    extract_archive(_tar({"bot/adapter_config.json": b"{}", "bot/w.safetensors": b"x"}),
-                    tmp_path)
+    _extract(_tar({"bot/adapter_config.json": b"{}", "bot/w.safetensors": b"x"}), tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json",
                                                           "w.safetensors"]
 
@@ -128,7 +133,7 @@ def test_extract_flattens_one_top_directory(tmp_path: Path) -> None:
 ], ids=["dotdot", "absolute", "symlink", "junk", "empty"])
 def test_extract_refuses_unsafe_archives(data: bytes, tmp_path: Path) -> None:
     with pytest.raises(ValueError):
-        extract_archive(data, tmp_path)
+        _extract(data, tmp_path)
     assert not (tmp_path.parent / "escape").exists()
 
 
@@ -137,4 +142,4 @@ def test_extract_refuses_zip_slip(tmp_path: Path) -> None:
     with zipfile.ZipFile(buffer, "w") as archive:
         archive.writestr("../../evil.txt", "x")
     with pytest.raises(ValueError, match="unsafe path"):
-        extract_archive(buffer.getvalue(), tmp_path)
+        _extract(buffer.getvalue(), tmp_path)

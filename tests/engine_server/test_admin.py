@@ -30,7 +30,8 @@ from tests.engine_server.helpers import (
 
 STATE_FIELDS = {
     "instance_id", "model", "draining", "in_flight", "num_running", "num_waiting",
-    "num_swapped", "kv_blocks_used", "kv_blocks_total", "max_loras", "max_num_seqs",
+    "num_swapped", "kv_blocks_used", "kv_blocks_total", "max_loras", "max_lora_rank",
+    "max_num_seqs",
     "block_size", "publish_every", "max_model_len", "max_request_tokens", "prefix_hit_rate",
     "kv_pools", "adapters", "prefix",
 }
@@ -47,9 +48,10 @@ def test_state_reports_config_load_and_adapters(http: httpx.Client,
     assert set(state) == STATE_FIELDS
     assert (state["instance_id"], state["draining"], state["num_swapped"],
             state["kv_blocks_total"], state["block_size"], state["publish_every"],
-            state["max_model_len"], state["max_loras"], state["max_request_tokens"]) == (
+            state["max_model_len"], state["max_loras"], state["max_request_tokens"],
+            state["max_lora_rank"]) == (
         "engine-under-test", False, 0, NUM_KV_BLOCKS, BLOCK_SIZE, PUBLISH_EVERY, CONTEXT, 4,
-        min(CONTEXT, NUM_KV_BLOCKS * BLOCK_SIZE))
+        min(CONTEXT, NUM_KV_BLOCKS * BLOCK_SIZE), 16)
     listed = {a["name"]: a for a in state["adapters"]}
     assert set(listed) == {"a0", "a1"}
     for name, info in listed.items():
@@ -126,6 +128,32 @@ def test_adapter_register_pin_and_unregister(http: httpx.Client,
                "code": None}
     assert error_body(http.delete("/adapters/nope"), 404) == missing
     assert error_body(http.post("/adapters/nope/pin", json={"pinned": True}), 404) == missing
+
+
+def test_same_name_other_content_replaces_only_an_idle_adapter(
+        http: httpx.Client, adapters: dict[str, Path]) -> None:
+    body = {"prompt": "hello world", "params": GREEDY}
+    want = [c["delta_token_ids"] for c in post_generate_stream(http, {**body, "lora": "a0"})]
+    assert http.post("/adapters", json={"name": "swap", "path": str(adapters["a1"])}
+                     ).status_code == 200
+    running = {"prompt": "hello", "lora": "swap", "request_id": "uses-swap",
+               "params": {"max_tokens": 1000, "ignore_eos": True}}
+    with http.stream("POST", "/generate", json=running) as response:
+        lines = response.iter_lines()  # kept: a dropped iterator closes the connection
+        assert json.loads(next(lines))["finished"] is False
+        busy = error_body(http.post("/adapters", json={"name": "swap",
+                                                       "path": str(adapters["a0"])}), 409)
+        assert busy["code"] == "adapter_in_use" and "in use" in busy["message"]
+        assert http.post("/abort", json={"request_id": "uses-swap"}).json() == {
+            "aborted": True}
+    wait_idle(http)
+    replaced = http.post("/adapters", json={"name": "swap", "path": str(adapters["a0"])})
+    a0 = {a["name"]: a for a in http.get("/adapters").json()}["a0"]
+    assert replaced.json()["digest"] == a0["digest"]
+    got = [c["delta_token_ids"] for c in post_generate_stream(http, {**body, "lora": "swap"})]
+    assert got == want  # the new content, never the old weights kept in a slot
+    assert http.delete("/adapters/swap").status_code == 200
+    wait_idle(http)
 
 
 def test_a_corrupt_adapter_is_refused_and_the_engine_keeps_serving(

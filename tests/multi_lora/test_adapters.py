@@ -162,3 +162,74 @@ def test_unload_refused_while_running(shape: ModelShape, adapters: dict[str, Pat
     m.remove("ad0")
     with pytest.raises(ValueError, match="unknown adapter 'ad0'"):
         m.identity("ad0")
+
+
+def _poison(path: Path, value: float) -> None:
+    """Set one element of the first lora_B in the weights file to value."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    key = next(k for k in sorted(tensors) if "lora_B" in k)
+    tensors[key][0, 0] = value
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused(adapters: dict[str, Path], shape: ModelShape,
+                                        tmp_path: Path, value: float) -> None:
+    path = _broken_copy(adapters["ad0"], tmp_path / "poisoned")
+    _poison(path, value)
+    with pytest.raises(ValueError, match="lora_B holds NaN or infinite values"):
+        load_adapter("poisoned", path, shape, max_rank=32)
+
+
+@pytest.mark.parametrize("alpha", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_alpha_is_refused(adapters: dict[str, Path], shape: ModelShape,
+                                     tmp_path: Path, alpha: str) -> None:
+    path = _broken_copy(adapters["ad0"], tmp_path / "alpha")
+    text = (path / "adapter_config.json").read_text()
+    config = json.loads(text)
+    config["lora_alpha"] = "ALPHA"
+    (path / "adapter_config.json").write_text(json.dumps(config).replace('"ALPHA"', alpha))
+    with pytest.raises(ValueError, match="lora_alpha must be finite"):
+        load_adapter("alpha", path, shape, max_rank=32)
+
+
+@pytest.mark.parametrize(("content", "match"), [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"r": 4, "note": "\xff\xfe"}', "is not UTF-8"),
+    (b'{"r": ' + b"9" * 5000 + b"}", "is not valid JSON"),
+], ids=["deep", "latin1", "huge-int"])
+def test_hostile_configs_are_refused_with_value_error(adapters: dict[str, Path],
+                                                      shape: ModelShape, tmp_path: Path,
+                                                      content: bytes, match: str) -> None:
+    path = _broken_copy(adapters["ad0"], tmp_path / "hostile")
+    (path / "adapter_config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        load_adapter("hostile", path, shape, max_rank=32)
+
+
+def test_load_error_clears_when_the_files_are_repaired(shape: ModelShape,
+                                                       adapters: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    path = _broken_copy(adapters["ad0"], tmp_path / "flaky")
+    good = (path / "adapter_model.safetensors").read_bytes()
+    m = LoraManager(shape, max_loras=1, max_cpu_loras=1, max_rank=32, error_recheck_s=0.0)
+    m.add(m.validate("flaky", str(path)))
+    m.add(m.validate("other", str(adapters["ad1"])))  # pushes "flaky" out of the CPU tier
+    (path / "adapter_model.safetensors").write_bytes(good[: len(good) // 2])
+    assert m.acquire("flaky") is None  # starts the disk load, which fails
+    m.wait_for_loads(timeout=60)
+    m.poll()
+    assert "is corrupt" in m.load_errors["flaky"]
+    assert m.acquire("flaky") is None
+    m.poll()
+    assert "flaky" in m.load_errors  # files unchanged: the error stays, no reload loop
+    (path / "adapter_model.safetensors").write_bytes(good)  # repaired, same name and content
+    m.poll()
+    assert m.load_errors == {}
+    assert m.acquire("flaky") is None  # reloads from disk
+    m.wait_for_loads(timeout=60)
+    m.poll()
+    got = m.acquire("flaky")
+    assert got is not None and got[1] is not None and got[1].name == "flaky"

@@ -1,0 +1,240 @@
+"""The adapter lifecycle behind the admin routes: ownership, upload intake, rank limits,
+and deletion that waits for the engines.
+
+Identity: an adapter on an engine is its name plus the content digest of its weights
+(lora.adapter). The gateway records the digest when it validates an adapter, and a request
+runs only on an engine that reports the same digest (Gateway.ensure_adapter).
+
+Deletion: a name is free again only once no reachable engine holds it, so the old weights
+can never answer for a new adapter registered under the same name. DELETE marks the record
+``deleting`` (new requests for it get 404 on every replica), then unloads it everywhere:
+
+- every engine unloaded it: the record goes, and so does its upload directory (below);
+- an engine still runs requests on it: without force, 409 and the record is as it was;
+  with force=true, 202 ``pending_delete``: the record stays hidden and the gateway retries
+  the unload every poll interval until the running requests end (a later DELETE retries
+  too). Running requests are never cut short.
+
+An engine that cannot be reached keeps what it had; the digest check stops it from serving
+those weights for a later adapter of the same name.
+
+Upload directories: ``uploads/<name>``, created by an upload and marked by the record's
+``upload_id``; a registration by path of that directory shares the upload id. A directory
+is removed when the last record carrying it is deleted, and only if its parent is exactly
+the uploads directory: a directory registered by path (an operator's) is never removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+
+from engine.http_errors import ApiError
+from engine.models.shape import ModelShape
+from gateway.adapter_upload import extract_archive, remove_tree
+from gateway.engine_client import EngineRejected, EngineUnavailable
+from gateway.instances import Instance
+from gateway.service import Gateway
+from gateway.tenancy import AdapterRecord
+from lora.adapter import LoraAdapter, load_adapter, max_adapter_bytes
+
+log = logging.getLogger(__name__)
+
+SLACK_BYTES = 1 << 20
+"""Room for adapter_config.json, a README and archive headers beyond the weights."""
+_WRITE_CHUNK = 1 << 20
+
+
+def check_owner(owner: str | None, public: bool) -> None:
+    """An adapter is private to an owner unless public=true says otherwise, explicitly."""
+    if public and owner is not None:
+        raise ApiError(400, "give owner (private to that tenant) or public=true, not both",
+                       param="owner")
+    if not public and owner is None:
+        raise ApiError(400, "owner is required: the tenant this adapter is private to (pass "
+                       "public=true for an adapter every tenant may use)", param="owner")
+
+
+def max_rank(gw: Gateway) -> int:
+    """The smallest max_lora_rank the engines report: what every one of them can load."""
+    ranks = [i.max_lora_rank for i in gw.pool.instances.values() if i.max_lora_rank]
+    if not ranks:
+        raise ApiError(503, "no engine instance has reported its max_lora_rank yet; retry "
+                       "later", code="unavailable",
+                       headers={"Retry-After": str(gw.config.retry_after_s)})
+    return min(ranks)
+
+
+def unpacked_cap(shape: ModelShape, rank: int) -> int:
+    """Bytes an upload may unpack to: twice the largest adapter the engines can load (all
+    seven modules at max rank, float32) plus slack for the config and a README."""
+    return 2 * max_adapter_bytes(shape, rank) + SLACK_BYTES
+
+
+async def check_name_free(gw: Gateway, name: str) -> None:
+    """409 unless ``name`` can be registered now (cheap: before any upload is read)."""
+    record = (await gw.view.store.snapshot()).adapters.get(name)
+    if record is not None and record.deleting:
+        raise ApiError(409, f"adapter {name!r} is being deleted; its name is free once every "
+                       f"engine unloaded it", code="adapter_deleting")
+    if record is not None:
+        raise ApiError(409, f"adapter {name!r} already exists")
+    if name == gw.base_model:
+        raise ApiError(409, f"{name!r} is the base model's name")
+
+
+async def receive_upload(request: Request, directory: Path, max_bytes: int) -> Path:
+    """Stream the request body into a new file in directory (the caller removes it); 413
+    once it passes max_bytes, 400 when empty. The event loop only moves chunks."""
+    fd, name = tempfile.mkstemp(prefix=".body-", dir=directory)
+    path = Path(name)
+    size = 0
+    pending = bytearray()
+    try:
+        with os.fdopen(fd, "wb") as out:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise ApiError(413, f"the upload is over {max_bytes} bytes, more than any "
+                                   f"adapter the engines can load", code="upload_too_large")
+                pending += chunk
+                if len(pending) >= _WRITE_CHUNK:
+                    await asyncio.to_thread(out.write, bytes(pending))
+                    pending.clear()
+            await asyncio.to_thread(out.write, bytes(pending))
+        if size == 0:
+            raise ApiError(400, "adapter upload refused: the upload is empty: send the "
+                           "adapter as a .tar, .tar.gz or .zip")
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def unpack_and_validate(upload: Path, staging: Path, name: str, shape: ModelShape, rank: int,
+                        cap: int) -> LoraAdapter:
+    """Worker thread: unpack into staging and validate it like an engine would load it."""
+    extract_archive(upload, staging, cap)
+    try:
+        return load_adapter(name, staging, shape, rank)
+    except ValueError as exc:  # the staging path means nothing to the caller
+        raise ValueError(str(exc).replace(str(staging), "the upload")) from None
+
+
+def owns_directory(record: AdapterRecord, uploads: Path) -> bool:
+    """The record's directory was created by an upload, directly inside ``uploads``."""
+    return record.upload_id is not None and Path(record.path).parent == uploads
+
+
+def reachable(instance: Instance) -> bool:
+    """Its last poll answered: what it reports holding is current."""
+    return instance.last_ok > 0 and instance.consecutive_failures == 0
+
+
+async def unload_everywhere(gw: Gateway, name: str) -> tuple[dict[str, str], list[str]]:
+    """Ask every engine that reports ``name`` to unload it. Returns each engine's answer and
+    the reachable engines that still hold it afterwards (in use there)."""
+    results: dict[str, str] = {}
+    for instance in list(gw.pool.instances.values()):
+        if name not in instance.adapters:
+            continue
+        try:
+            await instance.client.unload_adapter(name)
+            results[instance.instance_id] = "ok"
+        except EngineRejected as exc:
+            results[instance.instance_id] = ("ok" if exc.status == 404
+                                             else f"refused: {exc.message}")
+        except EngineUnavailable as exc:
+            results[instance.instance_id] = f"unavailable: {exc}"
+    await gw.pool.poll()
+    held = [i.instance_id for i in gw.pool.instances.values()
+            if reachable(i) and name in i.adapters]
+    return results, held
+
+
+async def drop(gw: Gateway, record: AdapterRecord, uploads: Path) -> None:
+    """Delete the record, then its upload directory if no other record names it."""
+    await gw.view.store.delete_adapter(record.name)
+    await gw.view.refresh()
+    await remove_upload_dir(gw, record, uploads)
+
+
+async def remove_upload_dir(gw: Gateway, record: AdapterRecord, uploads: Path) -> None:
+    """After ``record`` left the store: remove its directory if an upload created it and no
+    remaining record names it (directories registered by path are the operator's)."""
+    if not owns_directory(record, uploads):
+        return
+    others = (await gw.view.store.snapshot()).adapters.values()
+    if not any(Path(a.path) == Path(record.path) for a in others):
+        await asyncio.to_thread(remove_tree, Path(record.path))
+
+
+async def finish_delete(gw: Gateway, name: str, uploads: Path) -> None:
+    """Background: unload a pending-delete adapter once its requests end, then drop it.
+    Gives up (leaving it pending, for a later DELETE) after the gateway's request timeout:
+    by then every request the gateways routed to it has ended."""
+    deadline = time.monotonic() + gw.config.request_timeout_s + 60
+    while time.monotonic() < deadline:
+        await asyncio.sleep(gw.config.poll_interval_s)
+        try:
+            record = (await gw.view.store.snapshot()).adapters.get(name)
+            if record is None or not record.deleting:
+                return
+            _, held = await unload_everywhere(gw, name)
+            if not held:
+                await drop(gw, record, uploads)
+                log.info("adapter %s deleted (every engine unloaded it)", name)
+                return
+        except Exception:  # the store or an engine hiccuped: try again next round
+            log.exception("finishing the delete of adapter %s", name)
+    log.warning("adapter %s is still held by an engine; it stays pending delete", name)
+
+
+def start_finishing(tasks: dict[str, asyncio.Task[None]], gw: Gateway, name: str,
+                    uploads: Path) -> None:
+    """One finish_delete task per name (a repeated DELETE does not start another)."""
+    if name in tasks and not tasks[name].done():
+        return
+    task = asyncio.get_running_loop().create_task(finish_delete(gw, name, uploads))
+    tasks[name] = task
+    task.add_done_callback(lambda _: tasks.pop(name, None) if tasks.get(name) is task
+                           else None)
+
+
+def adapter_status(gw: Gateway, record: AdapterRecord) -> dict[str, Any]:
+    """What GET /admin/adapters/{name} reports."""
+    instances = {}
+    for instance in gw.pool.instances.values():
+        state = instance.adapters.get(record.name)
+        pool = instance.kv_pools.get(record.name, {})
+        instances[instance.instance_id] = {
+            "registered": state is not None, "resident": bool(state and state.slot is not None),
+            "digest": state.digest if state else None,
+            "pinned": bool(state and state.pinned),
+            "running_requests": state.running_requests if state else 0,
+            "kv_used_blocks": pool.get("used_blocks", 0),
+            "kv_cached_blocks": pool.get("cached_blocks", 0),
+            "prefix_hit_rate": pool.get("hit_rate", 0.0)}
+    usage = gw.usage.get(record.name, (0, 0))
+    return {"name": record.name, "path": record.path, "owner": record.owner,
+            "shared_with": list(record.shared_with), "digest": record.digest,
+            "uploaded": record.upload_id is not None,
+            "status": "deleting" if record.deleting else "ready",
+            "requests_served": usage[0], "tokens_served": usage[1], "instances": instances}
+
+
+async def load_checked(client: Any, record: AdapterRecord) -> dict[str, Any]:
+    """Load the record on one engine; refused unless the engine read the registered content
+    (the files at its path changed since it was validated)."""
+    info: dict[str, Any] = await client.load_adapter(record.name, record.path)
+    if record.digest is not None and info.get("digest") != record.digest:
+        raise EngineRejected(409, {"error": {"message": "its files changed on disk since it "
+                                                        "was registered"}})
+    return info
