@@ -8,8 +8,9 @@
   ``instance_tag(url, admin_key)`` is an HMAC of the URL under a key stretched (scrypt) from
   the admin key, so every replica with the same admin key gives an instance the same id, and
   a client cannot brute-force an internal address (or the admin key) back out of it. Without
-  an admin key (the open mode: no tenants to keep apart) the key is a constant. /instances
-  maps ids to URLs for the operator.
+  an admin key the key is a constant (the open mode has no tenants to keep apart; replicas
+  that serve tenants should hold the admin key). /instances maps ids to URLs for the
+  operator.
 - The open mode answers only requests addressed to a loopback name (or to an allowed
   host): a web page on another origin that rebinds its DNS name to 127.0.0.1 sends its own
   name in Host and is refused, so it cannot drive a keyless gateway from a browser.
