@@ -118,17 +118,19 @@ def histogram_mean(text: str, name: str) -> float:
     return total / count if count else 0.0
 
 
-def summary(base_url: str, runs: list[TenantRun]) -> None:
+def summary(base_url: str, runs: list[TenantRun], admin_key: str | None) -> None:
     print("\n=== summary ===")
     for run in runs:
         print(f"{run.name:<13} model={run.model:<12} requests={len(run.ttft_s)} "
               f"TTFT p50={statistics.median(run.ttft_s) * 1000:.0f} ms "
               f"(first {run.ttft_s[0] * 1000:.0f} ms) completion tokens={run.tokens}")
-    metrics = httpx.get(base_url + "/metrics", timeout=10.0).text
+    # /metrics and /instances are the operator's: they need the admin key when one is set.
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    metrics = httpx.get(base_url + "/metrics", headers=headers, timeout=10.0).text
     ttft = histogram_mean(metrics, "loragate_gateway_time_to_first_token_seconds")
     e2e = histogram_mean(metrics, "loragate_gateway_e2e_request_latency_seconds")
     print(f"gateway: mean TTFT {ttft * 1000:.0f} ms, mean E2E {e2e * 1000:.0f} ms")
-    for instance in httpx.get(base_url + "/instances", timeout=10.0).json():
+    for instance in httpx.get(base_url + "/instances", headers=headers, timeout=10.0).json():
         print(f"engine {instance['instance_id']}: prefix-cache hit rate "
               f"{instance['prefix_hit_rate']:.1%} (since it started), resident adapters "
               f"{instance['resident']}")
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                       end="")
                 client = OpenAI(base_url=args.base_url + "/v1", api_key=run.api_key)
                 ask(client, run, build_messages(found, question), args.max_tokens)
-    summary(args.base_url, runs)
+    summary(args.base_url, runs, args.admin_key)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 
     GET  /health        200 while at least one instance is ready and the gateway is not
                         draining, else 503
-    GET  /metrics       Prometheus (gateway series)
-    GET  /instances     what the router sees of every instance (debugging, benchmarks)
+    GET  /metrics       Prometheus (gateway series); the admin key or the metrics token
+    GET  /instances     what the router sees of every instance (debugging, benchmarks); the
+                        admin key
     /v1/...             see gateway/openai_api.py
+
+/metrics and /instances are open only in the open mode (gateway/exposure.py).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
@@ -21,14 +24,14 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import AutoTokenizer
 
-from engine.http_errors import ApiError, error_body, install_error_handlers
+from engine.http_errors import ApiError, install_error_handlers
 from gateway.admin_api import build_admin_router
 from gateway.auth import StateView
 from gateway.config import GatewayConfig
+from gateway.exposure import instance_tag, operator_endpoints_open, require_operator
+from gateway.guard import Guard
 from gateway.instances import InstancePool
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import build_router
@@ -62,6 +65,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         raise ValueError("the gateway needs at least one engine URL, or --redis-url to "
                          "discover engines that register there")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    instance_tag("", config.admin_key)  # its key stretch (scrypt) now, not in a request
     pool_holder: dict[str, InstancePool] = {}
     metrics = GatewayMetrics(lambda: pool_holder.get("pool"))
     name = base_model or config.served_model_name or tokenizer_dir.rstrip("/").split("/")[-1]
@@ -92,9 +96,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
             limiter = RateLimiter(store, metrics.registry, config.store_failure_policy)
             gateway = Gateway(config, pool, router, metrics, name, view, limiter)
             app.state.gateway = gateway
-            if view.open_mode:
-                log.warning("no tenants configured: open mode, requests need no API key "
-                            "(create a tenant through the admin API to require keys)")
+            log_auth_mode(config.admin_key, view)
             await pool.poll()
             tasks = [asyncio.create_task(pool.run(config.poll_interval_s)),
                      asyncio.create_task(view.run())]
@@ -123,9 +125,19 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                         headers={"Retry-After": str(config.retry_after_s)}).response()
     app.include_router(build_router(lambda: app.state.gateway, tokenizer))
     app.include_router(build_admin_router(tokenizer_dir, config.adapter_upload_dir))
+
+    def open_mode() -> bool:
+        """No admin key and no tenant (before startup completes: assume none yet)."""
+        gateway: Gateway | None = getattr(app.state, "gateway", None)
+        return operator_endpoints_open(config.admin_key,
+                                       gateway is None or gateway.view.open_mode)
+
     app.add_middleware(Guard, max_bytes=body_limit,
                        draining=lambda: bool(app.state.draining),
-                       retry_after_s=config.retry_after_s)
+                       retry_after_s=config.retry_after_s,
+                       body_timeout_s=config.body_read_timeout_s,
+                       restrict_hosts=lambda: bool(config.allowed_hosts) or open_mode(),
+                       allowed_hosts=config.allowed_hosts)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -136,15 +148,21 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                             status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        if config.metrics_token or not open_mode():
+            require_operator(request, config.admin_key, config.metrics_token)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/instances")
-    async def instances() -> list[dict[str, Any]]:
+    async def instances(request: Request) -> list[dict[str, Any]]:
+        if not open_mode():
+            require_operator(request, config.admin_key)
         pool = pool_holder.get("pool")
         if pool is None:
             return []
-        return [{"instance_id": i.instance_id, "healthy": i.healthy, "draining": i.draining,
+        return [{"instance_id": i.instance_id,
+                 "public_id": instance_tag(i.instance_id, config.admin_key),
+                 "healthy": i.healthy, "draining": i.draining,
                  "in_flight": i.in_flight, "num_running": i.num_running,
                  "num_waiting": i.num_waiting, "kv_usage": i.kv_usage,
                  "max_loras": i.max_loras, "resident": sorted(i.resident),
@@ -157,50 +175,17 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     return app
 
 
-class Guard:
-    """Pure ASGI middleware in front of every route (no BaseHTTPMiddleware: that one relays
-    every streamed chunk through an extra task and memory stream, a cost paid per token).
-
-    - 413 for a Content-Length over the path's limit, or a body that grows past it while it
-      is read (chunked uploads), before anything is parsed;
-    - 503 for new generation requests while the gateway drains.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: Callable[[str], int],
-                 draining: Callable[[], bool], retry_after_s: int) -> None:
-        self.app = app
-        self.max_bytes_for = max_bytes
-        self.draining = draining
-        self.retry_after_s = retry_after_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        max_bytes = self.max_bytes_for(path)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_bytes):
-            response = JSONResponse(error_body(413, f"request body over {max_bytes} bytes"),
-                                    status_code=413)
-            await response(scope, receive, send)
-            return
-        if self.draining() and path.startswith("/v1/") and scope["method"] == "POST":
-            await ApiError(503, "the gateway is shutting down", code="draining",
-                           headers={"Retry-After": str(self.retry_after_s)}
-                           ).response()(scope, receive, send)
-            return
-        received = 0
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > max_bytes:
-                    # An HTTPException: FastAPI passes it on from body parsing, and the
-                    # error handlers render it in OpenAI's schema.
-                    raise StarletteHTTPException(413, f"request body over {max_bytes} bytes")
-            return message
-
-        await self.app(scope, limited_receive, send)
+def log_auth_mode(admin_key: str | None, view: StateView) -> None:
+    """One line that says which keys the gateway accepts now."""
+    tenants = len(view.snapshot.tenants)
+    if not admin_key and view.open_mode:
+        log.warning("open mode (no API keys required): every request runs as the operator; "
+                    "set --admin-key and create tenants to require keys")
+    elif view.open_mode:  # so an admin key is set
+        log.info("admin key set, no tenants yet: only the admin key is accepted (create "
+                 "tenants through /admin/tenants to issue tenant keys)")
+    elif admin_key:
+        log.info("%d tenant(s): requests need a tenant API key or the admin key", tenants)
+    else:
+        log.info("%d tenant(s): requests need a tenant API key; the admin API is disabled "
+                 "(no admin key)", tenants)

@@ -32,7 +32,7 @@ def _make_demo(args: argparse.Namespace) -> int:
     spec = dataclasses.replace(SHAPES[args.shape], **overrides)
     out = make_demo_model(args.dir, spec)
     print(f"demo model written to {out}")
-    for path in make_demo_adapters(out, args.adapters, seed=args.seed):
+    for path in make_demo_adapters(out, args.adapters, seed=spec.seed):
         print(f"demo adapter written to {path}")
     return 0
 
@@ -91,6 +91,13 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def local_path(text: str) -> str:
+    """A path flag made absolute once, as it is parsed: engines started from it, the
+    gateway's tokenizer and the adapters registered under it all name the same directory,
+    whatever their working directory (and `--model .` names the model, not ".")."""
+    return str(Path(text).expanduser().resolve())
 
 
 def _setup_logging() -> None:
@@ -168,6 +175,9 @@ def _serve(args: argparse.Namespace) -> int:
     if not adapters and args.adapter_dir is None and demo_adapters.is_dir():
         adapters = parse_adapters([], str(demo_adapters))
     gateway_config, engine_config = _configs(args, model)
+    if gateway_config.adapter_upload_dir:  # recorded in adapter paths the engines load
+        gateway_config = dataclasses.replace(
+            gateway_config, adapter_upload_dir=local_path(gateway_config.adapter_upload_dir))
     if args.instances < 0 or (args.instances == 0 and not args.engine
                               and not gateway_config.redis_url):
         raise ValueError("--instances 0 needs --engine URL or --redis-url (engine registry)")
@@ -238,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start --instances local engine processes (or attach to --engine URLs) "
                     "and the gateway in front of them. Without --model, a demo model with 4 "
                     "adapters is built once under $LORAGATE_HOME (~/.cache/loragate).")
-    serve.add_argument("--model", default=None,
+    serve.add_argument("--model", type=local_path, default=None,
                        help="local Hugging Face model directory (default: the demo model)")
     serve.add_argument("--instances", type=int, default=1,
                        help="local engine processes to start (default 1; 0 with --redis-url: "
@@ -252,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     engine = sub.add_parser("engine", help="one engine instance behind its HTTP API")
-    engine.add_argument("--model", required=True, help="local Hugging Face model directory")
+    engine.add_argument("--model", type=local_path, required=True,
+                        help="local Hugging Face model directory")
     engine.add_argument("--host", default="127.0.0.1")
     engine.add_argument("--port", type=int, default=8100)
     engine.add_argument("--instance-id", default=None,
@@ -267,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=_engine)
 
     gen = sub.add_parser("generate", help="offline generation for a few prompts")
-    gen.add_argument("--model", required=True, help="local Hugging Face model directory")
+    gen.add_argument("--model", type=local_path, required=True,
+                     help="local Hugging Face model directory")
     gen.add_argument("--prompt", action="append", required=True, help="repeatable")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -277,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     chat = sub.add_parser("chat", help="interactive prompt, answers streamed by the engine")
-    chat.add_argument("--model", required=True, help="local Hugging Face model directory")
+    chat.add_argument("--model", type=local_path, required=True,
+                      help="local Hugging Face model directory")
     chat.add_argument("--max-tokens", type=int, default=64)
     chat.add_argument("--temperature", type=float, default=0.8)
     chat.add_argument("--top-p", type=float, default=0.95)

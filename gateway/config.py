@@ -64,6 +64,26 @@ class GatewayConfig:
     readable by the engines at the same path."""
     state_refresh_s: float = 0.5
     """How often the gateway checks the store for changed tenants, keys and adapters."""
+    metrics_token: str | None = None
+    """Bearer token that may read /metrics besides the admin key (for a Prometheus scraper
+    that should not hold the admin key). /metrics and /instances need the admin key whenever
+    an admin key is set or tenants exist; only the open mode leaves them open."""
+    debug_headers: bool = False
+    """Send x-loragate-route (the router's reason and every instance's score, engine URLs
+    included) with each completion: for benchmarks and debugging on a trusted network."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host names clients may address the gateway by (comma-separated; "*.example.com"
+    matches subdomains, "*" any host). In open mode only loopback names are answered unless
+    listed here (DNS rebinding: a web page must not reach a keyless gateway); with keys there
+    is no Host check unless this is set."""
+    header_read_timeout_s: float = 10.0
+    """A connection must send a request's line and headers within this many seconds (from
+    its opening, or the request's first byte); else it gets 408 and is closed."""
+    max_header_bytes: int = 65536
+    """Request line plus headers above this many bytes get 431 and the connection closed."""
+    body_read_timeout_s: float = 30.0
+    """A request body must arrive within this many seconds, plus one per MiB received (so
+    large uploads are not cut off); else 408 and the connection is closed."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -78,7 +98,8 @@ class GatewayConfig:
             raise ValueError(f"store_failure_policy must be 'open' or 'closed', got "
                              f"{self.store_failure_policy!r}")
         for name in ("request_timeout_s", "poll_interval_s", "startup_timeout_s",
-                     "drain_timeout_s", "state_refresh_s"):
+                     "drain_timeout_s", "state_refresh_s", "header_read_timeout_s",
+                     "body_read_timeout_s"):
             if not getattr(self, name) > 0:  # `not >` also refuses NaN
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.retry_after_s < 0:
@@ -87,3 +108,13 @@ class GatewayConfig:
                                     self.routed_prefix_ttl_s)):
             raise ValueError("prefix_weight, load_weight, imbalance and routed_prefix_ttl_s "
                              "must be >= 0")
+        if not isinstance(self.max_header_bytes, int) or self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be an integer >= 1024, got "
+                             f"{self.max_header_bytes!r}")
+        if self.metrics_token is not None and not self.metrics_token.strip():
+            raise ValueError("metrics_token must not be empty")
+        for host in self.allowed_hosts:
+            pattern = host[2:] if host.startswith("*.") else "" if host == "*" else host
+            if not host or "*" in pattern or any(c in host for c in " /@[]"):
+                raise ValueError(f"allowed_hosts: {host!r} is not a host name, '*.domain' "
+                                 f"or '*'")

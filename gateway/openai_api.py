@@ -23,7 +23,9 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.http_errors import ApiError
 from gateway.auth import Principal
+from gateway.config import GatewayConfig
 from gateway.engine_client import ACCEPTED
+from gateway.exposure import instance_tag
 from gateway.openai_format import ResponseFormatter
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.service import Gateway, Job
@@ -135,7 +137,7 @@ async def _respond(gateway: Gateway, job: Job, principal: Principal, body: Sampl
                                         job.instance_id or "none").inc()
         raise
     assert first is ACCEPTED
-    headers = _route_headers(job)
+    headers = _route_headers(job, gateway.config)
     if body.stream:
         return EventSourceResponse(_sse(gateway, job, stream, fmt, body.include_usage),
                                    headers=headers)
@@ -152,11 +154,15 @@ async def _respond(gateway: Gateway, job: Job, principal: Principal, body: Sampl
     return JSONResponse(result, headers=headers)
 
 
-def _route_headers(job: Job) -> dict[str, str]:
+def _route_headers(job: Job, config: GatewayConfig) -> dict[str, str]:
+    """The request id, the serving instance's opaque id (never its URL) and, with
+    debug_headers only, the routing decision (engine URLs and every instance's score)."""
     headers = {"x-request-id": job.request_id}
     if job.decision is not None:
-        headers["x-loragate-instance"] = job.decision.instance_id
-        headers["x-loragate-route"] = job.decision.explain()
+        headers["x-loragate-instance"] = instance_tag(job.decision.instance_id,
+                                                      config.admin_key)
+        if config.debug_headers:
+            headers["x-loragate-route"] = job.decision.explain()
     return headers
 
 

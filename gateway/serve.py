@@ -30,6 +30,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.config_args import field_default
 from gateway.engine_supervisor import EngineSupervisor
+from gateway.http_protocol import guarded_protocol
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,8 @@ def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: st
     app = create_app(config, engine_urls, tokenizer_dir, adapters)
     server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
-        timeout_graceful_shutdown=int(config.drain_timeout_s)))
+        timeout_graceful_shutdown=int(config.drain_timeout_s),
+        http=guarded_protocol(config.header_read_timeout_s, config.max_header_bytes)))
     server.on_drain = lambda: setattr(app.state, "draining", True)
 
     async def main() -> None:
@@ -182,14 +184,20 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
 
 def ready_banner(config: GatewayConfig, tokenizer_dir: str, adapters: dict[str, str]) -> str:
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
-    base = f"http://{host}:{config.port}"
+    base = f"http://{f'[{host}]' if ':' in host else host}:{config.port}"
     model = config.served_model_name or os.path.basename(tokenizer_dir.rstrip("/"))
+    # The admin key itself never goes to the terminal (or to a log that keeps it).
+    auth = ("    -H \"Authorization: Bearer $LORAGATE_ADMIN_KEY\" \\\n"
+            if config.admin_key else "")
     lines = [f"loragate gateway listening on {base} (OpenAI API under {base}/v1)",
              f"models: {model} (base){''.join(', ' + a for a in sorted(adapters))}",
              "try:",
              f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\",
-             f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
+             f"{auth}    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
              f"\"content\": \"Hello!\"}}], \"max_tokens\": 32}}'"]
+    if config.admin_key:
+        lines.append("  (with LORAGATE_ADMIN_KEY set to the admin key; tenants use their own "
+                     "keys)")
     if adapters:
         lines.append(f"  (set \"model\" to an adapter name, e.g. \"{sorted(adapters)[0]}\", "
                      f"to use it)")

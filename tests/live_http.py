@@ -57,11 +57,21 @@ def wait_engines_idle(*urls: str) -> None:
              f"blocks used)")
 
 
-def instances(gateway_url: str) -> dict[str, dict[str, Any]]:
-    """GET /instances of a gateway, keyed by instance id (the engine's URL)."""
-    response = httpx.get(gateway_url + "/instances", timeout=5.0)
+def instances(gateway_url: str, admin_key: str | None = None) -> dict[str, dict[str, Any]]:
+    """GET /instances of a gateway, keyed by instance id (the engine's URL); a gateway with
+    an admin key needs it."""
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    response = httpx.get(gateway_url + "/instances", timeout=5.0, headers=headers)
     response.raise_for_status()
     return {i["instance_id"]: i for i in response.json()}
+
+
+def served_by(response: httpx.Response) -> str:
+    """The engine URL of a gateway response's route (gateways with --debug-headers true);
+    the x-loragate-instance header names it only by an opaque id."""
+    match = re.search(r"\binstance=(\S+)", response.headers["x-loragate-route"])
+    assert match is not None, response.headers["x-loragate-route"]
+    return match.group(1)
 
 
 def sse_events(response: httpx.Response) -> Iterator[Any]:

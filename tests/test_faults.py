@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.exposure import instance_tag
 from tests.live_http import instances, metric, poll, sse_events, wait_engines_idle
 from tests.live_servers import LiveServer, start_engine, start_gateway
 
@@ -166,7 +167,7 @@ def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Serv
                 for i, result in enumerate(results)]
             # Round robin: 4 streams per engine, 2 running (tokens flowing) and 2 queued.
             await _until(lambda: sum(bool(r.events) for r in results
-                                     if r.instance == victim.url) == 2,
+                                     if r.instance == instance_tag(victim.url)) == 2,
                          "two streams with tokens from the victim")
             tasks.append(asyncio.create_task(_stream(
                 client, servers.lone_gw.url + "/v1/completions",
@@ -174,13 +175,14 @@ def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Serv
             await _until(lambda: lone.status != 0, "the victim to accept the lone stream")
             victim.kill()
             started_on_victim = {i for i, r in enumerate(results)
-                                 if r.instance == victim.url and r.events}
+                                 if r.instance == instance_tag(victim.url) and r.events}
             await asyncio.wait_for(asyncio.gather(*tasks), 60.0)
             return started_on_victim
 
     started_on_victim = asyncio.run(scenario())
     assert [r.status for r in results] == [200] * 8
-    assert sorted(r.instance for r in results) == sorted([survivor.url] * 4 + [victim.url] * 4)
+    assert sorted(r.instance for r in results) == sorted(
+        [instance_tag(survivor.url)] * 4 + [instance_tag(victim.url)] * 4)
     for i, result in enumerate(results):
         if i in started_on_victim:  # tokens already sent: a clear error, then the end
             assert result.events[-1] == "[DONE]"
@@ -196,7 +198,7 @@ def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Serv
     assert len(started_on_victim) == 2
     assert not any(r.truncated for r in results)
     # Accepted, no token yet, and no instance left: an error event, not a cut connection.
-    assert (lone.status, lone.instance, lone.truncated) == (200, victim.url, False)
+    assert (lone.status, lone.instance, lone.truncated) == (200, instance_tag(victim.url), False)
     assert lone.events == [{"error": {
         "message": "no engine instance is ready; retry later", "type": "service_unavailable",
         "code": "unavailable"}}, "[DONE]"]
@@ -209,7 +211,7 @@ def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Serv
     for _ in range(2):  # round robin has one candidate left
         response = httpx.post(gw.url + "/v1/completions", json=body(2), timeout=60.0)
         assert response.status_code == 200
-        assert response.headers["x-loragate-instance"] == survivor.url
+        assert response.headers["x-loragate-instance"] == instance_tag(survivor.url)
     wait_engines_idle(survivor.url)
 
 
@@ -219,8 +221,9 @@ def test_client_disconnect_from_the_gateway_frees_engine_blocks(servers: Servers
     with httpx.stream("POST", gw.url + "/v1/completions",
                       json=body(1000, stream=True), timeout=60.0) as response:
         assert response.status_code == 200
-        engine_url = response.headers["x-loragate-instance"]
-        engine = servers.survivor if engine_url == servers.survivor.url else servers.victim
+        engine = (servers.survivor if response.headers["x-loragate-instance"]
+                  == instance_tag(servers.survivor.url) else servers.victim)
+        engine_url = engine.url
         before = generated(engine)
         disconnected_before = metric(httpx.get(gw.url + "/metrics").text,
                                      "loragate_gateway_requests_total", status="499")
@@ -310,7 +313,7 @@ def test_engine_sigterm_drains_its_stream_then_gateway_answers_503(servers: Serv
     with httpx.stream("POST", gw.url + "/v1/completions",
                       json=body(max_tokens, stream=True), timeout=60.0) as response:
         assert response.status_code == 200
-        assert response.headers["x-loragate-instance"] == engine.url
+        assert response.headers["x-loragate-instance"] == instance_tag(engine.url)
         events = sse_events(response)
         seen = [next(events)]
         engine.process.send_signal(signal.SIGTERM)

@@ -6,7 +6,7 @@ load) is visible against the threshold: up to 2 extra requests on an instance ke
 affinity (gap 0.25 plus a little KV), 3 extra lose it (gap 0.375).
 
 Prompts are token id lists, so prefixes and block hashes are exact. Every check reads the
-gateway's x-loragate-instance / x-loragate-route headers and its /instances view.
+gateway's x-loragate-route header (--debug-headers) and its /instances view.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from engine.demo_model import make_peft_adapter
+from gateway.exposure import instance_tag
 from prefix_cache.hashing import chain_hashes, sparse_chain
 from tests.live_http import (
     engine_state,
@@ -31,6 +32,7 @@ from tests.live_http import (
     poll,
     route_reason,
     route_scores,
+    served_by,
     sse_events,
     wait_engines_idle,
 )
@@ -72,7 +74,8 @@ def cluster(tiny_model_dir: Path, adapters: dict[str, Path],
     logs = tmp_path_factory.mktemp("routing-logs")
     engines = [start_engine(tiny_model_dir, logs, *ENGINE_FLAGS) for _ in range(2)]
     gateway = start_gateway(tiny_model_dir, [e.url for e in engines], logs, "--imbalance",
-                            "0.3", "--served-model-name", MODEL, adapters=adapters)
+                            "0.3", "--served-model-name", MODEL, "--debug-headers", "true",
+                            adapters=adapters)
     try:
         for server in (*engines, gateway):
             server.wait_ready()
@@ -115,7 +118,9 @@ def random_tokens(seed: int, n: int) -> list[int]:
 def publish_prefix(cluster: Cluster, prefix: list[int]) -> str:
     """Serve `prefix` once through the gateway; return the instance that took it, once the
     gateway's prefix index holds every hash that instance published for it."""
-    holder = complete(cluster, [*prefix, 1]).headers["x-loragate-instance"]
+    response = complete(cluster, [*prefix, 1])
+    holder = served_by(response)
+    assert response.headers["x-loragate-instance"] == instance_tag(holder)  # opaque
     first = engine_state(holder)
     wanted = {format(h, "x") for _, h in sparse_chain(
         chain_hashes(prefix, first["block_size"]), first["publish_every"])}
@@ -159,19 +164,19 @@ def test_adapter_requests_go_to_the_instance_where_it_is_resident(cluster: Clust
 
     for name, home in (("ad0", a), ("ad2", b), ("ad1", a), ("ad3", b), ("ad0", a)):
         response = complete(cluster, [10, 11, 12, 13], model=name)
-        assert (response.headers["x-loragate-instance"], route_reason(response)) == (
+        assert (served_by(response), route_reason(response)) == (
             home, "adapter_resident"), response.headers["x-loragate-route"]
 
     # ad4 is resident nowhere and both instances' slots hold idle adapters: it goes to one of
     # them, becomes resident there, and sticks.
     first = complete(cluster, [10, 11, 12, 13], model="ad4")
-    chosen = first.headers["x-loragate-instance"]
+    chosen = served_by(first)
     assert route_reason(first) == "least_loaded"
     poll(lambda: "ad4" in instances(cluster.gateway.url)[chosen]["resident"],
          f"ad4 to be resident on {chosen}")
     assert "ad4" not in instances(cluster.gateway.url)[cluster.other(chosen)]["resident"]
     again = complete(cluster, [14, 15, 16], model="ad4")
-    assert (again.headers["x-loragate-instance"], route_reason(again)) == (
+    assert (served_by(again), route_reason(again)) == (
         chosen, "adapter_resident")
 
 
@@ -189,7 +194,7 @@ def test_prefix_sharing_burst_lands_on_the_instance_holding_the_prefix(cluster: 
 
     with ThreadPoolExecutor(3) as pool:
         burst = list(pool.map(send, (20, 30, 40)))
-    assert [(r.headers["x-loragate-instance"], route_reason(r)) for r in burst] == [
+    assert [(served_by(r), route_reason(r)) for r in burst] == [
         (holder, "prefix")] * 3
     assert all(" matched=256 " in r.headers["x-loragate-route"] for r in burst)
     hits_after = metric(httpx.get(holder + "/metrics").text,
@@ -212,7 +217,7 @@ def test_overloaded_prefix_holder_sheds_to_the_other_instance(cluster: Cluster) 
                 "POST", url, json=completion_body([*prefix, 50 + i], max_tokens=700,
                                                   stream=True)))
             assert response.status_code == 200
-            assert (response.headers["x-loragate-instance"], route_reason(response)) == (
+            assert (served_by(response), route_reason(response)) == (
                 holder, "prefix"), response.headers["x-loragate-route"]
             events = sse_events(response)
             assert next(events)["choices"][0]["finish_reason"] is None
@@ -220,7 +225,7 @@ def test_overloaded_prefix_holder_sheds_to_the_other_instance(cluster: Cluster) 
         # A fourth request with the same prefix: the holder is 3/8 more loaded, beyond the
         # imbalance, so its prefix credit is dropped and the idle instance wins.
         probe = complete(cluster, [*prefix, 60])
-        assert (probe.headers["x-loragate-instance"], route_reason(probe)) == (
+        assert (served_by(probe), route_reason(probe)) == (
             other, "least_loaded"), probe.headers["x-loragate-route"]
         assert " matched=0 " in probe.headers["x-loragate-route"]
         scores = route_scores(probe)
@@ -243,7 +248,7 @@ def test_a_burst_on_a_new_prefix_stays_together(cluster: Cluster) -> None:
 
     with ThreadPoolExecutor(3) as pool:
         burst = list(pool.map(send, (20, 30, 40)))
-    assert len({r.headers["x-loragate-instance"] for r in burst}) == 1, [
+    assert len({served_by(r) for r in burst}) == 1, [
         r.headers["x-loragate-route"] for r in burst]
     followers = [r for r in burst if route_reason(r) == "prefix"]
     assert len(followers) == 2, [r.headers["x-loragate-route"] for r in burst]

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
+from gateway.exposure import instance_tag
 from gateway.sliding_window import SPAN_S
 from lora.adapter import SUPPORTED_MODULES
 from tests.live_http import metric, poll, wait_engines_idle
@@ -239,7 +240,7 @@ def test_redis_outage_fails_open_and_recovers(setup: Setup) -> None:
     try:
         for gateway in (0, 1):
             assert complete(setup, key, base, gateway=gateway).status_code == 200
-        text = httpx.get(setup.gateways[0].url + "/metrics", timeout=10.0).text
+        text = admin(setup, "GET", "/metrics").text
         assert metric(text, "loragate_gateway_store_unavailable_total", policy="open") >= 1
         down = admin(setup, "GET", "/admin/tenants")
         assert down.status_code == 503
@@ -304,7 +305,8 @@ def test_engines_register_and_gateways_discover_them(setup: Setup, tiny_model_di
     try:
         engine.wait_ready()
         gateway.wait_ready()  # ready = it found a healthy instance through the registry
-        listed = httpx.get(gateway.url + "/instances", timeout=10.0).json()
+        listed = httpx.get(gateway.url + "/instances", timeout=10.0,
+                           headers={"Authorization": f"Bearer {ADMIN}"}).json()
         assert [i["instance_id"] for i in listed] == [engine.url]
         key = new_tenant(setup, "registry-user")
         base = poll(lambda: models(setup, key), "the tenant to exist")[0]
@@ -312,7 +314,7 @@ def test_engines_register_and_gateways_discover_them(setup: Setup, tiny_model_di
                               headers={"Authorization": f"Bearer {key}"},
                               json={"model": base, "prompt": "hi", "max_tokens": 2})
         assert response.status_code == 200, response.text
-        assert response.headers["x-loragate-instance"] == engine.url
+        assert response.headers["x-loragate-instance"] == instance_tag(engine.url, ADMIN)
     finally:
         gateway.stop()
         engine.stop()

@@ -1,0 +1,112 @@
+"""Guard: the pure ASGI middleware in front of every gateway route.
+
+No BaseHTTPMiddleware: that one relays every streamed chunk through an extra task and memory
+stream, a cost paid per token. In order, for each HTTP request:
+
+- 400 when the Host header is not allowed (the open mode's DNS-rebinding defence, see
+  gateway/exposure.py);
+- 413 for a Content-Length over the path's limit;
+- 503 for new generation requests while the gateway drains;
+- while the app reads the body: 413 once it grows past the limit (chunked uploads), 408 when
+  it has not all arrived by its deadline (body_timeout_s from the headers, plus a second per
+  MiB received, so a big upload at a sane rate is never cut off but a trickle is);
+- a response that starts before the body was read in full (an early error) closes the
+  connection: uvicorn would otherwise keep reading, and discarding, what the client sends.
+
+Every refusal is an OpenAI-style error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.http_errors import ApiError, error_body
+from gateway.exposure import host_allowed
+
+BYTES_PER_EXTRA_SECOND = 1 << 20
+"""Each MiB of body received moves the body's deadline one second later."""
+
+
+class Guard:
+    """See the module docstring. restrict_hosts() says whether the Host check applies now
+    (the open mode can end while the gateway runs: the first tenant is created)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: Callable[[str], int],
+                 draining: Callable[[], bool], retry_after_s: int, body_timeout_s: float,
+                 restrict_hosts: Callable[[], bool], allowed_hosts: tuple[str, ...]) -> None:
+        self.app = app
+        self.max_bytes_for = max_bytes
+        self.draining = draining
+        self.retry_after_s = retry_after_s
+        self.body_timeout_s = body_timeout_s
+        self.restrict_hosts = restrict_hosts
+        self.allowed_hosts = allowed_hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        max_bytes = self.max_bytes_for(path)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        body_done = length in (None, b"0") and b"transfer-encoding" not in headers
+        received = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
+
+        async def guarded_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and not body_done:
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"connection", b"close")]}
+            await send(message)
+
+        async def limited_receive() -> Message:
+            nonlocal received, body_done, deadline
+            if body_done:  # what is left to receive is the disconnect: no deadline
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                # An HTTPException: FastAPI passes it on from body parsing, and the error
+                # handlers render it in OpenAI's schema.
+                raise StarletteHTTPException(408, "the request body did not arrive in "
+                                                  "time") from None
+            if message["type"] != "http.request":
+                body_done = True
+                return message
+            chunk = len(message.get("body", b""))
+            received += chunk
+            deadline += chunk / BYTES_PER_EXTRA_SECOND
+            body_done = not message.get("more_body", False)
+            if received > max_bytes:
+                raise StarletteHTTPException(413, f"request body over {max_bytes} bytes")
+            return message
+
+        refusal = self._refusal(scope, headers, length, max_bytes)
+        if refusal is not None:
+            await refusal(scope, receive, guarded_send)
+            return
+        await self.app(scope, limited_receive, guarded_send)
+
+    def _refusal(self, scope: Scope, headers: dict[bytes, bytes], length: bytes | None,
+                 max_bytes: int) -> JSONResponse | None:
+        """The answer to a request refused on its headers alone, or None."""
+        if self.restrict_hosts() and not host_allowed(
+                headers.get(b"host", b"").decode("latin-1"), self.allowed_hosts):
+            return ApiError(400, "the Host header names a host this gateway does not serve "
+                            "(it answers loopback names and --allowed-hosts only)",
+                            code="host_not_allowed").response()
+        if length is not None and (not length.isdigit() or int(length) > max_bytes):
+            return JSONResponse(error_body(413, f"request body over {max_bytes} bytes"),
+                                status_code=413)
+        if self.draining() and scope["path"].startswith("/v1/") and scope["method"] == "POST":
+            return ApiError(503, "the gateway is shutting down", code="draining",
+                            headers={"Retry-After": str(self.retry_after_s)}).response()
+        return None
