@@ -155,7 +155,7 @@ def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Serv
     wait_engines_idle(survivor.url, victim.url)
     retries_before = metric(httpx.get(gw.url + "/metrics").text,
                             "loragate_gateway_retries_total", reason="EngineStreamBroken")
-    max_tokens = 300
+    max_tokens = 990  # long enough that no victim stream can finish before the kill
     results = [StreamResult() for _ in range(8)]
     lone = StreamResult()  # through a gateway that has no other engine to retry on
 

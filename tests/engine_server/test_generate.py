@@ -120,9 +120,9 @@ TOO_LONG = [7] * (CONTEXT - 4)
      f"prompt ({CONTEXT - 4} tokens) + max_tokens (16) = {CONTEXT + 12} exceeds the "
      f"model's context of {CONTEXT} tokens", None),
     ({"prompt": "hi", "params": {"max_tokens": 0}},
-     "max_tokens must be an integer >= 1, got 0", None),
-    ({"prompt": "hi", "params": {"temperature": -1}}, "temperature must be >= 0, got -1.0",
-     None),
+     "max_tokens must be an integer in [1, 2147483647], got 0", None),
+    ({"prompt": "hi", "params": {"temperature": -1}},
+     "temperature must be a finite number >= 0, got -1.0", None),
     ({"prompt_token_ids": [5, 512]}, "prompt token ids out of range [0, 512): [512]", None),
     ({"prompt": ""}, "prompt is empty", None),
     ({"prompt": "hi", "params": {"max_tokens": "x"}},
@@ -136,9 +136,21 @@ TOO_LONG = [7] * (CONTEXT - 4)
      "top_k"),
     ({"prompt": "hi", "temperature": 0}, "temperature: Extra inputs are not permitted",
      "temperature"),
+    ({"prompt": "hi", "params": {"seed": 2**64, "temperature": 1}},
+     "seed must be an integer in [0, 2**64), got 18446744073709551616", None),
+    ({"prompt": "hi", "params": {"seed": -2**63 - 1, "temperature": 1}},
+     "seed must be an integer in [0, 2**64), got -9223372036854775809", None),
+    ({"prompt": "hi", "params": {"top_k": 2**63}},
+     "top_k must be an integer in [0, 2147483647] (0 or -1 disables it), got "
+     "9223372036854775808", None),
+    ({"prompt": "hi", "params": {"top_k": 513}},
+     "top_k must be at most the vocabulary size (512), got 513", None),
+    ({"prompt_token_ids": [5, 2**40]},
+     "prompt token ids out of range [0, 512): [1099511627776]", None),
 ], ids=["both-prompts", "no-prompt", "unknown-adapter", "too-long", "max-tokens-0",
         "negative-temperature", "token-out-of-vocab", "empty-prompt", "max-tokens-str",
-        "prompt-int", "ids-str", "top-k-float", "unknown-field"])
+        "prompt-int", "ids-str", "top-k-float", "unknown-field", "seed-2**64",
+        "seed-below-int64", "top-k-2**63", "top-k-over-vocab", "token-id-2**40"])
 def test_bad_generate_requests_are_400_with_openai_errors(
         http: httpx.Client, body: dict[str, Any], message: str, param: str | None) -> None:
     for stream in (True, False):
