@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from engine.http_auth import check_token
 
 RoutingPolicyName = Literal["score", "round_robin"]
 StoreFailurePolicy = Literal["open", "closed"]
@@ -64,6 +66,10 @@ class GatewayConfig:
     readable by the engines at the same path."""
     state_refresh_s: float = 0.5
     """How often the gateway checks the store for changed tenants, keys and adapters."""
+    engine_token: str | None = field(default=None, repr=False)
+    """Shared secret the engines require (their --engine-token): sent to every engine, and
+    the key that signs the Redis engine registry (discovery needs it). `serve` makes one up
+    for the engines it starts when none is given."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -81,6 +87,7 @@ class GatewayConfig:
                      "drain_timeout_s", "state_refresh_s"):
             if not getattr(self, name) > 0:  # `not >` also refuses NaN
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_token(self.engine_token)  # its message never holds the value: a secret
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if not all(w >= 0 for w in (self.prefix_weight, self.load_weight, self.imbalance,
