@@ -9,6 +9,7 @@ for the engines it starts itself.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 from pathlib import Path
@@ -61,6 +62,12 @@ def read_token_file(path: str) -> str:
     return token
 
 
+def _digest(header: bytes) -> bytes:
+    # Compared as digests: equal lengths, so the comparison's time says nothing about the
+    # token's length either.
+    return hashlib.sha256(header).digest()
+
+
 class TokenAuth:
     """Pure ASGI middleware: 401 (OpenAI error schema) for any request but OPEN_ROUTES
     without ``Authorization: Bearer <token>``. The comparison is constant-time
@@ -70,10 +77,11 @@ class TokenAuth:
         if not token:
             raise ValueError("TokenAuth needs a non-empty token")
         self.app = app
-        self._expected = f"Bearer {token}".encode()
+        self._expected = _digest(f"Bearer {token}".encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"], scope["path"]) in OPEN_ROUTES:
+        if scope["type"] == "lifespan" or (
+                scope["type"] == "http" and (scope["method"], scope["path"]) in OPEN_ROUTES):
             await self.app(scope, receive, send)
             return
         given = b""
@@ -81,9 +89,11 @@ class TokenAuth:
             if name == b"authorization":
                 given = value
                 break
-        if not hmac.compare_digest(given, self._expected):
+        if hmac.compare_digest(_digest(given), self._expected):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":  # the API has none; refuse before the app anyway
+            await send({"type": "websocket.close", "code": 1008})
+        else:
             response = ApiError(401, "missing or invalid engine token", code="invalid_token",
                                 headers={"WWW-Authenticate": "Bearer"}).response()
             await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)

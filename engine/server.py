@@ -251,9 +251,10 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
     async def load_adapter(body: AdapterBody) -> dict[str, Any]:
         try:
             path = roots.check(body.path)
-            adapter = await engine.load_lora(body.name, str(path))
         except AdapterPathRefused as exc:
             raise ApiError(400, str(exc), param="path") from None
+        try:
+            adapter = await engine.load_lora(body.name, str(path))
         except ValueError as exc:
             # Validation messages name the directory: the caller learns what is wrong with
             # the adapter, not where the engine's files are.

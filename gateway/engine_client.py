@@ -60,7 +60,8 @@ class ClientTimeouts:
 class EngineClient:
     """Talks to one engine server at base_url over a shared aiohttp.ClientSession (aiohttp
     rather than httpx on this hot path: its C HTTP parser costs a fraction per request and
-    per streamed line)."""
+    per streamed line). With a token (the engines' --engine-token), every call carries
+    ``Authorization: Bearer <token>``."""
 
     def __init__(self, base_url: str, http: aiohttp.ClientSession,
                  timeouts: ClientTimeouts | None = None, token: str | None = None) -> None:
@@ -150,7 +151,6 @@ class EngineClient:
         if status >= 400:
             raise EngineRejected(status, payload)
         return payload
-
 
     def _token_refused(self, status: int) -> None:
         if status == 401 and not self._token_refused_logged:

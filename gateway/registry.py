@@ -11,8 +11,8 @@ tenant's prompts. So each entry is signed: the member stored in the sorted set i
 and the expiry (unix seconds). discover() uses only entries whose signature verifies and
 whose signed expiry has not passed (an old entry copied back in is ignored once it expires).
 Each beat adds a fresh member; the store drops members once their score (expiry) passes, so
-an engine has at most a few live ones. Redis itself must still be protected (AUTH, TLS with
-rediss://): the signature stops forged engines, not a reader of the prompts' metadata.
+an engine has at most a few live ones. The signature stops forged engines only: Redis holds
+tenants, key hashes and limits too, so beyond one host it needs AUTH and TLS (rediss://).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -164,26 +165,38 @@ def no_token_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     return dict(os.environ)
 
 
+@pytest.fixture
+def busy_port() -> Iterator[str]:
+    """A port something already listens on: an engine that wrongly started anyway fails to
+    bind and exits, rather than serving (and hanging the test)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield str(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
 def test_an_engine_on_all_interfaces_without_a_token_refuses_to_start(
-        tiny_model_dir: Path, no_token_env: dict[str, str]) -> None:
+        tiny_model_dir: Path, host: str, no_token_env: dict[str, str]) -> None:
     # It must refuse before loading anything; the timeout only bounds a regression (which
     # would serve the API to the network until killed).
     result = subprocess.run([sys.executable, "-m", "gateway.cli", "engine", "--model",
-                             str(tiny_model_dir), "--host", "0.0.0.0", "--port", "0"],
+                             str(tiny_model_dir), "--host", host, "--port", "0"],
                             capture_output=True, text=True, env=no_token_env, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.strip() == REFUSED_HOST.format("0.0.0.0")
+    assert result.stderr.strip() == REFUSED_HOST.format(host)
 
 
-@pytest.mark.parametrize("host", ["::", "192.0.2.1", "example.com"])
-def test_any_non_loopback_host_needs_a_token(tiny_model_dir: Path, host: str,
+@pytest.mark.parametrize("host", ["192.0.2.1", "example.com", "localhost.example.com"])
+def test_any_non_loopback_host_needs_a_token(tiny_model_dir: Path, host: str, busy_port: str,
                                              no_token_env: dict[str, str],
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["engine", "--model", str(tiny_model_dir), "--host", host]) == 2
+    assert main(["engine", "--model", str(tiny_model_dir), "--host", host, "--port",
+                 busy_port]) == 2
     assert capsys.readouterr().err.strip() == REFUSED_HOST.format(host)
 
 
-def test_bad_token_sources_are_refused(tiny_model_dir: Path, tmp_path: Path,
+def test_bad_token_sources_are_refused(tiny_model_dir: Path, tmp_path: Path, busy_port: str,
                                        no_token_env: dict[str, str],
                                        capsys: pytest.CaptureFixture[str]) -> None:
     empty = tmp_path / "empty"
@@ -197,7 +210,8 @@ def test_bad_token_sources_are_refused(tiny_model_dir: Path, tmp_path: Path,
              ("--register-redis-url", "redis://127.0.0.1:1/0"):
                  "--register-redis-url needs an engine token"}
     for flags, message in cases.items():
-        assert main(["engine", "--model", str(tiny_model_dir), *flags]) == 2, flags
+        argv = ["engine", "--model", str(tiny_model_dir), "--port", busy_port, *flags]
+        assert main(argv) == 2, flags
         err = capsys.readouterr().err
         assert message in err, (flags, err)
         assert len(err.strip().splitlines()) == 1, err
