@@ -15,6 +15,11 @@ finished, finish_reason, logprobs (of the delta tokens), prompt_tokens, completi
 error. Bad input is refused with 400 before the stream starts; a failure after it started
 is a last line with ``error`` set. A client that disconnects aborts its request.
 
+Authentication: with a token (see engine/http_auth.py) every route but GET /health needs
+``Authorization: Bearer TOKEN`` (401 otherwise); without one the engine listens on loopback
+only. Adapter paths given to POST /adapters must lie inside the engine's adapter roots (see
+engine/adapter_roots.py).
+
 Draining (SIGTERM): /health turns 503 and /generate refuses new requests with 503, while
 requests already in flight finish; then the process exits.
 """
@@ -37,8 +42,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.adapter_roots import AdapterPathRefused, AdapterRoots
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineInternalError
 from engine.config import EngineConfig
+from engine.http_auth import TokenAuth, check_exposure
 from engine.http_errors import ApiError, install_error_handlers
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -88,7 +95,7 @@ class AbortBody(BaseModel):
 class AdapterBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=128)
-    path: str
+    path: str = Field(min_length=1, max_length=4096)
 
 
 class PinBody(BaseModel):
@@ -151,9 +158,14 @@ def _error_chunk(request_id: str, message: str) -> dict[str, Any]:
 
 def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
                model_name: str | None = None,
-               background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> FastAPI:
+               background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+               token: str | None = None, adapter_roots: AdapterRoots | None = None
+               ) -> FastAPI:
     """The engine API over a running AsyncEngine (the app owns it: shut down on exit).
-    ``background`` coroutines (e.g. a registry heartbeat) run while the app serves."""
+    ``background`` coroutines (e.g. a registry heartbeat) run while the app serves. With a
+    ``token``, every route but GET /health requires it; POST /adapters loads only paths
+    inside ``adapter_roots`` (none: no adapter can be loaded through the API)."""
+    roots = adapter_roots or AdapterRoots(())
     state = EngineServer(engine, instance_id,
                          model_name or engine.engine.config.model.rstrip("/").split("/")[-1])
 
@@ -168,6 +180,8 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
     app = FastAPI(title="loragate engine", lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+    if token is not None:
+        app.add_middleware(TokenAuth, token=token)
 
     @app.post("/generate")
     async def generate(body: GenerateBody) -> Response:
@@ -243,9 +257,18 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
         while one does, so no request of the new content runs on the old weights."""
         llm = engine.engine
         try:
-            adapter = await asyncio.to_thread(llm.validate_lora, body.name, body.path)
-        except ValueError as exc:
+            path = roots.check(body.path)
+        except AdapterPathRefused as exc:
             raise ApiError(400, str(exc), param="path") from None
+        try:
+            adapter = await asyncio.to_thread(llm.validate_lora, body.name, str(path))
+        except ValueError as exc:
+            # Validation messages name the directory: the caller learns what is wrong with
+            # the adapter, not where the engine's files are.
+            raise ApiError(400, _without_paths(str(exc), body.path, str(path)),
+                           param="path") from None
+        except OSError:
+            raise ApiError(400, "the adapter's files could not be read", param="path") from None
 
         def add() -> None:  # on the engine thread, between steps
             held = {a.name: a.digest for a in llm.list_loras()}
@@ -293,6 +316,13 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
     return app
 
 
+def _without_paths(message: str, *paths: str) -> str:
+    """message with every given path (longest first: one may contain another) as <path>."""
+    for path in sorted({p for p in paths if p}, key=len, reverse=True):
+        message = message.replace(repr(path), "<path>").replace(path, "<path>")
+    return message
+
+
 async def _chunks(state: EngineServer, request_id: str, outputs: AsyncGenerator[RequestOutput, None]
                   ) -> AsyncGenerator[dict[str, Any], None]:
     """Chunks of one request; closing this iterator aborts the request in the engine."""
@@ -323,12 +353,18 @@ async def _ndjson(state: EngineServer, request_id: str,
 def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = None,
           model_name: str | None = None, adapters: dict[str, str] | None = None,
           drain_timeout_s: float = 30.0,
-          background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> None:
+          background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+          token: str | None = None, adapter_roots: Sequence[str] = ()) -> None:
     """Build the engine, register adapters, serve until SIGTERM/SIGINT, then drain.
+    Adapters given here are trusted: their directories join ``adapter_roots``. Refuses
+    (ValueError, before loading anything) to listen beyond loopback without a token.
 
     If the engine loop dies (a bug: nothing a client sends can do it), the server stops
     and the process exits with EXIT_ENGINE_DIED, so whoever supervises it (`loragate
     serve`, Kubernetes) restarts it; a dead engine never keeps answering."""
+    check_exposure(host, token)
+    adapters = adapters or {}
+    roots = AdapterRoots([*adapter_roots, *adapters.values()])
     exit_now: list[Callable[[], None]] = []
 
     def on_fatal(_: BaseException) -> None:
@@ -336,13 +372,13 @@ def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = 
             stop()
 
     engine = AsyncEngine.from_config(config, on_fatal=on_fatal)
-    for name, path in (adapters or {}).items():
+    for name, path in adapters.items():
         try:
             engine.engine.load_lora(name, path)
         except ValueError as exc:  # one bad directory must not keep the others offline
             log.warning("adapter %s not registered: %s", name, exc)
     instance_id = instance_id or f"{host}:{port}"
-    app = create_app(engine, instance_id, model_name, background)
+    app = create_app(engine, instance_id, model_name, background, token, roots)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=int(drain_timeout_s)))
     server.on_drain = lambda: setattr(app.state.server, "draining", True)

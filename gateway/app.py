@@ -64,6 +64,9 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     if not engine_urls and not config.redis_url:
         raise ValueError("the gateway needs at least one engine URL, or --redis-url to "
                          "discover engines that register there")
+    if not engine_urls and not config.engine_token:
+        raise ValueError("discovering engines through the Redis registry needs --engine-token "
+                         "(the engines' token, which signs their registrations)")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     instance_tag("", config.admin_key)  # its key stretch (scrypt) now, not in a request
     pool_holder: dict[str, InstancePool] = {}
@@ -87,7 +90,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         async with aiohttp.ClientSession(connector=connector) as http:
             pool = InstancePool(engine_urls, http, config.eject_after_failures,
                                 {n: a.path for n, a in view.snapshot.adapters.items()},
-                                config.routed_prefix_ttl_s)
+                                config.routed_prefix_ttl_s, config.engine_token)
             view.listeners.append(lambda snap: setattr(
                 pool, "adapter_paths", {n: a.path for n, a in snap.adapters.items()}))
             pool_holder["pool"] = pool
@@ -100,10 +103,13 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
             await pool.poll()
             tasks = [asyncio.create_task(pool.run(config.poll_interval_s)),
                      asyncio.create_task(view.run())]
-            if config.redis_url:
+            if config.redis_url and config.engine_token:
                 tasks.append(asyncio.create_task(discover(
                     store, pool, {u.rstrip("/") for u in engine_urls},
-                    config.poll_interval_s)))
+                    config.poll_interval_s, config.engine_token)))
+            elif config.redis_url:
+                log.warning("not discovering engines through the Redis registry: its entries "
+                            "are only trusted when signed with an --engine-token")
             try:
                 yield
             finally:

@@ -156,6 +156,7 @@ def _configs(args: argparse.Namespace, model: str | None) -> tuple[Any, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from engine.adapter_roots import roots_from_env
     from engine.demo_model import make_demo_adapters, make_demo_model
     from gateway.serve import serve
 
@@ -171,13 +172,21 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--engine needs --model too: the gateway tokenizes with the model's "
                          "tokenizer (a local copy of the model directory is enough)")
     adapters = parse_adapters(args.lora, args.adapter_dir)
+    adapter_dir = args.adapter_dir
     demo_adapters = Path(model) / "adapters"
-    if not adapters and args.adapter_dir is None and demo_adapters.is_dir():
-        adapters = parse_adapters([], str(demo_adapters))
+    if not adapters and adapter_dir is None and demo_adapters.is_dir():
+        adapter_dir = str(demo_adapters)
+        adapters = parse_adapters([], adapter_dir)
     gateway_config, engine_config = _configs(args, model)
     if gateway_config.adapter_upload_dir:  # recorded in adapter paths the engines load
         gateway_config = dataclasses.replace(
             gateway_config, adapter_upload_dir=local_path(gateway_config.adapter_upload_dir))
+    if args.engine_token_file:
+        gateway_config = dataclasses.replace(gateway_config, engine_token=_engine_token(args))
+    # What local engines may load through their API: the roots given, the adapter directory
+    # and the admin API's upload directory (as gateway/admin_api.py build_admin_router sets it).
+    roots = [*(args.adapter_root or roots_from_env()), *filter(None, [adapter_dir]),
+             gateway_config.adapter_upload_dir or str(Path(model) / "uploaded-adapters")]
     if args.instances < 0 or (args.instances == 0 and not args.engine
                               and not gateway_config.redis_url):
         raise ValueError("--instances 0 needs --engine URL or --redis-url (engine registry)")
@@ -186,24 +195,53 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"refusing to serve without authentication on {gateway_config.host}: "
                          f"set --admin-key (and create tenants), or pass "
                          f"--allow-unauthenticated")
-    serve(gateway_config, engine_config, args.instances, args.engine, model, adapters)
+    serve(gateway_config, engine_config, args.instances, args.engine, model, adapters, roots)
     return 0
 
 
+def _engine_token(args: argparse.Namespace) -> str | None:
+    """--engine-token or --engine-token-file (not both), else LORAGATE_ENGINE_TOKEN, else
+    the config file's engine_token."""
+    from engine.http_auth import TOKEN_ENV, check_token, read_token_file
+    from gateway.config_args import load_config_file
+
+    given = getattr(args, "engine_token", None)
+    if given is not None and args.engine_token_file:
+        raise ValueError("give either --engine-token or --engine-token-file, not both")
+    if args.engine_token_file:
+        return read_token_file(args.engine_token_file)
+    if given is None:
+        given = os.environ.get(TOKEN_ENV, load_config_file(args.config).get("engine_token"))
+    return check_token(None if given is None else str(given))
+
+
 def _engine(args: argparse.Namespace) -> int:
+    from engine.adapter_roots import roots_from_env
+    from engine.http_auth import check_exposure
+
+    token = _engine_token(args)
+    check_exposure(args.host, token)  # before the heavy imports: fail fast
+    if args.register_redis_url and token is None:
+        raise ValueError("--register-redis-url needs an engine token (--engine-token-file, "
+                         "--engine-token or LORAGATE_ENGINE_TOKEN): gateways only route to "
+                         "registrations signed with it")
     from engine.server import serve
 
     _setup_logging()
     _, engine_config = _configs(args, args.model)
+    # Flags win over the environment; --adapter-dir is a root as its adapters are trusted.
+    roots = [*(args.adapter_root or roots_from_env()), *filter(None, [args.adapter_dir])]
     background = []
     if args.register_redis_url:
         from gateway.registry import heartbeat
 
+        assert token is not None
         url = args.advertise_url or f"http://{args.host}:{args.port}"
         redis_url = args.register_redis_url
-        background.append(lambda: heartbeat(redis_url, url))
+        background.append(lambda: heartbeat(redis_url, url, token))
     serve(engine_config, args.host, args.port, args.instance_id,
-          adapters=parse_adapters(args.lora, args.adapter_dir), background=background)
+          adapters=parse_adapters(args.lora, args.adapter_dir), background=background,
+          token=token, adapter_roots=roots)
     return 0
 
 
@@ -214,6 +252,17 @@ def _add_adapter_args(parser: argparse.ArgumentParser) -> None:
                         help="register every PEFT directory inside DIR, named after it")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="TOML or YAML file of settings (keys are the flag names)")
+
+
+def _add_engine_access_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine-token-file", default=None, metavar="FILE",
+                        help="read the engine token from FILE (surrounding whitespace "
+                             "stripped) instead of --engine-token")
+    parser.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
+                        help="directory that adapters registered through an engine's API "
+                             "(POST /adapters) must lie in (repeatable; env "
+                             "LORAGATE_ADAPTER_ROOTS, os.pathsep-separated); --adapter-dir, "
+                             "--lora and (serve) the upload directory count too")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine", action="append", default=[], metavar="URL",
                        help="attach to a running `loragate engine` instead (repeatable)")
     _add_adapter_args(serve)
+    _add_engine_access_args(serve)
     add_config_args(serve, GatewayConfig, title="gateway")
     add_config_args(serve, EngineConfig, skip=("model",), title="engine (every instance)")
     serve.set_defaults(func=_serve)
@@ -273,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "a TTL), so `loragate serve --redis-url URL` finds it")
     engine.add_argument("--advertise-url", default=None, metavar="URL",
                         help="the URL gateways reach this engine at (default http://HOST:PORT)")
+    engine.add_argument("--engine-token", default=None, metavar="TOKEN",
+                        help="shared secret every caller but GET /health must send as "
+                             "'Authorization: Bearer TOKEN' (required beyond loopback; env "
+                             "LORAGATE_ENGINE_TOKEN; visible in `ps`: prefer the env or a file)")
+    _add_engine_access_args(engine)
     _add_adapter_args(engine)
     add_config_args(engine, EngineConfig, skip=("model",), title="engine")
     engine.set_defaults(func=_engine)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from engine.http_auth import check_token
 
 RoutingPolicyName = Literal["score", "round_robin"]
 StoreFailurePolicy = Literal["open", "closed"]
@@ -84,6 +86,10 @@ class GatewayConfig:
     body_read_timeout_s: float = 30.0
     """A request body must arrive within this many seconds, plus one per MiB received (so
     large uploads are not cut off); else 408 and the connection is closed."""
+    engine_token: str | None = field(default=None, repr=False)
+    """Shared secret the engines require (their --engine-token): sent to every engine, and
+    the key that signs the Redis engine registry (discovery needs it). `serve` makes one up
+    for the engines it starts when none is given."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -102,6 +108,7 @@ class GatewayConfig:
                      "body_read_timeout_s"):
             if not getattr(self, name) > 0:  # `not >` also refuses NaN
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_token(self.engine_token)  # its message never holds the value: a secret
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if not all(w >= 0 for w in (self.prefix_weight, self.load_weight, self.imbalance,

@@ -6,18 +6,23 @@ Failures are sorted by what the gateway may do next:
 - EngineRejected: the engine refused the request itself (4xx): the client's fault, the same
   answer anywhere, so it is passed on and never retried.
 - EngineStreamBroken: the stream died after it started; tokens may have reached the client.
+
+A 401 is never the client's fault: the gateway's engine token is wrong (or missing), so it
+is EngineUnavailable too, and logged once per client (the tenant sees 503, not 401).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+log = logging.getLogger(__name__)
 ACCEPTED: dict[str, Any] = {"accepted": True}
 """Yielded once by EngineClient.generate() when the engine took the request (HTTP 200),
 before any token: failures up to here leave nothing sent anywhere."""
@@ -55,12 +60,15 @@ class ClientTimeouts:
 class EngineClient:
     """Talks to one engine server at base_url over a shared aiohttp.ClientSession (aiohttp
     rather than httpx on this hot path: its C HTTP parser costs a fraction per request and
-    per streamed line)."""
+    per streamed line). With a token (the engines' --engine-token), every call carries
+    ``Authorization: Bearer <token>``."""
 
     def __init__(self, base_url: str, http: aiohttp.ClientSession,
-                 timeouts: ClientTimeouts | None = None) -> None:
+                 timeouts: ClientTimeouts | None = None, token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._http = http
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._token_refused_logged = False
         self._timeouts = timeouts or ClientTimeouts()
         self._control = aiohttp.ClientTimeout(total=self._timeouts.control,
                                               connect=self._timeouts.connect)
@@ -72,14 +80,15 @@ class EngineClient:
         try:
             response = await self._http.post(self.base_url + "/generate",
                                              json={**body, "stream": True},
-                                             timeout=self._stream)
+                                             timeout=self._stream, headers=self._headers)
         except (aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
         finished = False
         try:
             if response.status >= 400:
                 body_json = await _json_or_text(response)
-                if response.status >= 500:
+                if response.status >= 500 or response.status == 401:
+                    self._token_refused(response.status)
                     raise EngineUnavailable(f"{self.base_url}: HTTP {response.status}")
                 raise EngineRejected(response.status, body_json)
             yield ACCEPTED
@@ -107,7 +116,8 @@ class EngineClient:
         with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
             async with self._http.post(self.base_url + "/abort",
                                        json={"request_id": request_id},
-                                       timeout=self._control) as response:
+                                       timeout=self._control,
+                                       headers=self._headers) as response:
                 await response.read()
 
     async def state(self, cursor: int = 0) -> dict[str, Any]:
@@ -129,16 +139,24 @@ class EngineClient:
                     rejected_is_unavailable: bool = False) -> Any:
         try:
             async with self._http.request(method, self.base_url + path, json=body,
-                                          params=params, timeout=self._control) as response:
+                                          params=params, timeout=self._control,
+                                          headers=self._headers) as response:
                 payload = await _json_or_text(response)
                 status = response.status
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise EngineUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
-        if status >= 500 or (status >= 400 and rejected_is_unavailable):
+        self._token_refused(status)
+        if status >= 500 or status == 401 or (status >= 400 and rejected_is_unavailable):
             raise EngineUnavailable(f"{self.base_url}{path}: HTTP {status}")
         if status >= 400:
             raise EngineRejected(status, payload)
         return payload
+
+    def _token_refused(self, status: int) -> None:
+        if status == 401 and not self._token_refused_logged:
+            self._token_refused_logged = True  # once: the poller would repeat it every beat
+            log.error("engine %s refused this gateway's engine token (HTTP 401): give the "
+                      "gateway the engines' token (--engine-token)", self.base_url)
 
 
 async def _json_or_text(response: aiohttp.ClientResponse) -> dict[str, Any]:

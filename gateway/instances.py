@@ -80,9 +80,10 @@ class InstancePool:
     """Engine instances, kept current by poll()."""
 
     def __init__(self, urls: list[str], http: aiohttp.ClientSession, eject_after: int = 2,
-                 adapters: dict[str, str] | None = None, routed_prefix_ttl_s: float = 20.0
-                 ) -> None:
+                 adapters: dict[str, str] | None = None, routed_prefix_ttl_s: float = 20.0,
+                 engine_token: str | None = None) -> None:
         self._http = http
+        self._engine_token = engine_token
         self.instances: dict[str, Instance] = {}
         for url in urls:
             self.add_instance(url)
@@ -99,7 +100,8 @@ class InstancePool:
         """Start tracking an engine (healthy after its first successful poll)."""
         url = url.rstrip("/")
         if url not in self.instances:
-            self.instances[url] = Instance(url, EngineClient(url, self._http))
+            self.instances[url] = Instance(url, EngineClient(url, self._http,
+                                                             token=self._engine_token))
         return self.instances[url]
 
     def remove_instance(self, url: str) -> None:

@@ -4,6 +4,9 @@ Engines are child processes (`loragate engine` on free loopback ports) so a cras
 never takes the gateway or the others down. Shutdown order on SIGTERM/SIGINT: the gateway
 drains (stops admitting, finishes in-flight streams), then the engines are sent SIGTERM and
 drain in turn; an engine still alive after the drain timeout is killed.
+
+Local engines always require an engine token: the configured one, or one made up per run.
+It reaches them through the environment (argv is visible to every user in `ps`).
 """
 
 from __future__ import annotations
@@ -12,19 +15,23 @@ import asyncio
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import uvicorn
 
+from engine.adapter_roots import ROOTS_ENV
 from engine.config import EngineConfig
+from engine.http_auth import TOKEN_ENV
 from engine.server import DrainingServer
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -83,7 +90,16 @@ class EngineProcess:
 
 
 def start_engines(config: EngineConfig, count: int, log_dir: Path,
-                  adapters: dict[str, str]) -> list[EngineProcess]:
+                  adapters: dict[str, str], token: str | None = None,
+                  adapter_roots: Sequence[str] = ()) -> list[EngineProcess]:
+    """`loragate engine` children on free loopback ports, requiring token when one is given;
+    adapters registered through their API must lie in adapter_roots (or be one of
+    adapters)."""
+    env = dict(os.environ)
+    if token is not None:
+        env[TOKEN_ENV] = token
+    if adapter_roots:
+        env[ROOTS_ENV] = os.pathsep.join(adapter_roots)
     engines = []
     for index in range(count):
         port = free_port()
@@ -94,8 +110,9 @@ def start_engines(config: EngineConfig, count: int, log_dir: Path,
         for name, path in adapters.items():
             command += ["--lora", f"{name}={path}"]
         with open(log_path, "wb") as out:
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        engines.append(EngineProcess(f"http://127.0.0.1:{port}", process, log_path, command))
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        engines.append(EngineProcess(f"http://127.0.0.1:{port}", process, log_path, command,
+                                     env))
     return engines
 
 
@@ -158,9 +175,11 @@ def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: st
 
 
 def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, instances: int,
-          engine_urls: list[str], tokenizer_dir: str, adapters: dict[str, str]) -> None:
+          engine_urls: list[str], tokenizer_dir: str, adapters: dict[str, str],
+          adapter_roots: Sequence[str] = ()) -> None:
     """Start local engines (unless engine_urls are given, or instances is 0: then engines
-    come from the Redis registry) and the gateway in front."""
+    come from the Redis registry) and the gateway in front. Local engines get the gateway's
+    engine token (a fresh random one when it has none) and adapter_roots."""
     engines: list[EngineProcess] = []
     log_dir = Path(tempfile.mkdtemp(prefix="loragate-engines-"))
     supervisor: EngineSupervisor | None = None
@@ -169,7 +188,10 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
             assert engine_config is not None
             print(f"starting {instances} engine instance(s) on {engine_config.model} "
                   f"(logs in {log_dir})", flush=True)
-            engines = start_engines(engine_config, instances, log_dir, adapters)
+            token = gateway_config.engine_token or secrets.token_urlsafe(32)
+            gateway_config = dataclasses.replace(gateway_config, engine_token=token)
+            engines = start_engines(engine_config, instances, log_dir, adapters, token,
+                                    adapter_roots)
             wait_ready(engines, gateway_config.startup_timeout_s)
             engine_urls = [e.url for e in engines]
             supervisor = EngineSupervisor(engines)

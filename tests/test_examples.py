@@ -35,7 +35,8 @@ def gateways(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     adapters = {f"demo-{i}": make_peft_adapter(tiny_model_dir, root / f"demo-{i}", rank=4,
                                                target_modules=("q_proj", "v_proj"), seed=i)
                 for i in range(3)}
-    engine = start_engine(tiny_model_dir, root, "--num-kv-blocks", "256")
+    engine = start_engine(tiny_model_dir, root, "--num-kv-blocks", "256", "--adapter-root",
+                          str(root))
     servers = {
         "open": start_gateway(tiny_model_dir, [engine.url], root, adapters=adapters),
         "admin": start_gateway(tiny_model_dir, [engine.url], root, "--admin-key", ADMIN,

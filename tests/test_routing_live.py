@@ -72,7 +72,8 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def cluster(tiny_model_dir: Path, adapters: dict[str, Path],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("routing-logs")
-    engines = [start_engine(tiny_model_dir, logs, *ENGINE_FLAGS) for _ in range(2)]
+    roots = ("--adapter-root", str(next(iter(adapters.values())).parent))
+    engines = [start_engine(tiny_model_dir, logs, *ENGINE_FLAGS, *roots) for _ in range(2)]
     gateway = start_gateway(tiny_model_dir, [e.url for e in engines], logs, "--imbalance",
                             "0.3", "--served-model-name", MODEL, "--debug-headers", "true",
                             adapters=adapters)

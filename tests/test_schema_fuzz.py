@@ -28,7 +28,7 @@ def fuzz_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[LiveServer]:
     root = tmp_path_factory.mktemp("fuzz")
     engine = start_engine(tiny_model_dir, root, "--num-kv-blocks", "64", "--max-model-len",
-                          "128")
+                          "128", "--adapter-root", str(root / "uploads"))
     gateway = start_gateway(tiny_model_dir, [engine.url], root, "--admin-key", ADMIN,
                             "--adapter-upload-dir", str(root / "uploads"))
     try:

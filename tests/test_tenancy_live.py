@@ -48,7 +48,8 @@ def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         num_kv_heads=1, max_position_embeddings=256, seed=3))
     redis = private_redis(root)
     upload_dir = root / "uploads"
-    engine = start_engine(tiny_model_dir, root, "--num-kv-blocks", "256")
+    engine = start_engine(tiny_model_dir, root, "--num-kv-blocks", "256", "--adapter-root",
+                          str(root))
     gateways = [start_gateway(tiny_model_dir, [engine.url], root, "--admin-key", ADMIN,
                               "--redis-url", redis.url, "--state-refresh-s", "0.1",
                               "--adapter-upload-dir", str(upload_dir))
@@ -298,10 +299,11 @@ def test_uploaded_adapter_loads_lazily_and_reports_status(setup: Setup,
 # --------------------------------------------------------------------- registry, schema
 def test_engines_register_and_gateways_discover_them(setup: Setup, tiny_model_dir: Path,
                                                       tmp_path: Path) -> None:
+    token = ("--engine-token", "registry-test-token")  # registrations are signed with it
     engine = start_engine(tiny_model_dir, tmp_path, "--num-kv-blocks", "64",
-                          "--register-redis-url", setup.redis.url)
+                          "--register-redis-url", setup.redis.url, *token)
     gateway = start_gateway(tiny_model_dir, [], tmp_path, "--instances", "0", "--redis-url",
-                            setup.redis.url, "--admin-key", ADMIN)
+                            setup.redis.url, "--admin-key", ADMIN, *token)
     try:
         engine.wait_ready()
         gateway.wait_ready()  # ready = it found a healthy instance through the registry

@@ -25,11 +25,17 @@ def adapters(tiny_adapters: dict[str, Path]) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="package")
-def engine(tiny_model_dir: Path, adapters: dict[str, Path],
+def adapter_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine's --adapter-root: adapters registered through its API go here."""
+    return tmp_path_factory.mktemp("engine-adapter-root")
+
+
+@pytest.fixture(scope="package")
+def engine(tiny_model_dir: Path, adapters: dict[str, Path], adapter_root: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     server = start_engine(tiny_model_dir, tmp_path_factory.mktemp("engine-server-logs"),
-                          "--num-kv-blocks", str(NUM_KV_BLOCKS), adapters=adapters,
-                          instance_id="engine-under-test")
+                          "--num-kv-blocks", str(NUM_KV_BLOCKS), "--adapter-root",
+                          str(adapter_root), adapters=adapters, instance_id="engine-under-test")
     try:
         yield server.wait_ready()
     finally:

@@ -157,10 +157,10 @@ def test_same_name_other_content_replaces_only_an_idle_adapter(
 
 
 def test_a_corrupt_adapter_is_refused_and_the_engine_keeps_serving(
-        http: httpx.Client, adapters: dict[str, Path], tmp_path: Path) -> None:
+        http: httpx.Client, adapters: dict[str, Path], adapter_root: Path) -> None:
     body = {"prompt": "hello world", "params": GREEDY, "lora": "a0"}
     before = post_generate(http, body)["text"]
-    corrupt = tmp_path / "corrupt"
+    corrupt = adapter_root / "corrupt"
     shutil.copytree(adapters["a0"], corrupt)
     weights = corrupt / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
@@ -169,7 +169,7 @@ def test_a_corrupt_adapter_is_refused_and_the_engine_keeps_serving(
     assert (refused["type"], refused["param"]) == ("invalid_request_error", "path")
     assert refused["message"].startswith("adapter 'broken': adapter_model.safetensors is "
                                          "corrupt")
-    empty = tmp_path / "empty"
+    empty = adapter_root / "empty"
     empty.mkdir()
     refused = error_body(http.post("/adapters", json={"name": "broken", "path": str(empty)}),
                          400)

@@ -1,0 +1,103 @@
+"""The Redis engine registry only routes to engines that hold the engine token: whoever can
+ZADD to it (a forged member, a replayed old one, an engine with another token) receives no
+tenant's prompt. Live gateway and engines over a private real Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import redis
+
+from gateway.registry import signed_entry, verified_url
+from tests.live_http import instances, metric, poll
+from tests.live_servers import start_engine, start_gateway
+from tests.redis_server import private_redis
+
+TOKEN = "registry-token-9d1e"
+ENGINES_KEY = "lg:engines"  # gateway/redis_store.py's layout, default prefix
+
+
+def test_entries_verify_only_with_the_token_and_before_their_expiry() -> None:
+    now = time.time()
+    entry = signed_entry(TOKEN, "http://10.0.0.1:8100", int(now) + 30)
+    assert verified_url(TOKEN, entry, now) == "http://10.0.0.1:8100"
+    assert verified_url("another-token", entry, now) is None
+    assert verified_url(TOKEN, entry, now + 31) is None  # a replay after its expiry
+    tampered = entry.replace("10.0.0.1", "10.6.6.6")
+    assert verified_url(TOKEN, tampered, now) is None
+    extended = entry.replace(f'"exp":{int(now) + 30}', f'"exp":{int(now) + 9999}')
+    assert extended != entry and verified_url(TOKEN, extended, now) is None
+    for junk in ("http://10.6.6.6:8100", "", "[]", "{}", '{"url": 1, "exp": 1, "sig": ""}',
+                 entry.replace(f'"exp":{int(now) + 30}', f'"exp":{int(now) + 30}.5')):
+        assert verified_url(TOKEN, junk, now) is None, junk
+
+
+def _bad_signature(entry: str) -> str:
+    fields = json.loads(entry)
+    fields["sig"] = fields["sig"][:-1] + ("1" if fields["sig"][-1] == "0" else "0")
+    return json.dumps(fields)
+
+
+def test_forged_registry_entries_get_no_traffic(tiny_model_dir: Path, tmp_path: Path) -> None:
+    store = private_redis(tmp_path)
+    # The attacker's server: a live engine that would happily take every prompt.
+    attacker = start_engine(tiny_model_dir, tmp_path, "--num-kv-blocks", "64")
+    engine = start_engine(tiny_model_dir, tmp_path, "--num-kv-blocks", "64",
+                          "--register-redis-url", store.url, "--engine-token", TOKEN)
+    gateway = None
+    try:
+        attacker.wait_ready()
+        far = time.time() + 3600
+        forged = {
+            attacker.url: far,  # an unsigned member, as registrations used to be
+            signed_entry("another-token", attacker.url, int(far)): far,
+            signed_entry(TOKEN, attacker.url, int(time.time()) - 5): far,  # replayed, expired
+            _bad_signature(signed_entry(TOKEN, attacker.url, int(far))): far,
+        }
+        redis.Redis.from_url(store.url).zadd(ENGINES_KEY, forged)
+        engine.wait_ready()
+        gateway = start_gateway(tiny_model_dir, [], tmp_path, "--instances", "0",
+                                "--redis-url", store.url, "--engine-token", TOKEN,
+                                "--served-model-name", "base")
+        gateway.wait_ready()  # ready = it discovered a healthy engine in the registry
+        assert list(instances(gateway.url)) == [engine.url]
+        for _ in range(4):
+            response = httpx.post(gateway.url + "/v1/completions", timeout=60.0,
+                                  json={"model": "base", "prompt": "secret", "max_tokens": 2})
+            assert response.status_code == 200, response.text
+            assert response.headers["x-loragate-instance"] == engine.url
+        poll(lambda: "ignoring 4 engine registry entries without a valid signature"
+             in gateway.log(), "the warning about the forged entries")
+        assert list(instances(gateway.url)) == [engine.url]
+        assert gateway.log().count("without a valid signature") == 1  # rate limited
+        # Not one prompt reached the attacker.
+        metrics = httpx.get(attacker.url + "/metrics", timeout=10.0).text
+        assert metric(metrics, "loragate_e2e_request_latency_seconds_count") == 0.0
+    finally:
+        for server in (gateway, engine, attacker):
+            if server is not None:
+                server.stop()
+        store.stop()
+
+
+def _serve(tiny_model_dir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "LORAGATE_ENGINE_TOKEN"}
+    # Refused at startup; the timeout only bounds a regression (a gateway serving forever).
+    return subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--model",
+                           str(tiny_model_dir), *flags], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_registry_discovery_without_a_token_refuses_to_start(tiny_model_dir: Path) -> None:
+    result = _serve(tiny_model_dir, "--instances", "0", "--redis-url",
+                    "redis://127.0.0.1:1/0", "--port", "1")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "loragate: error: discovering engines through the Redis registry needs --engine-token "
+        "(the engines' token, which signs their registrations)")
