@@ -61,7 +61,7 @@ def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
                 for name, seed in (("old-weights", 11), ("new-weights", 12)))
     uploads = root / "uploads"
     engine = start_engine(tiny_model_dir, root, "--num-kv-blocks", "256",
-                          "--max-lora-rank", "8")
+                          "--max-lora-rank", "8", "--adapter-root", str(root))
     gateway = start_gateway(tiny_model_dir, [engine.url], root, "--admin-key", ADMIN,
                             "--adapter-upload-dir", str(uploads))
     try:

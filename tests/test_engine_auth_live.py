@@ -168,7 +168,7 @@ def test_engines_started_by_serve_require_a_token_given_through_the_environment(
                             "--served-model-name", "base")
     try:
         gateway.wait_ready()
-        (engine_url,) = instances(gateway.url)
+        (engine_url,) = instances(gateway.url, ADMIN)
         # The child engine refuses a caller without the token; its /health stays open.
         direct = httpx.get(engine_url + "/state", timeout=10.0)
         assert (direct.status_code, direct.json()) == (401, UNAUTHORIZED)
@@ -186,7 +186,7 @@ def test_engines_started_by_serve_require_a_token_given_through_the_environment(
 
         assert complete(gateway.url, "base", ADMIN).status_code == 200
         # Uploads land in a directory the engines accept adapters from.
-        upload = httpx.post(gateway.url + "/admin/adapters/upload?name=up", timeout=60.0,
+        upload = httpx.post(gateway.url + "/admin/adapters/upload?name=up&public=true", timeout=60.0,
                             headers={"Authorization": f"Bearer {ADMIN}"},
                             content=_tar(tiny_adapters["a1"]))
         assert upload.status_code == 201, upload.text

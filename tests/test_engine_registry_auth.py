@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from gateway.exposure import instance_tag
 from gateway.registry import signed_entry, verified_url
 from tests.live_http import instances, metric, poll
 from tests.live_servers import start_engine, start_gateway
@@ -71,7 +72,7 @@ def test_forged_registry_entries_get_no_traffic(tiny_model_dir: Path, tmp_path: 
             response = httpx.post(gateway.url + "/v1/completions", timeout=60.0,
                                   json={"model": "base", "prompt": "secret", "max_tokens": 2})
             assert response.status_code == 200, response.text
-            assert response.headers["x-loragate-instance"] == engine.url
+            assert response.headers["x-loragate-instance"] == instance_tag(engine.url)
         poll(lambda: "ignoring 4 engine registry entries without a valid signature"
              in gateway.log(), "the warning about the forged entries")
         assert list(instances(gateway.url)) == [engine.url]
