@@ -190,10 +190,11 @@ def test_hostile_values_are_400_naming_the_field_and_spare_other_streams(
 def test_a_prompt_over_the_character_cap_is_refused_before_tokenizing(
         gateway: LiveServer, base_model: str) -> None:
     """1024 tokens x 16 characters, floored at 32768: 2 MB is refused by its length alone."""
-    for endpoint, changes, param in [
+    cases: list[tuple[str, dict[str, Any], str]] = [
             ("completions", {"prompt": BIG_TEXT}, "prompt"),
             ("chat", {"messages": [{"role": "user", "content": BIG_TEXT[:10]},
-                                   {"role": "user", "content": BIG_TEXT}]}, "messages")]:
+                                   {"role": "user", "content": BIG_TEXT}]}, "messages")]
+    for endpoint, changes, param in cases:
         response = _post(gateway, base_model, endpoint, changes)
         assert response.status_code == 400
         chars = len(BIG_TEXT) + (10 if endpoint == "chat" else 0)
