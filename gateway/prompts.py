@@ -59,9 +59,6 @@ class PromptEncoder:
         self._as_text = {token: self._piece(token, split=True) for token in self._controls}
         self._encode("")  # leaves split_special_tokens off again
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
     @staticmethod
     def max_chars(context: int) -> int:
         """The longest prompt, in characters, a context of `context` tokens may take."""

@@ -347,7 +347,7 @@ def _error_field(exc: EngineRejected, name: str) -> str | None:
 
 def _error_chunk(job: Job, message: str, code: str = "engine_error") -> dict[str, Any]:
     """A final chunk with ``error`` (logged: the client is told only in its stream); its
-    code sets a non-streamed response's status (openai_api.ERROR_STATUS)."""
+    code sets a non-streamed response's status (openai_stream.ERROR_STATUS)."""
     log.warning("%s failed: %s (%s)", job.request_id, message, code)
     kind = {"timeout": "timeout_error", "unavailable": "service_unavailable",
             "overloaded": "rate_limit_error"}.get(code, "server_error")
