@@ -24,6 +24,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SkipValidation,
     StrictStr,
     ValidationInfo,
     field_validator,
@@ -35,6 +36,9 @@ INT32_LIMIT = 2**31
 """Token ids, max_tokens and top_k stay below this (the engine keeps them in int32/int64
 tensors; no vocabulary or context comes near it)."""
 SEED_LIMIT = 2**64
+MAX_PROMPT_TOKEN_IDS = 2**20
+"""Longer than any context we serve: refused before the ids are looked at (the real bound
+is the context, checked once it is known)."""
 MAX_MODEL_NAME = 512
 MAX_CONTENT_PARTS = 4096
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -135,7 +139,9 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions: one prompt, as text or as token ids."""
 
-    prompt: StrictStr | list[TokenId] | list[StrictStr]
+    # All checks in the validators below: pydantic's own would take another pass over a
+    # list of millions of ids (on the event loop) and report every bad item.
+    prompt: Annotated[StrictStr | list[TokenId] | list[StrictStr], SkipValidation]
     max_tokens: MaxTokens | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
@@ -144,16 +150,20 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
-        """One error for a bad list, however long (before pydantic checks each item)."""
-        if not isinstance(value, list) or not value:
+        """A text, or a list of token ids; one error for a bad list, however long."""
+        if isinstance(value, str):
             return value
-        if isinstance(value[0], str):
+        if not isinstance(value, list):
+            raise ValueError("prompt must be a string or a list of token ids")
+        if value and isinstance(value[0], str):
             if len(value) != 1:
                 raise ValueError("one prompt per request: batch prompts are not supported")
             return value[0]
+        if len(value) > MAX_PROMPT_TOKEN_IDS:
+            raise ValueError(f"a prompt holds at most {MAX_PROMPT_TOKEN_IDS} token ids")
         if not set(map(type, value)) <= {int}:
             raise ValueError("a prompt of token ids must be a list of integers")
-        if min(value) < 0 or max(value) >= INT32_LIMIT:
+        if value and (min(value) < 0 or max(value) >= INT32_LIMIT):
             raise ValueError(f"token ids must be in [0, {INT32_LIMIT})")
         return value
 

@@ -64,6 +64,7 @@ HOSTILE: list[tuple[str, dict[str, Any], str | None]] = [
     ("completions", {"prompt": [-1] * 100_000}, "prompt"),
     ("completions", {"prompt": ["hi"] * 100_000}, "prompt"),
     ("completions", {"prompt": [7] * 100_000}, "prompt"),
+    ("completions", {"prompt": [7] * (2**20 + 1)}, "prompt"),
     ("completions", {"prompt": BIG_TEXT}, "prompt"),
     ("completions", {"stop": ["x"] * 100_000}, "stop"),
     ("completions", {"stop": "x" * 100_000}, "stop"),
