@@ -35,6 +35,7 @@ INLINE_CHARS = 4096
 """Prompts up to this many characters are tokenized on the event loop (tens of
 microseconds: cheaper than a thread hop, and never queued behind a big prompt)."""
 INLINE_MESSAGES = 16
+"""Conversations of more messages go to the pool whatever their size (a template loop each)."""
 WORKERS = 4
 """Tokenizer threads per gateway: enough to keep a few big prompts moving at once, few enough
 that a flood of them cannot take every core from the engines on the same host."""
