@@ -5,20 +5,24 @@ Streaming responses are SSE in OpenAI's chunk format, ending with ``data: [DONE]
 with no choices carries the usage. Errors found before the first byte (bad body, unknown
 model, prompt too long, no capacity) are HTTP errors in OpenAI's schema; an engine failure
 after the stream started is an ``error`` event followed by ``[DONE]``.
+
+A generation's cheap checks come first, the expensive work after them: the key, the body
+(every field bounded: openai_protocol), admission against the tenant's limits (from here on
+every request counts against its RPM, whatever becomes of it), the prompt's length in
+characters, tokenizing off the event loop (prompts), its length in tokens, the tenant's
+token reservation, then dispatch (service).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.sse import EventSourceResponse
 from transformers import PreTrainedTokenizerBase
 
 from engine.http_errors import ApiError
@@ -26,11 +30,13 @@ from gateway.auth import Principal
 from gateway.config import GatewayConfig
 from gateway.engine_client import ACCEPTED
 from gateway.exposure import instance_tag
-from gateway.openai_format import ResponseFormatter
+from gateway.openai_format import Endpoint, ResponseFormatter
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from gateway.service import Gateway, Job
+from gateway.openai_stream import ClosingStream, collect, next_or_disconnect, sse
+from gateway.prompts import PromptEncoder
+from gateway.service import Claim, Gateway, Job, Outcome
 
-DISCONNECT_POLL_S = 0.25
+
 async def _caller(request: Request) -> Principal:
     """Runs before the body is validated, so a missing key is a 401 first."""
     gateway: Gateway = request.app.state.gateway
@@ -38,15 +44,14 @@ async def _caller(request: Request) -> Principal:
 
 
 Caller = Annotated[Principal, Depends(_caller)]
-ERROR_STATUS = {"timeout": 504, "unavailable": 503, "overloaded": 429}
-"""HTTP status of a non-streamed response whose stream ended in an error chunk, by code
-(default 500)."""
 
 
 def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokenizerBase
                  ) -> APIRouter:
-    """Routes over the gateway the app builds at startup (hence the getter)."""
+    """Routes over the gateway the app builds at startup (hence the getter). The router owns
+    the prompt encoder and its tokenizer threads (gateway/prompts.py)."""
     router = APIRouter()
+    prompts = PromptEncoder(tokenizer)
 
     @router.get("/v1/models")
     async def list_models(principal: Caller) -> dict[str, Any]:
@@ -62,94 +67,137 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request,
                           principal: Caller) -> Response:
-        gateway = get_gateway()
-        if isinstance(body.prompt, str):
-            prompt_ids = list(tokenizer(body.prompt)["input_ids"])
-        else:
-            prompt_ids = [int(t) for t in body.prompt]
-        job = _job(gateway, body, principal, prompt_ids, body.max_tokens, body.logprobs,
-                   "completions")
-        return await _respond(gateway, job, principal, body, request,
-                              ResponseFormatter("completions", body.model, tokenizer,
-                                                body.logprobs))
+        async def encode(context: int) -> list[int]:
+            if not isinstance(body.prompt, str):  # ids (a text list became its one text)
+                return cast(list[int], body.prompt)  # bounded by the context in _job
+            PromptEncoder.check_chars(len(body.prompt), context, "prompt")
+            return await prompts.encode_prompt(body.prompt)
+
+        fmt = ResponseFormatter("completions", body.model, tokenizer, body.logprobs)
+        call = _Call(body, request, principal, "completions", body.max_tokens, "max_tokens",
+                     body.logprobs)
+        return await _serve(get_gateway(), call, encode, fmt)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                principal: Caller) -> Response:
-        gateway = get_gateway()
-        try:
-            prompt_ids = _apply_chat_template(tokenizer, body.template_messages())
-        except ValueError as exc:
-            raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
+        async def encode(context: int) -> list[int]:
+            PromptEncoder.check_chars(body.prompt_chars(), context, "messages")
+            return await prompts.encode_chat(body.template_messages())
+
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = _job(gateway, body, principal, prompt_ids, body.requested_max_tokens(), top,
-                   "chat")
-        return await _respond(gateway, job, principal, body, request,
-                              ResponseFormatter("chat", body.model, tokenizer, top))
+        fmt = ResponseFormatter("chat", body.model, tokenizer, top)
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        call = _Call(body, request, principal, "chat", body.requested_max_tokens(), param, top)
+        return await _serve(get_gateway(), call, encode, fmt)
 
     return router
 
 
-def _apply_chat_template(tokenizer: PreTrainedTokenizerBase,
-                         messages: list[dict[str, str]]) -> list[int]:
-    if tokenizer.chat_template is None:
-        raise ValueError("the model's tokenizer has no chat template")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
-    return [int(t) for t in ids]  # type: ignore[arg-type]
+@dataclass(frozen=True)
+class _Call:
+    """What _serve needs of one validated request besides its prompt."""
+
+    body: SamplingFields
+    http: Request
+    principal: Principal
+    endpoint: Endpoint
+    max_tokens: int | None
+    max_tokens_param: str
+    logprobs: int | None
 
 
-def _job(gateway: Gateway, body: SamplingFields, principal: Principal, prompt_ids: list[int],
-         max_tokens: int | None, logprobs: int | None, endpoint: str) -> Job:
-    adapter = gateway.resolve_model(body.model, principal)
+async def _serve(gateway: Gateway, req: _Call,
+                 encode: Callable[[int], Awaitable[list[int]]], fmt: ResponseFormatter
+                 ) -> Response:
+    """Admit, then the expensive work (tokenizing), then dispatch. The claim taken at
+    admission is settled exactly once whatever happens: here for anything raised before a
+    response exists, else by the response (see _respond)."""
+    claim = await gateway.admit(req.principal)
+    label = "none"  # the adapter, once the model resolved
+    job: Job | None = None
+    try:
+        adapter = gateway.resolve_model(req.body.model, req.principal)
+        label = adapter or "base"
+        context = gateway.context_length()
+        prompt_ids = await encode(context)
+        job = _job(gateway, claim, req, adapter, prompt_ids, context)
+        await gateway.limiter.reserve(claim.ticket, len(prompt_ids) + job.params["max_tokens"])
+        return await _respond(gateway, job, req, fmt)
+    except BaseException as exc:
+        gateway.settle(claim, 0, _outcome(exc))
+        status = exc.status if isinstance(exc, ApiError) else \
+            499 if isinstance(exc, asyncio.CancelledError) else 500
+        instance = job.instance_id if job is not None else None
+        gateway.metrics.requests.labels(req.endpoint, str(status), label,
+                                        instance or "none").inc()
+        raise
+
+
+def _outcome(exc: BaseException) -> Outcome:
+    """A refused request still counts against its tenant; one the gateway could not serve
+    (no capacity, engine failure, a bug) is refunded."""
+    if isinstance(exc, ApiError):
+        return "failed" if exc.status >= 500 or exc.code == "overloaded" else "refused"
+    return "refused" if isinstance(exc, asyncio.CancelledError) else "failed"
+
+
+def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
+         prompt_ids: list[int], context: int) -> Job:
+    body = req.body
+    param = "messages" if req.endpoint == "chat" else "prompt"
     if not prompt_ids:
-        raise ApiError(400, "prompt is empty after tokenization", param="prompt")
-    context = gateway.max_model_len()
-    if context and len(prompt_ids) >= context:
+        raise ApiError(400, "prompt is empty after tokenization", param=param)
+    if len(prompt_ids) >= context:
         raise ApiError(400, f"This model's maximum context length is {context} tokens; the "
                        f"prompt has {len(prompt_ids)} tokens", code="context_length_exceeded",
-                       param="messages" if endpoint == "chat" else "prompt")
+                       param=param)
+    max_tokens = req.max_tokens
     if max_tokens is None:  # chat default: whatever the context (or KV capacity) leaves
         room = gateway.max_request_tokens() or context
-        max_tokens = max(1, room - len(prompt_ids)) if room else 16
+        max_tokens = max(1, room - len(prompt_ids))
+    elif len(prompt_ids) + max_tokens > context:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens; you "
+                       f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} "
+                       f"in the prompt, {max_tokens} for the completion)",
+                       code="context_length_exceeded", param=req.max_tokens_param)
     params: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
-        "top_k": body.top_k or 0, "seed": body.seed, "stop": body.stop_list(),
-        "ignore_eos": body.ignore_eos, "logprobs": logprobs,
+        "top_k": max(0, body.top_k or 0),  # -1 (vLLM's "off") is the engine's 0
+        "seed": body.seed, "stop": body.stop_list(),
+        "ignore_eos": body.ignore_eos, "logprobs": req.logprobs,
     }
     return Job(prompt_token_ids=prompt_ids, params=params, adapter=adapter,
-               cache_salt=gateway.cache_salt(principal, body.cache_salt),
-               priority=gateway.priority(principal, body.priority), endpoint=endpoint)
+               cache_salt=gateway.cache_salt(req.principal, body.cache_salt),
+               priority=gateway.priority(req.principal, body.priority), endpoint=req.endpoint,
+               claim=claim)
 
 
-async def _respond(gateway: Gateway, job: Job, principal: Principal, body: SamplingFields,
-                   request: Request, fmt: ResponseFormatter) -> Response:
-    adapter_label = job.adapter or "base"
+async def _respond(gateway: Gateway, job: Job, req: _Call, fmt: ResponseFormatter
+                   ) -> Response:
+    """Dispatch; errors before the engine took the job propagate to _serve. From then on
+    the response settles the claim as served: a whole response here, a stream when it ends
+    (ClosingStream)."""
     stream = gateway.stream(job)
-    try:
-        await gateway.admit(job, principal)
-        first = await _next_or_disconnect(request, anext(stream))
-    except ApiError as exc:
-        gateway.settle(job, 0, reached_engine=False)
-        gateway.metrics.requests.labels(job.endpoint, str(exc.status), adapter_label,
-                                        job.instance_id or "none").inc()
-        raise
+    first = await next_or_disconnect(req.http, anext(stream))
     assert first is ACCEPTED
     headers = _route_headers(job, gateway.config)
-    if body.stream:
-        return EventSourceResponse(_sse(gateway, job, stream, fmt, body.include_usage),
-                                   headers=headers)
+
+    def settle() -> None:
+        gateway.settle(job.claim, fmt.prompt_tokens + fmt.completion_tokens, "served",
+                       job.adapter)
+
+    if req.body.stream:
+        events = sse(gateway, job, stream, fmt, req.body.include_usage)
+        return ClosingStream(events, stream, settle, headers=headers)
     try:
-        result = await _next_or_disconnect(request, _collect(gateway, job, stream, fmt))
-    except ApiError as exc:
-        gateway.metrics.requests.labels(job.endpoint, str(exc.status), adapter_label,
-                                        job.instance_id or "none").inc()
-        raise
+        result = await next_or_disconnect(req.http, collect(gateway, job, stream, fmt))
     finally:
-        gateway.settle(job, fmt.prompt_tokens + fmt.completion_tokens, reached_engine=True)
-    gateway.metrics.requests.labels(job.endpoint, "200", adapter_label,
+        settle()
+        await stream.aclose()  # normally closed by collect; not if it never started
+    gateway.metrics.requests.labels(job.endpoint, "200", job.adapter or "base",
                                     job.instance_id or "none").inc()
     return JSONResponse(result, headers=headers)
 
@@ -164,93 +212,3 @@ def _route_headers(job: Job, config: GatewayConfig) -> dict[str, str]:
         if config.debug_headers:
             headers["x-loragate-route"] = job.decision.explain()
     return headers
-
-
-async def _next_or_disconnect(request: Request, awaitable: Any) -> Any:
-    """Await while watching the client: a disconnect cancels the work (which aborts the
-    request on its engine) instead of finishing it for nobody."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-                raise ApiError(499, "client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()
-
-
-async def _collect(gateway: Gateway, job: Job, stream: AsyncGenerator[dict[str, Any], None],
-                   fmt: ResponseFormatter) -> dict[str, Any]:
-    async with contextlib.aclosing(stream):
-        timer = _Timer(gateway, job)
-        async for chunk in stream:
-            timer.tick(chunk)
-            if chunk.get("error"):
-                error = chunk["error"]
-                code = error.get("code") or "engine_error"
-                status = ERROR_STATUS.get(code, 500)
-                raise ApiError(status, error["message"], code=code, headers=(
-                    {"Retry-After": str(gateway.config.retry_after_s)} if status in (429, 503)
-                    else None))
-            fmt.add(chunk)
-        timer.done()
-    return fmt.final()
-
-
-async def _sse(gateway: Gateway, job: Job, stream: AsyncGenerator[dict[str, Any], None],
-               fmt: ResponseFormatter, include_usage: bool) -> AsyncIterator[bytes]:
-    status = "200"
-    try:
-        async with contextlib.aclosing(stream):
-            timer = _Timer(gateway, job)
-            async for chunk in stream:
-                timer.tick(chunk)
-                if chunk.get("error"):
-                    status = "500"
-                    yield _event({"error": {"code": "engine_error", **chunk["error"]}})
-                    break
-                for event in fmt.stream_events(chunk, include_usage):
-                    yield _event(event)
-            timer.done()
-            if include_usage and status == "200":
-                yield _event(fmt.usage_event())
-        yield b"data: [DONE]\n\n"
-    except asyncio.CancelledError:
-        status = "499"
-        raise
-    finally:
-        gateway.settle(job, fmt.prompt_tokens + fmt.completion_tokens, reached_engine=True)
-        gateway.metrics.requests.labels(job.endpoint, status, job.adapter or "base",
-                                        job.instance_id or "none").inc()
-
-
-def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-class _Timer:
-    """TTFT / ITL / E2E as the client sees them (from the gateway's arrival time)."""
-
-    def __init__(self, gateway: Gateway, job: Job) -> None:
-        self.metrics = gateway.metrics
-        self.arrival = job.arrival
-        self.last: float | None = None
-
-    def tick(self, chunk: dict[str, Any]) -> None:
-        if not chunk.get("delta_token_ids"):
-            return
-        now = time.monotonic()
-        if self.last is None:
-            self.metrics.ttft.observe(now - self.arrival)
-        else:
-            self.metrics.itl.observe(now - self.last)
-        self.last = now
-
-    def done(self) -> None:
-        self.metrics.e2e.observe(time.monotonic() - self.arrival)

@@ -6,6 +6,7 @@ chunks arrive, emits stream events on the way, and builds the final object at th
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any, Literal
@@ -15,6 +16,17 @@ from transformers import PreTrainedTokenizerBase
 Endpoint = Literal["completions", "chat"]
 # Engine finish reasons -> OpenAI's ("abort" and "error" never reach a successful response).
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+LOGPROB_FLOOR = -9999.0
+"""What a logprob of -inf (or NaN) is reported as: OpenAI's own value for "impossible"; a
+bare -Infinity or NaN is not JSON, and strict parsers refuse the whole response."""
+
+
+def finite_logprob(value: float) -> float:
+    """`value` as JSON can carry it: non-finite values become LOGPROB_FLOOR, a logprob
+    never exceeds 0, and nothing goes below the floor."""
+    if not math.isfinite(value):
+        return LOGPROB_FLOOR
+    return min(0.0, max(LOGPROB_FLOOR, value))
 
 
 class ResponseFormatter:
@@ -47,7 +59,8 @@ class ResponseFormatter:
         self.text.append(text)
         entries: list[tuple[int, dict[int, float]]] = []
         for token_id, step in zip(ids, chunk.get("logprobs") or [], strict=False):
-            entries.append((token_id, {int(k): float(v) for k, v in step.items()}))
+            entries.append((token_id, {int(k): finite_logprob(float(v))
+                                       for k, v in step.items()}))
         self.logprob_entries.extend(entries)
         self.prompt_tokens = int(chunk.get("prompt_tokens") or self.prompt_tokens)
         self.completion_tokens = int(chunk.get("completion_tokens") or self.completion_tokens)

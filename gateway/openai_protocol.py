@@ -1,5 +1,12 @@
 """Request bodies of the OpenAI-compatible API (pydantic: only at this edge).
 
+Every field is bounded here, before any work: numbers to ranges the engine's types hold
+(token ids and max_tokens below 2**31, seeds in [0, 2**64)), floats finite (Python's JSON
+parser accepts NaN and Infinity), text valid Unicode (a lone surrogate cannot be encoded,
+and would fail the request later as a 500), lists short. A refusal is a 400 whose param
+names the field, with one short error per field however large the value (a huge list of bad
+items must not become a huge error body).
+
 Fields OpenAI defines that we do not implement are accepted only at their neutral value
 (n=1, echo=false, penalties 0, no logit_bias): anything else is a 400 naming the field, never
 a silent difference. Unknown fields are ignored, as OpenAI-compatible servers do, so clients
@@ -9,12 +16,45 @@ ignore_eos.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SkipValidation,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+INT32_LIMIT = 2**31
+"""Token ids, max_tokens and top_k stay below this (the engine keeps them in int32/int64
+tensors; no vocabulary or context comes near it)."""
+SEED_LIMIT = 2**64
+MAX_PROMPT_TOKEN_IDS = 2**20
+"""Longer than any context we serve: refused before the ids are looked at (the real bound
+is the context, checked once it is known)."""
+MAX_MODEL_NAME = 512
+MAX_CONTENT_PARTS = 4096
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """`text` unchanged, or ValueError when it holds a lone UTF-16 surrogate (JSON allows
+    "\\ud800"; such a string cannot be encoded as UTF-8, so nothing downstream can use it)."""
+    if not text.isascii() and _SURROGATE.search(text):
+        raise ValueError("contains a lone UTF-16 surrogate: not valid Unicode text")
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(valid_text)]
+TokenId = Annotated[int, Field(ge=0, lt=INT32_LIMIT)]
+MaxTokens = Annotated[int, Field(ge=1, lt=INT32_LIMIT)]
 
 
 class StreamOptions(BaseModel):
@@ -22,45 +62,69 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-Stop = StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1,
-                                                             max_length=MAX_STOP_LENGTH)]],
-                             Field(max_length=MAX_STOP_STRINGS)]
+Stop = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_LENGTH)] | Annotated[
+    list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_LENGTH)]],
+    Field(max_length=MAX_STOP_STRINGS)]
 
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
-    model: StrictStr
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)]
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, lt=INT32_LIMIT,
+                              description="-1 or 0: no top-k (vLLM's and ours)")
+    seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
     stop: Stop | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(default=None, max_length=256)
+    user: Annotated[Text, Field(max_length=256)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     priority: int = Field(default=0, ge=-1000, le=1000)
 
-    @model_validator(mode="after")
-    def _supported(self) -> SamplingFields:
-        if self.n != 1:
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
             raise ValueError("n must be 1: one choice per request is supported (send several "
                              "requests for several samples)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ValueError(f"{name} is not supported (only 0)")
-        if self.logit_bias:
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value not in (None, 0.0):
+            raise ValueError(f"{info.field_name} is not supported (only 0)")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _no_logit_bias(cls, value: Any) -> Any:
+        if value:  # before its items are validated: one error, however big the map
             raise ValueError("logit_bias is not supported")
-        if self.stream_options is not None and not self.stream:
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo
+                             ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed with stream=true")
-        return self
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_text(cls, value: str | list[str] | None) -> str | list[str] | None:
+        for text in [value] if isinstance(value, str) else value or []:
+            valid_text(text)
+        return value
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -75,25 +139,54 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions: one prompt, as text or as token ids."""
 
-    prompt: StrictStr | list[Annotated[int, Field(ge=0)]] | list[StrictStr]
-    max_tokens: int | None = Field(default=16, ge=1)
+    # All checks in the validators below: pydantic's own would take another pass over a
+    # list of millions of ids (on the event loop) and report every bad item.
+    prompt: Annotated[StrictStr | list[TokenId] | list[StrictStr], SkipValidation]
+    max_tokens: MaxTokens | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
 
-    @model_validator(mode="after")
-    def _single_prompt(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """A text, or a list of token ids; one error for a bad list, however long."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("prompt must be a string or a list of token ids")
+        if value and isinstance(value[0], str):
+            if len(value) != 1:
                 raise ValueError("one prompt per request: batch prompts are not supported")
-            self.prompt = self.prompt[0]
-        if not self.prompt:
+            return value[0]
+        if len(value) > MAX_PROMPT_TOKEN_IDS:
+            raise ValueError(f"a prompt holds at most {MAX_PROMPT_TOKEN_IDS} token ids")
+        if not set(map(type, value)) <= {int}:
+            raise ValueError("a prompt of token ids must be a list of integers")
+        if value and (min(value) < 0 or max(value) >= INT32_LIMIT):
+            raise ValueError(f"token ids must be in [0, {INT32_LIMIT})")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, value: str | list[int]) -> str | list[int]:
+        if not value:
             raise ValueError("prompt must not be empty")
-        if self.echo:
+        return valid_text(value) if isinstance(value, str) else value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
             raise ValueError("echo is not supported")
-        if self.suffix:
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
             raise ValueError("suffix is not supported")
-        return self
+        return value
 
 
 class TextPart(BaseModel):
@@ -105,8 +198,16 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
-    name: str | None = None
+    content: StrictStr | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None \
+        = None
+    name: Text | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_text(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        for text in [value] if isinstance(value, str) else [p.text for p in value or []]:
+            valid_text(text)
+        return value
 
     def text(self) -> str:
         if self.content is None:
@@ -120,22 +221,32 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
 
-    @model_validator(mode="after")
-    def _chat_fields(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs=true")
-        return self
+        return value
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _no_tools(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("tools are not supported")
+        return value
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def prompt_chars(self) -> int:
+        """Characters the conversation brings (contents and names), before the template."""
+        return sum(len(m.text()) + len(m.name or "") for m in self.messages)
 
     def template_messages(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for "system"; chat templates know "system".

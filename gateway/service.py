@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request
 
@@ -37,6 +37,24 @@ from prefix_cache.hashing import request_extra_keys
 log = logging.getLogger(__name__)
 
 
+Outcome = Literal["served", "refused", "failed"]
+"""How a claim ends: "served" (reached an engine: charge its tokens), "refused" (the client's
+own error: the request still counts, no tokens), "failed" (the gateway could not serve it:
+refunded)."""
+
+
+@dataclass
+class Claim:
+    """An admitted request's hold on its tenant's limits, from admission (before any
+    expensive work) to its end; settled exactly once, whatever the outcome."""
+
+    ticket: Ticket | None
+    admission_share: float
+    """Fraction of an instance's admission bound the request may use: lower tiers are shed
+    first when instances fill up."""
+    settled: bool = False
+
+
 @dataclass
 class Job:
     """One generation as the gateway dispatches it."""
@@ -47,16 +65,11 @@ class Job:
     cache_salt: str | None
     priority: int
     endpoint: str
+    claim: Claim
     request_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex}")
     arrival: float = field(default_factory=time.monotonic)
     instance_id: str | None = None
     decision: RoutingDecision | None = None
-    ticket: Ticket | None = None
-    """The tenant's rate-limit claim, settled once when the job ends."""
-    admission_share: float = 1.0
-    """Fraction of an instance's admission bound this job may use: lower tiers are shed
-    first when instances fill up."""
-    settled: bool = False
 
 
 class Gateway:
@@ -113,25 +126,28 @@ class Gateway:
             return requested
         return principal.tenant.priority * 1000 + max(-999, min(999, requested))
 
-    async def admit(self, job: Job, principal: Principal) -> None:
-        job.admission_share = tier_share(principal)
-        job.ticket = await self.limiter.admit(principal)
+    async def admit(self, principal: Principal) -> Claim:
+        """Check the tenant's limits (RPM, concurrency, a revoked key) before any expensive
+        work, so even a request refused later counts; 429 / 401 / 503 when refused here."""
+        return Claim(await self.limiter.admit(principal), tier_share(principal))
 
-    def settle(self, job: Job, tokens: int, reached_engine: bool) -> None:
-        """End the job's rate-limit claim (charge tokens, or refund if it never ran) and
-        count what it was served; call once per job (later calls do nothing)."""
-        if job.settled:
+    def settle(self, claim: Claim, tokens: int, outcome: Outcome,
+               adapter: str | None = None) -> None:
+        """End the claim once (later calls do nothing): see Outcome. A served request also
+        counts in its adapter's usage."""
+        if claim.settled:
             return
-        job.settled = True
-        if reached_engine:
-            name = job.adapter or "base"
+        claim.settled = True
+        if outcome == "served":
+            name = adapter or "base"
             requests, served = self.usage.get(name, (0, 0))
             self.usage[name] = (requests + 1, served + tokens)
-        ticket, job.ticket = job.ticket, None
+        ticket, claim.ticket = claim.ticket, None
         if ticket is None:
             return
-        task = asyncio.get_running_loop().create_task(
-            self.limiter.release(ticket, tokens, reached_engine))
+        # A refused request stays counted, as if it had reached an engine and used nothing.
+        task = asyncio.get_running_loop().create_task(self.limiter.release(
+            ticket, tokens if outcome == "served" else 0, outcome != "failed"))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -174,6 +190,18 @@ class Gateway:
         lengths = [i.max_model_len for i in self.pool.healthy() if i.max_model_len]
         return min(lengths) if lengths else 0
 
+    def context_length(self) -> int:
+        """max_model_len of the ready instances; the same 503 routing gives when none is
+        ready (asked before tokenizing: no point in the work when nothing can serve)."""
+        context = self.max_model_len()
+        if not context:
+            raise self._no_instance()
+        return context
+
+    def _no_instance(self) -> ApiError:
+        return ApiError(503, "no engine instance is ready; retry later", code="unavailable",
+                        headers={"Retry-After": str(self.config.retry_after_s)})
+
     def max_request_tokens(self) -> int:
         """Prompt + output every healthy instance can hold (the default output budget)."""
         sizes = [i.max_request_tokens for i in self.pool.healthy() if i.max_request_tokens]
@@ -201,7 +229,7 @@ class Gateway:
         matched: dict[str, int] = {}
         if chain is not None and self.pool.index is not None:
             matched = self.pool.index.match(chain, [i.instance_id for i in instances])
-        bound = max(1, int(self.config.max_in_flight_per_instance * job.admission_share))
+        bound = max(1, int(self.config.max_in_flight_per_instance * job.claim.admission_share))
         return [Candidate(
             instance_id=i.instance_id, in_flight=i.in_flight, max_in_flight=bound,
             max_num_seqs=i.max_num_seqs, kv_usage=i.kv_usage, max_loras=i.max_loras,
@@ -211,8 +239,7 @@ class Gateway:
     def _route(self, job: Job, tried: set[str]) -> Instance:
         instances = [i for i in self.pool.healthy() if i.instance_id not in tried]
         if not instances:
-            raise ApiError(503, "no engine instance is ready; retry later", code="unavailable",
-                           headers={"Retry-After": str(self.config.retry_after_s)})
+            raise self._no_instance()
         chain = self._prefix_chain(job)
         decision = self.router.choose(self._candidates(job, instances, chain), job.adapter,
                                       len(job.prompt_token_ids))
@@ -252,8 +279,10 @@ class Gateway:
                     self.pool.mark_failed(instance, str(exc))
                     continue
                 except EngineRejected as exc:
-                    raise ApiError(500, f"adapter {job.adapter!r} could not be loaded on "
-                                   f"{instance.instance_id}: {exc.message}",
+                    # The engine's reason may name paths: logged, not sent to the tenant.
+                    log.warning("%s: adapter %r failed to load on %s: %s", job.request_id,
+                                job.adapter, instance.instance_id, exc.message)
+                    raise ApiError(500, f"adapter {job.adapter!r} could not be loaded",
                                    code="adapter_load_failed") from None
             body = {"request_id": job.request_id, "prompt_token_ids": job.prompt_token_ids,
                     "params": job.params, "lora": job.adapter, "cache_salt": job.cache_salt,
@@ -283,9 +312,10 @@ class Gateway:
                     yield chunk
             except (EngineUnavailable, EngineStreamBroken) as exc:
                 self.pool.mark_failed(instance, str(exc))
-                if tokens_sent:
-                    yield _error_chunk(job, "the engine instance failed mid-response: "
-                                       f"{exc}")
+                if tokens_sent:  # the detail (engine URL) is logged, not sent
+                    log.warning("%s broke mid-response on %s: %s", job.request_id,
+                                instance.instance_id, exc)
+                    yield _error_chunk(job, "the engine instance failed mid-response")
                     return
                 self.metrics.retries.labels(type(exc).__name__).inc()
                 log.warning("retrying %s elsewhere: %s", job.request_id, exc)
@@ -294,7 +324,8 @@ class Gateway:
                 if accepted:
                     yield _error_chunk(job, exc.message)
                     return
-                raise ApiError(exc.status, exc.message) from None
+                raise ApiError(exc.status, exc.message, code=_error_field(exc, "code"),
+                               param=_error_field(exc, "param")) from None
             except TimeoutError:
                 self._abort_later(instance, job.request_id)
                 message = f"request timed out after {self.config.request_timeout_s:g}s"
@@ -331,9 +362,16 @@ def tier_share(principal: Principal) -> float:
     return 0.9 if principal.tenant.priority == 0 else 0.75
 
 
+def _error_field(exc: EngineRejected, name: str) -> str | None:
+    """A string field of the engine's error body (its code, the param it blames)."""
+    error = exc.body.get("error") if isinstance(exc.body, dict) else None
+    value = error.get(name) if isinstance(error, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def _error_chunk(job: Job, message: str, code: str = "engine_error") -> dict[str, Any]:
     """A final chunk with ``error`` (logged: the client is told only in its stream); its
-    code sets a non-streamed response's status (openai_api.ERROR_STATUS)."""
+    code sets a non-streamed response's status (openai_stream.ERROR_STATUS)."""
     log.warning("%s failed: %s (%s)", job.request_id, message, code)
     kind = {"timeout": "timeout_error", "unavailable": "service_unavailable",
             "overloaded": "rate_limit_error"}.get(code, "server_error")

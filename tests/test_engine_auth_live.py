@@ -186,7 +186,8 @@ def test_engines_started_by_serve_require_a_token_given_through_the_environment(
 
         assert complete(gateway.url, "base", ADMIN).status_code == 200
         # Uploads land in a directory the engines accept adapters from.
-        upload = httpx.post(gateway.url + "/admin/adapters/upload?name=up&public=true", timeout=60.0,
+        upload = httpx.post(gateway.url + "/admin/adapters/upload?name=up&public=true",
+                            timeout=60.0,
                             headers={"Authorization": f"Bearer {ADMIN}"},
                             content=_tar(tiny_adapters["a1"]))
         assert upload.status_code == 201, upload.text

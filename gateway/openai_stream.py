@@ -1,0 +1,153 @@
+"""Relaying a dispatched job's engine chunks to its client: one whole response, or SSE
+events ending with ``data: [DONE]`` (an engine failure after the stream started is an
+``error`` event carrying only this request's own error). Every float sent is finite, as JSON
+requires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.sse import EventSourceResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.http_errors import ApiError
+from gateway.openai_format import ResponseFormatter
+from gateway.service import Gateway, Job
+
+DISCONNECT_POLL_S = 0.25
+ERROR_STATUS = {"timeout": 504, "unavailable": 503, "overloaded": 429}
+"""HTTP status of a non-streamed response whose stream ended in an error chunk, by code
+(default 500)."""
+
+
+class ClosingStream(EventSourceResponse):
+    """An SSE response that closes its generators and settles its claim when it ends,
+    however it ends: a client that leaves while an event is being sent would otherwise
+    leave them suspended (engine request running, claim held) until garbage collection,
+    and a response that never started would never settle."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None],
+                 stream: AsyncGenerator[dict[str, Any], None], settle: Callable[[], None],
+                 headers: dict[str, str]) -> None:
+        super().__init__(events, headers=headers)
+        self._generators = (events, stream)
+        self._settle = settle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                for generator in self._generators:
+                    await generator.aclose()
+            finally:
+                self._settle()
+
+
+async def next_or_disconnect(request: Request, awaitable: Any) -> Any:
+    """Await while watching the client: a disconnect cancels the work (which aborts the
+    request on its engine) instead of finishing it for nobody."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                raise ApiError(499, "client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def collect(gateway: Gateway, job: Job, stream: AsyncGenerator[dict[str, Any], None],
+                   fmt: ResponseFormatter) -> dict[str, Any]:
+    async with contextlib.aclosing(stream):
+        timer = _Timer(gateway, job)
+        async for chunk in stream:
+            timer.tick(chunk)
+            if chunk.get("error"):
+                error = _own_error(chunk["error"])
+                code = error["code"]
+                status = ERROR_STATUS.get(code, 500)
+                raise ApiError(status, error["message"], code=code, headers=(
+                    {"Retry-After": str(gateway.config.retry_after_s)} if status in (429, 503)
+                    else None))
+            fmt.add(chunk)
+        timer.done()
+    return fmt.final()
+
+
+async def sse(gateway: Gateway, job: Job, stream: AsyncGenerator[dict[str, Any], None],
+               fmt: ResponseFormatter, include_usage: bool) -> AsyncGenerator[bytes, None]:
+    status = "200"
+    try:
+        async with contextlib.aclosing(stream):
+            timer = _Timer(gateway, job)
+            async for chunk in stream:
+                timer.tick(chunk)
+                if chunk.get("error"):
+                    status = "500"
+                    yield _event({"error": _own_error(chunk["error"])})
+                    break
+                for event in fmt.stream_events(chunk, include_usage):
+                    yield _event(event)
+            timer.done()
+            if include_usage and status == "200":
+                yield _event(fmt.usage_event())
+        yield b"data: [DONE]\n\n"
+    except (asyncio.CancelledError, GeneratorExit):
+        status = "499"
+        raise
+    finally:
+        gateway.settle(job.claim, fmt.prompt_tokens + fmt.completion_tokens, "served",
+                       job.adapter)
+        gateway.metrics.requests.labels(job.endpoint, status, job.adapter or "base",
+                                        job.instance_id or "none").inc()
+
+
+def _own_error(error: dict[str, Any]) -> dict[str, str]:
+    """The error event of this request's stream: its own message, type and code only (the
+    fields OpenAI's schema has; nothing else an engine chunk might carry is passed on)."""
+    return {"message": str(error.get("message") or "the request failed"),
+            "type": str(error.get("type") or "server_error"),
+            "code": str(error.get("code") or "engine_error")}
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    # allow_nan=False: a bare NaN is not JSON; the formatter makes every float finite, so
+    # this fails loudly rather than send what clients cannot parse.
+    return b"data: " + json.dumps(payload, separators=(",", ":"), allow_nan=False
+                                  ).encode() + b"\n\n"
+
+
+class _Timer:
+    """TTFT / ITL / E2E as the client sees them (from the gateway's arrival time)."""
+
+    def __init__(self, gateway: Gateway, job: Job) -> None:
+        self.metrics = gateway.metrics
+        self.arrival = job.arrival
+        self.last: float | None = None
+
+    def tick(self, chunk: dict[str, Any]) -> None:
+        if not chunk.get("delta_token_ids"):
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+
+    def done(self) -> None:
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)

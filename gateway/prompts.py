@@ -1,0 +1,199 @@
+"""Prompts -> token ids at the OpenAI edge: bounded before any work, tokenized off the event
+loop, and chat contents that cannot forge the template's control tokens.
+
+Cost: tokenizing is linear in the text, about a second per MB on one CPU core. On the event
+loop that freezes every stream of the gateway, so text above INLINE_CHARS goes to a small
+thread pool (HF fast tokenizers release the GIL while they encode). A semaphore of the pool's
+size keeps a flood waiting in asyncio, not in the pool's queue; small prompts skip the pool
+entirely, so they never wait behind big ones. Nothing here mutates the tokenizer after
+construction (no per-call truncation, padding or split_special_tokens), which is what makes
+sharing one tokenizer between the loop and the workers safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import re
+import secrets
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import jinja2
+from transformers import PreTrainedTokenizerBase
+
+from engine.http_errors import ApiError
+
+CHARS_PER_TOKEN = 16
+"""A generous bound on characters per token (BPE tokens of real text average about 4): a
+prompt with more than context x this many characters cannot fit, so it is refused without
+being tokenized."""
+MIN_PROMPT_CHARS = 32768
+"""Floor of the character cap, so small contexts still take unusually dense text."""
+INLINE_CHARS = 4096
+"""Prompts up to this many characters are tokenized on the event loop (tens of
+microseconds: cheaper than a thread hop, and never queued behind a big prompt)."""
+INLINE_MESSAGES = 16
+"""Conversations of more messages go to the pool whatever their size (a template loop each)."""
+WORKERS = 4
+"""Tokenizer threads per gateway: enough to keep a few big prompts moving at once, few enough
+that a flood of them cannot take every core from the engines on the same host."""
+_TEXT = TypeVar("_TEXT")
+
+
+class PromptEncoder:
+    """Token ids of completion prompts and chat conversations (see the module docstring)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, workers: int = WORKERS) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.tokenizer = tokenizer
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers,
+                                                           thread_name_prefix="tokenize")
+        self._slots = asyncio.Semaphore(workers)
+        self._controls = _control_tokens(tokenizer)
+        self._controls_re = re.compile(_trie_pattern(self._controls) or "(?!)")
+        self._newline = self._encode("\n")
+        # Each control token as plain text, computed once: split_special_tokens flips a flag
+        # on the shared Rust tokenizer, which must not happen while workers use it.
+        self._as_text = {token: self._piece(token, split=True) for token in self._controls}
+        self._encode("")  # leaves split_special_tokens off again
+
+    @staticmethod
+    def max_chars(context: int) -> int:
+        """The longest prompt, in characters, a context of `context` tokens may take."""
+        return max(MIN_PROMPT_CHARS, context * CHARS_PER_TOKEN)
+
+    @classmethod
+    def check_chars(cls, chars: int, context: int, param: str) -> None:
+        """400 context_length_exceeded when `chars` characters cannot fit the context."""
+        limit = cls.max_chars(context)
+        if chars > limit:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens; "
+                           f"the {param} has {chars} characters, more than the "
+                           f"{limit} such a context can take", code="context_length_exceeded",
+                           param=param)
+
+    # ----------------------------------------------------------------------- async API
+    async def encode_prompt(self, text: str) -> list[int]:
+        """A completion prompt's ids, as the client wrote it: the raw prompt is the
+        client's own, so control tokens in it are control tokens (it may carry a template)."""
+        return await self._run(len(text), self._prompt_ids, text)
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation rendered by the model's chat template; control-token text inside
+        a message is encoded as plain text. 400 (param messages) if the template fails."""
+        # Many small messages still cost a template loop each: keep those off the loop too.
+        cost = sum(len(m["content"]) for m in messages) if len(messages) <= INLINE_MESSAGES \
+            else INLINE_CHARS + 1
+        try:
+            return await self._run(cost, self._chat_ids, messages)
+        except (jinja2.TemplateError, ValueError) as exc:
+            raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
+
+    async def _run(self, cost: int, fn: Callable[[_TEXT], list[int]], arg: _TEXT
+                   ) -> list[int]:
+        if cost <= INLINE_CHARS:
+            return fn(arg)
+        await self._slots.acquire()
+        loop = asyncio.get_running_loop()
+        try:
+            job = self._pool.submit(fn, arg)
+        except BaseException:
+            self._slots.release()
+            raise
+
+        def free(_: concurrent.futures.Future[list[int]]) -> None:
+            # The slot stays taken until the thread is really done, even when the caller
+            # gave up (a cancelled await cannot stop a running thread).
+            with contextlib.suppress(RuntimeError):  # the loop closed first
+                loop.call_soon_threadsafe(self._slots.release)
+
+        job.add_done_callback(free)
+        return await asyncio.wrap_future(job)
+
+    # ----------------------------------------------------------- work (any thread)
+    def _encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return [int(t) for t in ids]
+
+    def _prompt_ids(self, text: str) -> list[int]:
+        return self._encode(text, add_special_tokens=True)
+
+    def _piece(self, text: str, split: bool = False) -> list[int]:
+        """Ids of text from the middle of a prompt. Encoded after a newline that is then
+        dropped, so SentencePiece tokenizers do not add the prefix space they give the start
+        of a string (the approach of transformers' sanitize_control_tokens)."""
+        kwargs: dict[str, Any] = {"add_special_tokens": False}
+        if split:
+            kwargs["split_special_tokens"] = True
+        ids = [int(t) for t in self.tokenizer("\n" + text, **kwargs)["input_ids"]]
+        if ids[:len(self._newline)] == self._newline:
+            return ids[len(self._newline):]
+        return [int(t) for t in self.tokenizer(text, **kwargs)["input_ids"]]
+
+    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer.chat_template is None:
+            raise ValueError("the model's tokenizer has no chat template")
+        # Control tokens typed inside a message are swapped for a marker no client can
+        # guess before rendering; the rendered text is then encoded piece by piece, the
+        # template's own control tokens as control tokens, the markers as the plain text of
+        # the token they replaced. A conversation with no control-token text takes the
+        # one-piece path, identical to apply_chat_template(tokenize=True).
+        mark = f"\ue000{secrets.token_hex(8)}:"
+        index = {token: i for i, token in enumerate(self._controls)}
+        marked = 0
+
+        def swap(match: re.Match[str]) -> str:
+            return f"{mark}{index[match.group()]}\ue000"
+
+        safe = []
+        for message in messages:
+            content, count = self._controls_re.subn(swap, message["content"])
+            marked += count
+            safe.append({**message, "content": content})
+        rendered = str(self.tokenizer.apply_chat_template(safe, add_generation_prompt=True,
+                                                          tokenize=False))
+        if not marked:
+            return self._encode(rendered)
+        pieces = re.split(re.escape(mark) + r"(\d+)\ue000", rendered)
+        ids = self._encode(pieces[0])
+        for i, piece in enumerate(pieces[1:], start=1):
+            if i % 2:  # a marker: the control token it replaced, as plain text
+                ids.extend(self._as_text[self._controls[int(piece)]])
+            elif piece:
+                ids.extend(self._piece(piece))
+        return ids
+
+
+def _control_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The tokenizer's special tokens: the strings a chat template uses as control tokens."""
+    tokens: set[str] = {str(t) for t in tokenizer.all_special_tokens}
+    tokens |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return sorted(t for t in tokens if t and not t.isspace())
+
+
+def _trie_pattern(words: Iterable[str]) -> str:
+    """A regex matching any of `words`, longest first, factored as a trie: Python's re tries
+    a flat alternation one word at a time at every position (hundreds of special tokens
+    sharing a prefix take ~1 s per MB with the GIL held); a trie needs one pass."""
+    trie: dict[str, Any] = {}
+    for word in words:
+        node = trie
+        for char in word:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def emit(node: dict[str, Any]) -> str:
+        alternatives = [re.escape(char) + emit(child)
+                        for char, child in sorted(node.items()) if char]
+        if not alternatives:
+            return ""
+        ends_here = "" in node
+        if len(alternatives) == 1 and not ends_here:
+            return alternatives[0]
+        group = "(?:" + "|".join(alternatives) + ")"
+        return group + "?" if ends_here else group
+
+    return emit(trie)

@@ -1,0 +1,112 @@
+"""A tenant's rate-limit claims end with every request, however it ends: a bad request never
+leaks a concurrency slot (which would lock the tenant out), and every request refused after
+admission (too long, unknown model) still counts against its RPM, because admission comes
+before the expensive work. Live engine + gateway (tiny model, 1024-token context) with
+tenants created through the admin API.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.live_http import poll, wait_engines_idle
+from tests.live_servers import LiveServer, start_engine, start_gateway
+
+ADMIN = "edge-admin-key"
+CONTEXT = 1024
+# A full 16-token block: the gateway hashes full blocks for prefix routing (uint32 tokens).
+BLOCK_WITH_A_HUGE_ID = [5] * 15 + [2**32]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[LiveServer, LiveServer]]:
+    root = tmp_path_factory.mktemp("claims")
+    engine = start_engine(tiny_model_dir, root, "--num-kv-blocks", "128")
+    gateway = start_gateway(tiny_model_dir, [engine.url], root, "--admin-key", ADMIN,
+                            "--state-refresh-s", "0.1")
+    try:
+        engine.wait_ready()
+        gateway.wait_ready()
+        yield engine, gateway
+    finally:
+        gateway.stop()
+        engine.stop()
+
+
+def _admin(gateway: LiveServer, path: str, body: dict[str, Any] | None = None
+           ) -> dict[str, Any]:
+    response = httpx.post(gateway.url + path, json=body, timeout=30.0,
+                          headers={"Authorization": f"Bearer {ADMIN}"})
+    assert response.status_code == 201, response.text
+    return dict(response.json())
+
+
+def _tenant(gateway: LiveServer, tenant_id: str, **limits: int) -> str:
+    """A new tenant's key, once the gateway accepts it."""
+    _admin(gateway, "/admin/tenants", {"tenant_id": tenant_id, **limits})
+    key = str(_admin(gateway, f"/admin/tenants/{tenant_id}/keys")["key"])
+    poll(functools.partial(_known, gateway, key), f"the gateway to know {tenant_id}'s key")
+    return key
+
+
+def _known(gateway: LiveServer, key: str) -> bool:
+    return httpx.get(gateway.url + "/v1/models", timeout=10.0,
+                     headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+def _model(gateway: LiveServer) -> str:
+    return str(httpx.get(gateway.url + "/v1/models", timeout=10.0,
+                         headers={"Authorization": f"Bearer {ADMIN}"}).json()["data"][0]["id"])
+
+
+def _post(gateway: LiveServer, key: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    """json.dumps escapes a lone surrogate as \\ud800 (httpx's own encoder cannot send it)."""
+    return httpx.post(gateway.url + path, content=json.dumps(body), timeout=60.0,
+                      headers={"Authorization": f"Bearer {key}",
+                               "content-type": "application/json"})
+
+
+def _fresh_window() -> None:
+    """Limits count per clock minute: start with at least 10 s of the minute left, so the
+    requests the test counts cannot straddle two windows."""
+    left = 60 - time.time() % 60
+    if left < 10:
+        time.sleep(left + 0.1)
+
+
+def test_bad_requests_release_their_slot_and_count_against_rpm(
+        servers: tuple[LiveServer, LiveServer]) -> None:
+    engine, gateway = servers
+    model = _model(gateway)
+    completion = {"model": model, "prompt": "hello", "max_tokens": 2}
+    chat = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    # (path, body, status, counted against RPM: refused after admission)
+    bad: list[tuple[str, dict[str, Any], int, bool]] = [
+        ("/v1/completions", {**completion, "prompt": BLOCK_WITH_A_HUGE_ID}, 400, False),
+        ("/v1/completions", {**completion, "prompt": "\ud800"}, 400, False),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "\ud800"}]},
+         400, False),
+        ("/v1/completions", {**completion, "prompt": "x" * 40_000}, 400, True),
+        ("/v1/completions", {**completion, "prompt": [7] * CONTEXT}, 400, True),
+        ("/v1/chat/completions", {**chat, "max_tokens": CONTEXT}, 400, True),
+        ("/v1/completions", {**completion, "model": "nope"}, 404, True),
+    ]
+    counted = sum(c for *_, c in bad)
+    _fresh_window()
+    key = _tenant(gateway, "solo", max_concurrency=1, rpm=counted + 2)
+    statuses = [_post(gateway, key, path, body).status_code for path, body, *_ in bad]
+    assert statuses == [status for _, _, status, _ in bad]
+    # One slot, never leaked: both good requests pass; then the RPM the bad ones used is gone.
+    good = [_post(gateway, key, "/v1/completions", completion) for _ in range(3)]
+    assert [r.status_code for r in good] == [200, 200, 429], good[-1].text
+    assert good[-1].json()["error"]["code"] == "rpm_exceeded"
+    wait_engines_idle(engine.url)

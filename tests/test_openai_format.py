@@ -1,0 +1,53 @@
+"""ResponseFormatter with non-finite logprobs (an engine may report -inf for a token its
+sampling made impossible): every object it builds is strict JSON, -inf and NaN reported as
+OpenAI's -9999.0. The tiny model's real tokenizer decodes the tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from gateway.openai_format import LOGPROB_FLOOR, Endpoint, ResponseFormatter
+
+
+def _chunk(tokenizer: Any) -> dict[str, Any]:
+    """Two tokens (a, b), each with two alternatives, all decoding to distinct strings."""
+    a, b, c, d, e, f = tokenizer.convert_tokens_to_ids(list("abcdef"))
+    return {"delta_token_ids": [a, b], "delta_text": "ab", "finished": True,
+            "finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 2,
+            "logprobs": [{a: float("-inf"), c: float("nan"), d: -1.5},
+                         {b: -0.25, e: float("inf"), f: float("-inf")}]}
+
+
+def _strict(payload: dict[str, Any]) -> Any:
+    """Serialise as the SSE encoder does, and parse back refusing NaN / Infinity."""
+    def refuse(literal: str) -> Any:
+        raise ValueError(f"not JSON: {literal}")
+    return json.loads(json.dumps(payload, allow_nan=False), parse_constant=refuse)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_non_finite_logprobs_come_out_as_finite_json(tiny_model_dir: Path,
+                                                     endpoint: Endpoint) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    streamed = ResponseFormatter(endpoint, "m", tokenizer, 3)
+    events = [_strict(e) for e in streamed.stream_events(_chunk(tokenizer),
+                                                         include_usage=True)]
+    whole = ResponseFormatter(endpoint, "m", tokenizer, 3)
+    whole.add(_chunk(tokenizer))
+    final = _strict(whole.final())
+    logprobs = final["choices"][0]["logprobs"]
+    assert events[0]["choices"][0]["logprobs"] == logprobs
+    if endpoint == "chat":
+        chosen = [t["logprob"] for t in logprobs["content"]]
+        tops = [[t["logprob"] for t in step["top_logprobs"]] for step in logprobs["content"]]
+    else:
+        chosen = logprobs["token_logprobs"]
+        tops = [sorted(step.values(), reverse=True) for step in logprobs["top_logprobs"]]
+    assert chosen == [LOGPROB_FLOOR, -0.25]
+    # NaN and +inf are not logprobs at all: reported as the floor too.
+    assert tops == [[-1.5, LOGPROB_FLOOR, LOGPROB_FLOOR], [-0.25, LOGPROB_FLOOR, LOGPROB_FLOOR]]
