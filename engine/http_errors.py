@@ -3,7 +3,7 @@
 Every error any of our HTTP servers returns has the body
 ``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``,
 including FastAPI's own request-validation errors (400 here, not FastAPI's 422, as OpenAI
-does) and unexpected exceptions (500, message without internals).
+does) and unexpected exceptions (500, "internal error": no exception name or text).
 """
 
 from __future__ import annotations
@@ -102,5 +102,5 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return JSONResponse(error_body(500, f"internal error ({type(exc).__name__})"),
-                            status_code=500)
+        # The details are in the log; the caller learns nothing about our internals.
+        return JSONResponse(error_body(500, "internal error"), status_code=500)

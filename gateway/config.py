@@ -54,7 +54,7 @@ class GatewayConfig:
     redis_url: str | None = None
     """Shared state (tenants, keys, adapters, rate-limit counters) in Redis, e.g.
     redis://127.0.0.1:6379/0, so several gateway replicas act as one; default: in memory."""
-    admin_key: str | None = None
+    admin_key: str | None = field(default=None, repr=False)
     """Key of the admin API (/admin/...); without one the admin API is disabled."""
     allow_unauthenticated: bool = False
     """Allow the open mode (no tenants: no API keys needed) on a non-loopback address."""
@@ -66,7 +66,7 @@ class GatewayConfig:
     readable by the engines at the same path."""
     state_refresh_s: float = 0.5
     """How often the gateway checks the store for changed tenants, keys and adapters."""
-    metrics_token: str | None = None
+    metrics_token: str | None = field(default=None, repr=False)
     """Bearer token that may read /metrics besides the admin key (for a Prometheus scraper
     that should not hold the admin key). /metrics and /instances need the admin key whenever
     an admin key is set or tenants exist; only the open mode leaves them open."""
