@@ -1,10 +1,6 @@
-"""Admin API (Bearer <admin key>): tenants, their API keys, and per-adapter management.
+"""Admin API (Bearer <admin key>): adapters here, tenants and keys in
+gateway/admin_tenants.py (build_admin_router serves both).
 
-    POST/GET          /admin/tenants                     create (201) / list
-    GET/PATCH/DELETE  /admin/tenants/{id}
-    POST/GET          /admin/tenants/{id}/keys           new key (shown once) / list (ids only)
-    POST              /admin/tenants/{id}/keys/{key_id}/rotate   new key, old one revoked
-    DELETE            /admin/tenants/{id}/keys/{key_id}  revoke
     POST/GET          /admin/adapters                    register by path / list with status
     POST              /admin/adapters/upload?name=&owner=|public=true   a .tar(.gz)/.zip upload
     GET/PATCH/DELETE  /admin/adapters/{name}             status / owner+sharing / delete
@@ -22,16 +18,13 @@ limiter re-checks it).
 from __future__ import annotations
 
 import asyncio
-import functools
 import tempfile
-import time
 import uuid
-from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,44 +33,11 @@ from engine.models.loader import load_hf_config
 from engine.models.shape import ModelShape
 from gateway import adapter_admin as lifecycle
 from gateway.adapter_upload import remove_tree
-from gateway.auth import require_admin
-from gateway.engine_client import EngineRejected, EngineUnavailable
+from gateway.admin_common import NAME_PATTERN, AdminGateway, on_instances, owner_uid
+from gateway.admin_tenants import build_tenant_router
 from gateway.service import Gateway
-from gateway.tenancy import AdapterRecord, ApiKey, Tenant, hash_key, new_key
+from gateway.tenancy import AdapterRecord
 from lora.adapter import LoraAdapter, load_adapter
-
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-
-
-def _admin(request: Request) -> Gateway:
-    """The app's gateway, once the caller proved it holds the admin key."""
-    gateway: Gateway = request.app.state.gateway
-    require_admin(request, gateway.config.admin_key)
-    return gateway
-
-
-AdminGateway = Annotated[Gateway, Depends(_admin)]
-
-
-class TenantBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    tenant_id: str = Field(pattern=NAME_PATTERN)
-    name: str = ""
-    priority: int = 0
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrency: int | None = None
-    shared_salt: str | None = None
-
-
-class TenantPatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str | None = None
-    priority: int | None = None
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrency: int | None = None
-    shared_salt: str | None = None
 
 
 class AdapterBody(BaseModel):
@@ -111,80 +71,7 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
     finishing: dict[str, asyncio.Task[None]] = {}  # pending deletes, by name
 
     router = APIRouter(prefix="/admin", tags=["admin"])
-
-    # ----------------------------------------------------------------- tenants
-    @router.post("/tenants", status_code=201)
-    async def create_tenant(body: TenantBody, gw: AdminGateway) -> dict[str, Any]:
-        if body.tenant_id in (await gw.view.store.snapshot()).tenants:
-            raise ApiError(409, f"tenant {body.tenant_id!r} already exists")
-        tenant = _tenant(**body.model_dump())
-        await gw.view.store.put_tenant(tenant)
-        await gw.view.refresh()
-        return asdict(tenant)
-
-    @router.get("/tenants")
-    async def list_tenants(gw: AdminGateway) -> list[dict[str, Any]]:
-        snapshot = await gw.view.store.snapshot()
-        return [asdict(t) for t in snapshot.tenants.values()]
-
-    @router.get("/tenants/{tenant_id}")
-    async def get_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
-        return asdict(await _get_tenant(gw, tenant_id))
-
-    @router.patch("/tenants/{tenant_id}")
-    async def update_tenant(tenant_id: str, body: TenantPatch,
-                            gw: AdminGateway) -> dict[str, Any]:
-        tenant = await _get_tenant(gw, tenant_id)
-        changes = body.model_dump(exclude_unset=True)
-        tenant = _tenant(**{**asdict(tenant), **changes})
-        await gw.view.store.put_tenant(tenant)
-        await gw.view.refresh()
-        return asdict(tenant)
-
-    @router.delete("/tenants/{tenant_id}")
-    async def delete_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
-        await _get_tenant(gw, tenant_id)
-        records = (await gw.view.store.snapshot()).adapters
-        # Keys and owned adapters go with it; a tenant created later under this id gets a
-        # new uid, hence a new cache salt: it inherits nothing.
-        deleted = await gw.view.store.delete_tenant(tenant_id)
-        await gw.view.refresh()
-        unloaded = {name: await _on_instances(gw, None, functools.partial(_unload, name))
-                    for name in deleted}
-        for name in deleted:  # uploaded copies go too
-            await lifecycle.remove_upload_dir(gw, records[name], uploads)
-        return {"tenant_id": tenant_id, "status": "deleted", "adapters_deleted": deleted,
-                "unloaded": unloaded}
-
-    # -------------------------------------------------------------------- keys
-    @router.post("/tenants/{tenant_id}/keys", status_code=201)
-    async def create_key(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
-        await _get_tenant(gw, tenant_id)
-        return await _issue_key(gw, tenant_id)
-
-    @router.get("/tenants/{tenant_id}/keys")
-    async def list_keys(tenant_id: str, gw: AdminGateway) -> list[dict[str, Any]]:
-        await _get_tenant(gw, tenant_id)
-        snapshot = await gw.view.store.snapshot()
-        return [{"key_id": k.key_id, "created": k.created}
-                for k in snapshot.keys.values() if k.tenant_id == tenant_id]
-
-    @router.post("/tenants/{tenant_id}/keys/{key_id}/rotate", status_code=201)
-    async def rotate_key(tenant_id: str, key_id: str,
-                         gw: AdminGateway) -> dict[str, Any]:
-        old = await _get_key(gw, tenant_id, key_id)
-        issued = await _issue_key(gw, tenant_id)
-        await gw.view.store.delete_key(old.key_hash)
-        await gw.view.refresh()
-        return issued
-
-    @router.delete("/tenants/{tenant_id}/keys/{key_id}")
-    async def revoke_key(tenant_id: str, key_id: str,
-                         gw: AdminGateway) -> dict[str, str]:
-        key = await _get_key(gw, tenant_id, key_id)
-        await gw.view.store.delete_key(key.key_hash)
-        await gw.view.refresh()
-        return {"key_id": key_id, "status": "revoked"}
+    router.include_router(build_tenant_router(uploads))
 
     # ---------------------------------------------------------------- adapters
     @router.post("/adapters", status_code=201)
@@ -209,7 +96,7 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
         lifecycle.check_owner(owner, public)
         await lifecycle.check_name_free(gw, name)
         target = uploads / name
-        await _owner_uid(gw, owner)  # before unpacking anything
+        await owner_uid(gw, owner)  # before unpacking anything
         if target.exists() or name in uploading:
             raise ApiError(409, f"adapter {name!r} already exists")
         rank = lifecycle.max_rank(gw)
@@ -261,7 +148,7 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
             changes["shared_with"] = tuple(changes["shared_with"] or ())
         record = replace(record, **changes)
         if "owner" in changes:
-            record = replace(record, owner_uid=await _owner_uid(gw, record.owner))
+            record = replace(record, owner_uid=await owner_uid(gw, record.owner))
         await gw.view.store.put_adapter(record)
         await gw.view.refresh()
         return lifecycle.adapter_status(gw, record)
@@ -299,14 +186,14 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
     async def load(name: str, body: PlacementBody,
                    gw: AdminGateway) -> dict[str, Any]:
         record = await _get_live_adapter(gw, name)
-        return {"name": name, "instances": await _on_instances(
+        return {"name": name, "instances": await on_instances(
             gw, body.instance, lambda c: lifecycle.load_checked(c, record))}
 
     @router.post("/adapters/{name}/unload")
     async def unload(name: str, body: PlacementBody,
                      gw: AdminGateway) -> dict[str, Any]:
         await _get_adapter(gw, name)
-        return {"name": name, "instances": await _on_instances(
+        return {"name": name, "instances": await on_instances(
             gw, body.instance, lambda c: c.unload_adapter(name))}
 
     @router.post("/adapters/{name}/pin")
@@ -318,19 +205,12 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
             await lifecycle.load_checked(client, record)
             return await client.pin_adapter(name, body.pinned)
 
-        return {"name": name, "instances": await _on_instances(gw, body.instance, pin_on)}
+        return {"name": name, "instances": await on_instances(gw, body.instance, pin_on)}
 
     return router
 
 
 # ------------------------------------------------------------------------ helpers
-def _tenant(**fields: Any) -> Tenant:
-    try:
-        return Tenant(**fields)
-    except (ValueError, TypeError) as exc:
-        raise ApiError(400, str(exc)) from None
-
-
 def _valid_name(name: str) -> bool:
     import re
 
@@ -351,43 +231,6 @@ async def _validate(name: str, path: str, shape: ModelShape, max_rank: int) -> L
         raise ApiError(400, f"adapter refused: {exc}", param="path") from None
 
 
-async def _get_tenant(gw: Gateway, tenant_id: str) -> Tenant:
-    tenant = (await gw.view.store.snapshot()).tenants.get(tenant_id)
-    if tenant is None:
-        raise ApiError(404, f"tenant {tenant_id!r} does not exist")
-    return tenant
-
-
-async def _owner_uid(gw: Gateway, owner: str | None) -> str:
-    """The uid that binds an adapter to its owner ("" for none); 400 if no such tenant."""
-    if owner is None:
-        return ""
-    tenant = (await gw.view.store.snapshot()).tenants.get(owner)
-    if tenant is None:
-        raise ApiError(400, f"owner: tenant {owner!r} does not exist", param="owner")
-    return tenant.uid
-
-
-async def _unload(name: str, client: Any) -> Any:
-    return await client.unload_adapter(name)
-
-
-async def _get_key(gw: Gateway, tenant_id: str, key_id: str) -> ApiKey:
-    for key in (await gw.view.store.snapshot()).keys.values():
-        if key.tenant_id == tenant_id and key.key_id == key_id:
-            return key
-    raise ApiError(404, f"key {key_id!r} of tenant {tenant_id!r} does not exist")
-
-
-async def _issue_key(gw: Gateway, tenant_id: str) -> dict[str, Any]:
-    key = new_key()
-    record = ApiKey(hash_key(key), tenant_id, uuid.uuid4().hex[:12], time.time())
-    await gw.view.store.put_key(record)
-    await gw.view.refresh()
-    return {"key": key, "key_id": record.key_id, "tenant_id": tenant_id,
-            "note": "store this key now: it is not shown again"}
-
-
 async def _get_adapter(gw: Gateway, name: str) -> AdapterRecord:
     record = (await gw.view.store.snapshot()).adapters.get(name)
     if record is None:
@@ -405,25 +248,9 @@ async def _get_live_adapter(gw: Gateway, name: str) -> AdapterRecord:
 async def _register(gw: Gateway, record: AdapterRecord) -> JSONResponse:
     """Record a validated adapter (409 if its name was taken meanwhile)."""
     await lifecycle.check_name_free(gw, record.name)
-    record = replace(record, owner_uid=await _owner_uid(gw, record.owner))
+    record = replace(record, owner_uid=await owner_uid(gw, record.owner))
     await gw.view.store.put_adapter(record)
     await gw.view.refresh()
     return JSONResponse(lifecycle.adapter_status(gw, record), status_code=201)
 
 
-async def _on_instances(gw: Gateway, instance_id: str | None,
-                        action: Callable[[Any], Any]) -> dict[str, str]:
-    targets = [i for i in gw.pool.healthy() if instance_id in (None, i.instance_id)]
-    if instance_id is not None and not targets:
-        raise ApiError(404, f"instance {instance_id!r} is not a healthy instance")
-    results: dict[str, str] = {}
-    for instance in targets:
-        try:
-            await action(instance.client)
-            results[instance.instance_id] = "ok"
-        except EngineRejected as exc:
-            results[instance.instance_id] = f"refused: {exc.message}"
-        except EngineUnavailable as exc:
-            results[instance.instance_id] = f"unavailable: {exc}"
-    await gw.pool.poll()
-    return results

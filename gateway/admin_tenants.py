@@ -1,0 +1,159 @@
+"""Admin routes for tenants and their API keys (Bearer <admin key>).
+
+    POST/GET          /admin/tenants                     create (201) / list
+    GET/PATCH/DELETE  /admin/tenants/{id}                DELETE also deletes its keys and
+                                                         the adapters it owns
+    POST/GET          /admin/tenants/{id}/keys           new key (shown once) / list (ids only)
+    POST              /admin/tenants/{id}/keys/{key_id}/rotate   new key, old one revoked
+    DELETE            /admin/tenants/{id}/keys/{key_id}  revoke
+
+A tenant created again under a deleted tenant's id is a new tenant (a new uid): it sees none
+of the old one's adapters and hits none of its cached prefixes.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.http_errors import ApiError
+from gateway import adapter_admin as lifecycle
+from gateway.admin_common import NAME_PATTERN, AdminGateway, get_tenant, on_instances
+from gateway.service import Gateway
+from gateway.tenancy import ApiKey, Tenant, hash_key, new_key
+
+
+class TenantBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant_id: str = Field(pattern=NAME_PATTERN)
+    name: str = ""
+    priority: int = 0
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+    shared_salt: str | None = None
+
+
+class TenantPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = None
+    priority: int | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+    shared_salt: str | None = None
+
+
+def build_tenant_router(uploads: Path) -> APIRouter:
+    """Tenant and key routes; ``uploads``: where uploaded adapters live (a deleted tenant's
+    uploads are removed)."""
+    router = APIRouter()  # included under /admin by gateway/admin_api.py
+
+    @router.post("/tenants", status_code=201)
+    async def create_tenant(body: TenantBody, gw: AdminGateway) -> dict[str, Any]:
+        if body.tenant_id in (await gw.view.store.snapshot()).tenants:
+            raise ApiError(409, f"tenant {body.tenant_id!r} already exists")
+        tenant = _tenant(**body.model_dump())
+        await gw.view.store.put_tenant(tenant)
+        await gw.view.refresh()
+        return asdict(tenant)
+
+    @router.get("/tenants")
+    async def list_tenants(gw: AdminGateway) -> list[dict[str, Any]]:
+        snapshot = await gw.view.store.snapshot()
+        return [asdict(t) for t in snapshot.tenants.values()]
+
+    @router.get("/tenants/{tenant_id}")
+    async def show_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
+        return asdict(await get_tenant(gw, tenant_id))
+
+    @router.patch("/tenants/{tenant_id}")
+    async def update_tenant(tenant_id: str, body: TenantPatch,
+                            gw: AdminGateway) -> dict[str, Any]:
+        tenant = await get_tenant(gw, tenant_id)
+        changes = body.model_dump(exclude_unset=True)
+        tenant = _tenant(**{**asdict(tenant), **changes})
+        await gw.view.store.put_tenant(tenant)
+        await gw.view.refresh()
+        return asdict(tenant)
+
+    @router.delete("/tenants/{tenant_id}")
+    async def delete_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
+        await get_tenant(gw, tenant_id)
+        records = (await gw.view.store.snapshot()).adapters
+        # Keys and owned adapters go with it; a tenant created later under this id gets a
+        # new uid, hence a new cache salt: it inherits nothing.
+        deleted = await gw.view.store.delete_tenant(tenant_id)
+        await gw.view.refresh()
+        unloaded = {name: await on_instances(gw, None, functools.partial(_unload, name))
+                    for name in deleted}
+        for name in deleted:  # uploaded copies go too
+            await lifecycle.remove_upload_dir(gw, records[name], uploads)
+        return {"tenant_id": tenant_id, "status": "deleted", "adapters_deleted": deleted,
+                "unloaded": unloaded}
+
+    # -------------------------------------------------------------------- keys
+    @router.post("/tenants/{tenant_id}/keys", status_code=201)
+    async def create_key(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
+        await get_tenant(gw, tenant_id)
+        return await _issue_key(gw, tenant_id)
+
+    @router.get("/tenants/{tenant_id}/keys")
+    async def list_keys(tenant_id: str, gw: AdminGateway) -> list[dict[str, Any]]:
+        await get_tenant(gw, tenant_id)
+        snapshot = await gw.view.store.snapshot()
+        return [{"key_id": k.key_id, "created": k.created}
+                for k in snapshot.keys.values() if k.tenant_id == tenant_id]
+
+    @router.post("/tenants/{tenant_id}/keys/{key_id}/rotate", status_code=201)
+    async def rotate_key(tenant_id: str, key_id: str,
+                         gw: AdminGateway) -> dict[str, Any]:
+        old = await _get_key(gw, tenant_id, key_id)
+        issued = await _issue_key(gw, tenant_id)
+        await gw.view.store.delete_key(old.key_hash)
+        await gw.view.refresh()
+        return issued
+
+    @router.delete("/tenants/{tenant_id}/keys/{key_id}")
+    async def revoke_key(tenant_id: str, key_id: str,
+                         gw: AdminGateway) -> dict[str, str]:
+        key = await _get_key(gw, tenant_id, key_id)
+        await gw.view.store.delete_key(key.key_hash)
+        await gw.view.refresh()
+        return {"key_id": key_id, "status": "revoked"}
+
+    return router
+
+
+def _tenant(**fields: Any) -> Tenant:
+    try:
+        return Tenant(**fields)
+    except (ValueError, TypeError) as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+async def _unload(name: str, client: Any) -> Any:
+    return await client.unload_adapter(name)
+
+
+async def _get_key(gw: Gateway, tenant_id: str, key_id: str) -> ApiKey:
+    for key in (await gw.view.store.snapshot()).keys.values():
+        if key.tenant_id == tenant_id and key.key_id == key_id:
+            return key
+    raise ApiError(404, f"key {key_id!r} of tenant {tenant_id!r} does not exist")
+
+
+async def _issue_key(gw: Gateway, tenant_id: str) -> dict[str, Any]:
+    key = new_key()
+    record = ApiKey(hash_key(key), tenant_id, uuid.uuid4().hex[:12], time.time())
+    await gw.view.store.put_key(record)
+    await gw.view.refresh()
+    return {"key": key, "key_id": record.key_id, "tenant_id": tenant_id,
+            "note": "store this key now: it is not shown again"}
