@@ -33,74 +33,28 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict
-from types import FrameType
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 
 from engine.adapter_roots import AdapterPathRefused, AdapterRoots
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineInternalError
 from engine.config import EngineConfig
+from engine.draining_server import DrainingServer
 from engine.http_auth import TokenAuth, check_exposure
 from engine.http_errors import ApiError, install_error_handlers
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.server_bodies import AbortBody, AdapterBody, GenerateBody, PinBody
 from engine.server_metrics import EngineCollector, EngineMetricsRegistry
 from lora.manager import AdapterInfo
 
 log = logging.getLogger(__name__)
 EXIT_ENGINE_DIED = 70
 """Exit status of an engine process whose engine loop died (EX_SOFTWARE)."""
-
-
-class SamplingBody(BaseModel):
-    """Sampling fields of /generate (the engine's SamplingParams, validated there too)."""
-
-    model_config = ConfigDict(extra="forbid")
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list, max_length=64)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=256)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-
-
-class GenerateBody(BaseModel):
-    """POST /generate: exactly one of prompt / prompt_token_ids."""
-
-    model_config = ConfigDict(extra="forbid")
-    request_id: str | None = Field(default=None, max_length=256)
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    params: SamplingBody = Field(default_factory=SamplingBody)
-    lora: str | None = None
-    cache_salt: str | None = Field(default=None, max_length=256)
-    priority: int = 0
-    stream: bool = True
-
-
-class AbortBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    request_id: str
-
-
-class AdapterBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=128)
-    path: str = Field(min_length=1, max_length=4096)
-
-
-class PinBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    pinned: bool = True
 
 
 class EngineServer:
@@ -391,20 +345,3 @@ def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = 
         log.critical("engine %s exits: its engine loop died (%s)", instance_id,
                      type(engine.fatal_error).__name__)
         raise SystemExit(EXIT_ENGINE_DIED)
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGTERM/SIGINT calls on_drain (the app turns away new
-    work) before uvicorn's own graceful shutdown: stop accepting, finish in-flight
-    responses (up to timeout_graceful_shutdown), run the lifespan shutdown, exit."""
-
-    on_drain: Callable[[], None] | None = None
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.on_drain is not None and not self.should_exit:
-            self.on_drain()
-        super().handle_exit(sig, frame)
-        # uvicorn re-raises captured signals after its shutdown, which would kill the process
-        # by the signal (and skip `loragate serve` stopping its engines): a drain is a clean
-        # exit (status 0).
-        self._captured_signals.clear()

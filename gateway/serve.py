@@ -31,8 +31,8 @@ import uvicorn
 
 from engine.adapter_roots import ROOTS_ENV
 from engine.config import EngineConfig
+from engine.draining_server import DrainingServer
 from engine.http_auth import TOKEN_ENV
-from engine.server import DrainingServer
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.config_args import field_default

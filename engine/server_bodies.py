@@ -1,0 +1,52 @@
+"""Request bodies of the engine's HTTP API (pydantic: only at this edge; SamplingParams
+validates the sampling fields again)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingBody(BaseModel):
+    """Sampling fields of /generate (the engine's SamplingParams, validated there too)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=256)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+
+class GenerateBody(BaseModel):
+    """POST /generate: exactly one of prompt / prompt_token_ids."""
+
+    model_config = ConfigDict(extra="forbid")
+    request_id: str | None = Field(default=None, max_length=256)
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    params: SamplingBody = Field(default_factory=SamplingBody)
+    lora: str | None = None
+    cache_salt: str | None = Field(default=None, max_length=256)
+    priority: int = 0
+    stream: bool = True
+
+
+class AbortBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: str
+
+
+class AdapterBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=128)
+    path: str = Field(min_length=1, max_length=4096)
+
+
+class PinBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pinned: bool = True
