@@ -83,14 +83,9 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def is_loopback(host: str) -> bool:
-    import ipaddress
+    from engine.http_auth import is_loopback as loopback
 
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return loopback(host)
 
 
 def local_path(text: str) -> str:

@@ -21,10 +21,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-import ipaddress
 
 from fastapi import Request
 
+from engine.http_auth import is_loopback
 from engine.http_errors import ApiError
 from gateway.auth import bearer
 
@@ -77,13 +77,6 @@ def host_name(header: str) -> str:
     return host.rstrip(".")  # "localhost." is "localhost"
 
 
-def is_loopback_name(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def host_allowed(header: str | None, allowed: tuple[str, ...]) -> bool:
@@ -93,7 +86,7 @@ def host_allowed(header: str | None, allowed: tuple[str, ...]) -> bool:
     if not header:
         return False
     host = host_name(header)
-    if is_loopback_name(host):
+    if is_loopback(host):
         return True
     for entry in allowed:
         entry = entry.lower()

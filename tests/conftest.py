@@ -1,13 +1,20 @@
-"""Shared fixtures: tiny seeded models built in temp dirs (no downloads)."""
+"""Shared fixtures: tiny seeded models built in temp dirs (no downloads), and the state
+stores (memory and a real Redis)."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
+from gateway.redis_store import RedisStore
+from gateway.store import MemoryStore, StateStore
 from lora.adapter import SUPPORTED_MODULES
+from tests.redis_server import shared_redis_url
 
 TINY_SPEC = DemoModelSpec(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -32,3 +39,21 @@ def tiny_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         "a1": make_peft_adapter(tiny_model_dir, root / "a1", rank=8,
                                 target_modules=SUPPORTED_MODULES, seed=101, b_scale=0.5),
     }
+
+
+@pytest.fixture(params=["memory", "redis"])
+def make_store(request: pytest.FixtureRequest) -> Iterator[Callable[[], StateStore]]:
+    """The store and rate-limit tests run once on the in-memory store and once on a real
+    Redis (a fresh key prefix, removed afterwards). A factory: every call is one gateway's
+    connection to the same shared state."""
+    if request.param == "memory":
+        store = MemoryStore()
+        yield lambda: store
+        return
+    url = shared_redis_url()
+    prefix = f"lg-test-{uuid.uuid4().hex[:8]}:"
+    yield lambda: RedisStore(url, prefix=prefix)
+    client = redis.Redis.from_url(url)
+    keys = list(client.scan_iter(match=prefix + "*"))
+    if keys:
+        client.delete(*keys)

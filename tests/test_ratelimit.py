@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import pytest
-import redis
 from prometheus_client import CollectorRegistry
 
 from engine.http_errors import ApiError
@@ -20,9 +18,8 @@ from gateway.auth import Principal
 from gateway.ratelimit import FailurePolicy, RateLimiter, Ticket
 from gateway.redis_store import RedisStore
 from gateway.serve import free_port
-from gateway.store import MemoryStore, StateStore
+from gateway.store import StateStore
 from gateway.tenancy import Tenant
-from tests.redis_server import shared_redis_url
 
 T = TypeVar("T")
 T0 = 1_000_000 * 60.0
@@ -45,20 +42,6 @@ class Clock:
         return self
 
 
-@pytest.fixture(params=["memory", "redis"])
-def make_store(request: pytest.FixtureRequest) -> Iterator[Callable[[], StateStore]]:
-    """A factory: every call is one gateway's connection to the same shared state."""
-    if request.param == "memory":
-        store = MemoryStore()
-        yield lambda: store
-        return
-    url = shared_redis_url()
-    prefix = f"lg-test-{uuid.uuid4().hex[:8]}:"
-    yield lambda: RedisStore(url, prefix=prefix)
-    client = redis.Redis.from_url(url)
-    keys = list(client.scan_iter(match=prefix + "*"))
-    if keys:
-        client.delete(*keys)
 
 
 def limiter(store: StateStore, clock: Clock, policy: FailurePolicy = "open") -> RateLimiter:

@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import TypeVar
 
@@ -30,20 +30,6 @@ def run(coro: Awaitable[T]) -> T:
     return asyncio.run(coro)  # type: ignore[arg-type]
 
 
-@pytest.fixture(params=["memory", "redis"])
-def make_store(request: pytest.FixtureRequest) -> Iterator[Callable[[], StateStore]]:
-    """A factory: every call is one gateway's view of the same shared state."""
-    if request.param == "memory":
-        store = MemoryStore()
-        yield lambda: store
-        return
-    url = shared_redis_url()
-    prefix = f"lg-test-{uuid.uuid4().hex[:8]}:"
-    yield lambda: RedisStore(url, prefix=prefix)
-    client = redis.Redis.from_url(url)
-    keys = list(client.scan_iter(match=prefix + "*"))
-    if keys:
-        client.delete(*keys)
 
 
 def test_records_round_trip_and_bump_the_version(make_store: Callable[[], StateStore]) -> None:
