@@ -12,6 +12,7 @@ import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,19 +48,20 @@ FAMILIES = ["llama-tied", "llama3-rope", "llama-linear-rope", "llama-yarn-rope",
 
 
 def _config(kind: str, vocab: int) -> PretrainedConfig:
-    common: dict[str, object] = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         initializer_range=0.05, tie_word_embeddings=False)
     if kind == "llama-tied":
         return LlamaConfig(**{**common, "tie_word_embeddings": True})
     if kind == "llama3-rope":
-        return LlamaConfig(rope_scaling=dict(LLAMA3_ROPE), **common)
+        return LlamaConfig(rope_parameters={**LLAMA3_ROPE, "rope_theta": 10000.0}, **common)
     if kind == "llama-linear-rope":
-        return LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 4.0}, **common)
+        return LlamaConfig(rope_parameters={"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 10000.0}, **common)
     if kind == "llama-yarn-rope":
-        return LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                         "original_max_position_embeddings": 64}, **common)
+        return LlamaConfig(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                            "original_max_position_embeddings": 64}, **common)
     if kind == "qwen2":
         return Qwen2Config(**common)
     if kind == "qwen3":
@@ -211,11 +213,12 @@ def test_family_adapter_matches_peft(family_dir: Callable[[str], Path], tmp_path
 
 
 def test_llama3_frequencies_equal_transformers() -> None:
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=500000.0,
-                         rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 8192})
+    params: dict[str, Any] = {**LLAMA3_ROPE, "original_max_position_embeddings": 8192,
+                              "rope_theta": 500000.0}
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters=dict(params))
     theirs, scaling = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
     base = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.int64).float() / 16))
-    ours = llama3_inv_freq(base, dict(config.rope_parameters))
+    ours = llama3_inv_freq(base, params)
     assert scaling == 1.0
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     cos, sin = rope_cos_sin(config, 16, 32)
