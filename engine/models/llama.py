@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat, unpadded batch of tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat, unpadded batch of tokens.
+
+The families differ only in switches of ModelShape: q/k/v biases (Qwen2), a per-head
+RMSNorm of q and k before rope (Qwen3), a sliding attention window (Mistral).
 
 Parameter names equal the Hugging Face checkpoint's, so a checkpoint loads with a plain
 load_state_dict. Every forward takes T tokens of any number of requests at once; only
@@ -9,33 +12,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.models.shape import ModelShape
 from lora.layers import LoraLinear
 from lora.ops import LoraBatchMetadata
-
-
-def rope_cos_sin(config: PretrainedConfig, head_dim: int, max_positions: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[max_positions, head_dim] cos and sin tables, computed as transformers does
-    (transformers' own init functions for the scaled variants)."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "dynamic":
-        raise ValueError("dynamic rope scaling is not supported (its table depends on length)")
-    if rope_type == "default":
-        base = float(params.get("rope_theta", 10000.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        scaling = 1.0
-    else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-    positions = torch.arange(max_positions, dtype=torch.float)
-    freqs = positions[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * scaling, emb.sin() * scaling
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -71,6 +52,12 @@ class Attention(nn.Module):
         self.k_proj = LoraLinear(h, self.num_kv_heads * self.head_dim, bias=shape.qkv_bias)
         self.v_proj = LoraLinear(h, self.num_kv_heads * self.head_dim, bias=shape.qkv_bias)
         self.o_proj = LoraLinear(self.num_heads * self.head_dim, h, bias=shape.o_bias)
+        # Qwen3: RMSNorm over each head's head_dim features, one weight shared by all heads.
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if shape.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, shape.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, shape.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
 
     def forward(
@@ -86,6 +73,8 @@ class Attention(nn.Module):
         q = self.q_proj(x, lora).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x, lora).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x, lora).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # before rope, as Qwen3 does
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)

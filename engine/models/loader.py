@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 
-from engine.models.llama import LlamaForFlatBatch, rope_cos_sin
-from engine.models.shape import ModelShape
+from engine.models.llama import LlamaForFlatBatch
+from engine.models.rope import rope_cos_sin
+from engine.models.shape import ModelShape, check_architecture
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,10 +24,29 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
         raise ValueError(f"model directory {model_dir!r} does not exist")
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {model_dir!r} has no config.json")
+    raw = _read_config_json(path / "config.json")
+    check_architecture(raw.get("model_type"), raw.get("architectures"))
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"cannot read the config of {model_dir!r}: {exc}") from exc
+
+
+# A model's config.json is a few kilobytes; far more is not one.
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    """config.json as a dict, with a ValueError (not a JSON traceback) for anything else."""
+    if path.stat().st_size > _MAX_CONFIG_BYTES:
+        raise ValueError(f"{path.name} is over {_MAX_CONFIG_BYTES} bytes: not a model config")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path.name} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path.name} is not a JSON object")
+    return data
 
 
 def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
