@@ -41,6 +41,7 @@ from gateway.redis_store import RedisStore
 from gateway.registry import discover
 from gateway.router import Router, RouterWeights
 from gateway.service import Gateway
+from gateway.sqlite_store import SqliteStore, resolve_state_path
 from gateway.store import MemoryStore, StateStore, StoreUnavailable
 from gateway.tenancy import AdapterRecord
 
@@ -73,9 +74,10 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     metrics = GatewayMetrics(lambda: pool_holder.get("pool"))
     name = base_model or config.served_model_name or tokenizer_dir.rstrip("/").split("/")[-1]
 
+    store = open_store(config)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store: StateStore = RedisStore(config.redis_url) if config.redis_url else MemoryStore()
         view = StateView(store, config.state_refresh_s)
         await view.refresh()
         if not view.store_available:
@@ -179,6 +181,20 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                 for i in pool.instances.values()]
 
     return app
+
+
+def open_store(config: GatewayConfig) -> StateStore:
+    """Redis with --redis-url; else the state file (gateway/sqlite_store.py), or memory when
+    state_path says so. Opened here, not at startup, so a state file another gateway holds
+    is refused with one clear error."""
+    if config.redis_url:
+        return RedisStore(config.redis_url)
+    path = resolve_state_path(config.state_path)
+    if path is None:
+        return MemoryStore()
+    store = SqliteStore(path)
+    log.info("tenants, keys and adapters persist in %s", path)
+    return store
 
 
 def log_auth_mode(admin_key: str | None, view: StateView) -> None:

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
+from gateway.sqlite_store import STATE_PATH_ENV
 from lora.adapter import SUPPORTED_MODULES
+
+# Gateways started by tests (in process or as children, which inherit this) keep tenants in
+# memory unless a test gives --state-path: none shares the user's ~/.cache/loragate/state.db
+# or another test's file.
+os.environ[STATE_PATH_ENV] = ":memory:"
 
 TINY_SPEC = DemoModelSpec(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
