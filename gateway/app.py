@@ -27,9 +27,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import AutoTokenizer
 
 from engine.http_errors import ApiError, install_error_handlers
+from gateway.access_log import AccessLog
 from gateway.admin_api import build_admin_router
 from gateway.auth import StateView
 from gateway.config import GatewayConfig
+from gateway.docs_ui import install_docs
 from gateway.exposure import instance_tag, operator_endpoints_open, require_operator
 from gateway.guard import Guard
 from gateway.instances import InstancePool
@@ -122,7 +124,9 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                 await store.close()
 
     app = FastAPI(title="loragate", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible gateway over loragate engine instances.")
+                  description="OpenAI-compatible gateway over loragate engine instances.",
+                  docs_url=None, redoc_url=None)
+    install_docs(app)  # /docs with local assets (offline)
     app.state.draining = False
     install_error_handlers(app)
 
@@ -146,6 +150,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                        body_timeout_s=config.body_read_timeout_s,
                        restrict_hosts=lambda: bool(config.allowed_hosts) or open_mode(),
                        allowed_hosts=config.allowed_hosts)
+    app.add_middleware(AccessLog)  # added last: outermost, so refusals are logged too
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from fastapi import FastAPI
 
 from engine.adapter_roots import ROOTS_ENV
 from engine.config import EngineConfig
@@ -191,7 +192,7 @@ def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: st
         app, host=config.host, port=config.port, log_level="warning",
         timeout_graceful_shutdown=int(config.drain_timeout_s),
         http=guarded_protocol(config.header_read_timeout_s, config.max_header_bytes)))
-    server.on_drain = lambda: setattr(app.state, "draining", True)
+    server.on_drain = lambda: start_drain(app, config.drain_timeout_s)
 
     async def main() -> None:
         serving = asyncio.create_task(server.serve())
@@ -204,6 +205,15 @@ def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: st
     asyncio.run(main())
     if not server.started:
         raise RuntimeError(f"the gateway could not listen on {config.host}:{config.port}")
+
+
+def start_drain(app: FastAPI, timeout_s: float) -> None:
+    """Turn new generation requests away and say what is left to finish."""
+    app.state.draining = True
+    gateway = getattr(app.state, "gateway", None)
+    in_flight = sum(i.in_flight for i in gateway.pool.instances.values()) if gateway else 0
+    log.info("shutting down: the gateway drains (no new requests; %d in flight, waiting up "
+             "to %gs for them)", in_flight, timeout_s)
 
 
 def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, instances: int,
