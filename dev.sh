@@ -15,6 +15,7 @@ CONSTRAINTS=${LORAGATE_CONSTRAINTS-constraints-cpu.txt}
 
 setup() {
     if [ ! -x .venv/bin/python ]; then
+        echo "dev.sh: creating the virtual environment in .venv" >&2
         "$PYTHON" -m venv .venv
     fi
     # Reinstall only when the project's declared dependencies changed.
@@ -22,10 +23,15 @@ setup() {
     local want
     want=$(cat pyproject.toml "${CONSTRAINTS:-/dev/null}" | sha256sum | cut -d' ' -f1)
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-        local args=(-q -e '.[dev]')
+        # pip's own progress (no -q): the first install downloads torch and takes minutes.
+        local args=(-e '.[dev]')
         [ -n "$CONSTRAINTS" ] && args=(-c "$CONSTRAINTS" "${args[@]}")
+        echo "dev.sh: installing loragate and its dependencies into .venv (the first time" \
+             "downloads torch: a few minutes)" >&2
+        local started=$SECONDS
         .venv/bin/python -m pip install "${args[@]}"
         echo "$want" > "$stamp"
+        echo "dev.sh: installed in $((SECONDS - started))s" >&2
     fi
 }
 
@@ -34,8 +40,11 @@ shift || true
 case "$cmd" in
     test)
         setup
+        echo "dev.sh: ruff" >&2
         .venv/bin/ruff check .
+        echo "dev.sh: mypy" >&2
         .venv/bin/mypy
+        echo "dev.sh: pytest" >&2
         .venv/bin/python -m pytest -q "$@"
         ;;
     serve)

@@ -69,7 +69,7 @@ def start_gateway(model: str, engine_urls: list[str], adapters: dict[str, str],
     """`loragate serve --engine URL ...` as a child process, waited for until ready."""
     port = free_port()
     command = [sys.executable, "-m", "gateway.cli", "serve", "--model", model,
-               "--port", str(port), "--poll-interval-s", "0.2", *extra]
+               "--port", str(port), "--poll-interval-s", "0.2", "--state-path", "", *extra]
     for url in engine_urls:
         command += ["--engine", url]
     for name, path in adapters.items():

@@ -27,9 +27,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import AutoTokenizer
 
 from engine.http_errors import ApiError, install_error_handlers
+from gateway.access_log import AccessLog
 from gateway.admin_api import build_admin_router
 from gateway.auth import StateView
 from gateway.config import GatewayConfig
+from gateway.docs_ui import install_docs
 from gateway.exposure import instance_tag, operator_endpoints_open, require_operator
 from gateway.guard import Guard
 from gateway.instances import InstancePool
@@ -41,6 +43,7 @@ from gateway.redis_store import RedisStore
 from gateway.registry import discover
 from gateway.router import Router, RouterWeights
 from gateway.service import Gateway
+from gateway.sqlite_store import SqliteStore, resolve_state_path
 from gateway.store import MemoryStore, StateStore, StoreUnavailable
 from gateway.tenancy import AdapterRecord
 
@@ -73,9 +76,10 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     metrics = GatewayMetrics(lambda: pool_holder.get("pool"))
     name = base_model or config.served_model_name or tokenizer_dir.rstrip("/").split("/")[-1]
 
+    store = open_store(config)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store: StateStore = RedisStore(config.redis_url) if config.redis_url else MemoryStore()
         view = StateView(store, config.state_refresh_s)
         await view.refresh()
         if not view.store_available:
@@ -120,7 +124,9 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                 await store.close()
 
     app = FastAPI(title="loragate", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible gateway over loragate engine instances.")
+                  description="OpenAI-compatible gateway over loragate engine instances.",
+                  docs_url=None, redoc_url=None)
+    install_docs(app)  # /docs with local assets (offline)
     app.state.draining = False
     install_error_handlers(app)
 
@@ -144,6 +150,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                        body_timeout_s=config.body_read_timeout_s,
                        restrict_hosts=lambda: bool(config.allowed_hosts) or open_mode(),
                        allowed_hosts=config.allowed_hosts)
+    app.add_middleware(AccessLog)  # added last: outermost, so refusals are logged too
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -179,6 +186,20 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                 for i in pool.instances.values()]
 
     return app
+
+
+def open_store(config: GatewayConfig) -> StateStore:
+    """Redis with --redis-url; else the state file (gateway/sqlite_store.py), or memory when
+    state_path says so. Opened here, not at startup, so a state file another gateway holds
+    is refused with one clear error."""
+    if config.redis_url:
+        return RedisStore(config.redis_url)
+    path = resolve_state_path(config.state_path)
+    if path is None:
+        return MemoryStore()
+    store = SqliteStore(path)
+    log.info("tenants, keys and adapters persist in %s", path)
+    return store
 
 
 def log_auth_mode(admin_key: str | None, view: StateView) -> None:

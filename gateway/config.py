@@ -54,6 +54,11 @@ class GatewayConfig:
     redis_url: str | None = None
     """Shared state (tenants, keys, adapters, rate-limit counters) in Redis, e.g.
     redis://127.0.0.1:6379/0, so several gateway replicas act as one; default: in memory."""
+    state_path: str | None = None
+    """Without --redis-url: the SQLite file that keeps tenants, keys and adapter records
+    across restarts (default $LORAGATE_STATE_PATH, else $LORAGATE_HOME/state.db, i.e.
+    ~/.cache/loragate/state.db); "" or ":memory:" keeps them in memory only. One gateway per
+    file."""
     admin_key: str | None = field(default=None, repr=False)
     """Key of the admin API (/admin/...); without one the admin API is disabled."""
     allow_unauthenticated: bool = False

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerBase
 
 from engine.http_errors import ApiError
+from gateway.access_log import AccessRecord, record_of
 from gateway.auth import Principal
 from gateway.config import GatewayConfig
 from gateway.engine_client import ACCEPTED
@@ -113,12 +114,24 @@ async def _serve(gateway: Gateway, req: _Call,
     """Admit, then the expensive work (tokenizing), then dispatch. The claim taken at
     admission is settled exactly once whatever happens: here for anything raised before a
     response exists, else by the response (see _respond)."""
+    job: Job | None = None
+    access = record_of(req.http)
+    if access is not None:
+        access.tenant = req.principal.tenant_id
+
+        def fill(record: AccessRecord) -> None:
+            if job is not None:
+                record.prompt_tokens = fmt.prompt_tokens or len(job.prompt_token_ids)
+                record.completion_tokens = fmt.completion_tokens
+                record.first_token_at = job.first_token_at
+        access.finish = fill
     claim = await gateway.admit(req.principal)
     label = "none"  # the adapter, once the model resolved
-    job: Job | None = None
     try:
         adapter = gateway.resolve_model(req.body.model, req.principal)
         label = adapter or "base"
+        if access is not None:
+            access.adapter = label
         context = gateway.context_length()
         prompt_ids = await encode(context)
         job = _job(gateway, claim, req, adapter, prompt_ids, context)

@@ -136,6 +136,7 @@ class _Timer:
 
     def __init__(self, gateway: Gateway, job: Job) -> None:
         self.metrics = gateway.metrics
+        self.job = job
         self.arrival = job.arrival
         self.last: float | None = None
 
@@ -145,6 +146,7 @@ class _Timer:
         now = time.monotonic()
         if self.last is None:
             self.metrics.ttft.observe(now - self.arrival)
+            self.job.first_token_at = now
         else:
             self.metrics.itl.observe(now - self.last)
         self.last = now

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from fastapi import FastAPI
 
 from engine.adapter_roots import ROOTS_ENV
 from engine.config import EngineConfig
@@ -116,9 +118,33 @@ def start_engines(config: EngineConfig, count: int, log_dir: Path,
     return engines
 
 
-def wait_ready(engines: list[EngineProcess], timeout_s: float) -> None:
-    """Block until every engine answers /health with 200; RuntimeError if one dies."""
-    deadline = time.monotonic() + timeout_s
+def check_port_free(host: str, port: int) -> None:
+    """ValueError (one line, exit status 2 from the CLI) when host:port cannot be bound:
+    checked before any engine starts, so a busy port costs a second, not the engines' load
+    time and a traceback. The test socket is closed again at once (SO_REUSEADDR, as uvicorn
+    binds, so a port in TIME_WAIT still counts as free)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another "
+                             f"server there? pick another --port)") from None
+
+
+PROGRESS_EVERY_S = 5.0
+"""wait_ready prints which engines are still loading this often."""
+
+
+def wait_ready(engines: list[EngineProcess], timeout_s: float,
+               progress_every_s: float = PROGRESS_EVERY_S) -> None:
+    """Block until every engine answers /health with 200; RuntimeError if one dies. Prints
+    a line each time an engine becomes ready and, every progress_every_s, which are still
+    loading (loading the weights and the warm-up step take a while on a CPU)."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    next_progress = start + progress_every_s
     pending = list(engines)
     with httpx.Client(timeout=2.0) as client:
         while pending:
@@ -129,8 +155,15 @@ def wait_ready(engines: list[EngineProcess], timeout_s: float) -> None:
                 try:
                     if client.get(engine.url + "/health").status_code == 200:
                         pending.remove(engine)
+                        print(f"engine {engine.url} ready after "
+                              f"{time.monotonic() - start:.0f}s", flush=True)
                 except httpx.HTTPError:
                     pass
+            if pending and time.monotonic() >= next_progress:
+                next_progress += progress_every_s
+                print(f"waiting for {len(pending)} engine(s) to load the model and warm up "
+                      f"({time.monotonic() - start:.0f}s): "
+                      f"{', '.join(e.url for e in pending)}", flush=True)
             if pending and time.monotonic() > deadline:
                 raise RuntimeError(f"engines not ready after {timeout_s:g}s: "
                                    f"{[e.url for e in pending]}")
@@ -159,7 +192,7 @@ def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: st
         app, host=config.host, port=config.port, log_level="warning",
         timeout_graceful_shutdown=int(config.drain_timeout_s),
         http=guarded_protocol(config.header_read_timeout_s, config.max_header_bytes)))
-    server.on_drain = lambda: setattr(app.state, "draining", True)
+    server.on_drain = lambda: start_drain(app, config.drain_timeout_s)
 
     async def main() -> None:
         serving = asyncio.create_task(server.serve())
@@ -174,15 +207,26 @@ def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: st
         raise RuntimeError(f"the gateway could not listen on {config.host}:{config.port}")
 
 
+def start_drain(app: FastAPI, timeout_s: float) -> None:
+    """Turn new generation requests away and say what is left to finish."""
+    app.state.draining = True
+    gateway = getattr(app.state, "gateway", None)
+    in_flight = sum(i.in_flight for i in gateway.pool.instances.values()) if gateway else 0
+    log.info("shutting down: the gateway drains (no new requests; %d in flight, waiting up "
+             "to %gs for them)", in_flight, timeout_s)
+
+
 def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, instances: int,
           engine_urls: list[str], tokenizer_dir: str, adapters: dict[str, str],
           adapter_roots: Sequence[str] = ()) -> None:
     """Start local engines (unless engine_urls are given, or instances is 0: then engines
     come from the Redis registry) and the gateway in front. Local engines get the gateway's
     engine token (a fresh random one when it has none) and adapter_roots."""
+    check_port_free(gateway_config.host, gateway_config.port)
     engines: list[EngineProcess] = []
     log_dir = Path(tempfile.mkdtemp(prefix="loragate-engines-"))
     supervisor: EngineSupervisor | None = None
+    clean = False
     try:
         if not engine_urls and instances > 0:
             assert engine_config is not None
@@ -198,10 +242,29 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
             supervisor.start()
         run_gateway(gateway_config, engine_urls, tokenizer_dir, adapters,
                     banner=ready_banner(gateway_config, tokenizer_dir, adapters))
+        clean = True
     finally:
         if supervisor is not None:
             supervisor.stop()  # before the engines: their exits now are no crash
+            clean = clean and not any(supervisor.restarts(e) for e in engines)
+        if engines:
+            print(f"stopping {len(engines)} engine instance(s) (draining, up to "
+                  f"{gateway_config.drain_timeout_s:g}s)", flush=True)
         stop_engines(engines, gateway_config.drain_timeout_s)
+        keep_logs(log_dir, engines, clean)
+
+
+def keep_logs(log_dir: Path, engines: list[EngineProcess], clean: bool) -> None:
+    """Remove the engines' log directory after a clean run; keep it, and say where, when
+    serving failed, an engine exited on its own (clean is then False) or did not stop
+    cleanly: its log tells why."""
+    crashed = [e for e in engines if e.process.returncode not in (0, None)]
+    if clean and not crashed:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    elif engines:
+        print(f"engine logs kept in {log_dir}", file=sys.stderr, flush=True)
+    else:
+        shutil.rmtree(log_dir, ignore_errors=True)  # nothing was written there
 
 
 def ready_banner(config: GatewayConfig, tokenizer_dir: str, adapters: dict[str, str]) -> str:

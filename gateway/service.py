@@ -70,6 +70,8 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     instance_id: str | None = None
     decision: RoutingDecision | None = None
+    first_token_at: float | None = None
+    """time.monotonic() when the first token reached the gateway (the access log's TTFT)."""
 
 
 class Gateway:

@@ -3,6 +3,8 @@ stores (memory and a real Redis)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,9 +14,15 @@ import redis
 
 from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
 from gateway.redis_store import RedisStore
+from gateway.sqlite_store import STATE_PATH_ENV, SqliteStore
 from gateway.store import MemoryStore, StateStore
 from lora.adapter import SUPPORTED_MODULES
 from tests.redis_server import shared_redis_url
+
+# Gateways started by tests (in process or as children, which inherit this) keep tenants in
+# memory unless a test gives --state-path: none shares the user's ~/.cache/loragate/state.db
+# or another test's file.
+os.environ[STATE_PATH_ENV] = ":memory:"
 
 TINY_SPEC = DemoModelSpec(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -41,14 +49,17 @@ def tiny_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     }
 
 
-@pytest.fixture(params=["memory", "redis"])
-def make_store(request: pytest.FixtureRequest) -> Iterator[Callable[[], StateStore]]:
-    """The store and rate-limit tests run once on the in-memory store and once on a real
-    Redis (a fresh key prefix, removed afterwards). A factory: every call is one gateway's
-    connection to the same shared state."""
-    if request.param == "memory":
-        store = MemoryStore()
+@pytest.fixture(params=["memory", "sqlite", "redis"])
+def make_store(request: pytest.FixtureRequest, tmp_path: Path
+               ) -> Iterator[Callable[[], StateStore]]:
+    """The store and rate-limit tests run on the in-memory store, the embedded SQLite store
+    and a real Redis (a fresh key prefix, removed afterwards). A factory: every call is one
+    gateway's connection to the same shared state."""
+    if request.param in ("memory", "sqlite"):
+        store = MemoryStore() if request.param == "memory" else \
+            SqliteStore(str(tmp_path / "state.db"))
         yield lambda: store
+        asyncio.run(store.close())
         return
     url = shared_redis_url()
     prefix = f"lg-test-{uuid.uuid4().hex[:8]}:"

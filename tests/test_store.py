@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sqlite3
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -18,7 +20,8 @@ import redis
 from gateway.redact import redact_text, redact_url
 from gateway.redis_store import RedisStore
 from gateway.sliding_window import SPAN_S
-from gateway.store import MemoryStore, Snapshot, StateStore
+from gateway.sqlite_store import SqliteStore
+from gateway.store import MemoryStore, Snapshot, StateStore, StoreUnavailable
 from gateway.tenancy import AdapterRecord, ApiKey, Tenant, hash_key
 from tests.redis_server import shared_redis_url
 
@@ -252,3 +255,77 @@ def test_redis_urls_are_shown_without_credentials(raw: str, shown: str) -> None:
     assert redact_text(f"error talking to {raw}: refused") == (
         f"error talking to {shown}: refused")
 
+
+
+def test_sqlite_store_keeps_records_and_version_across_a_restart(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    tenant = Tenant("acme", "Acme", rpm=10)
+    other = Tenant("beta")
+    key = ApiKey(hash_key("secret"), "acme", "k1", 123.0)
+    owned = AdapterRecord("bot", "/adapters/bot", owner="acme", owner_uid=tenant.uid)
+    shared = AdapterRecord("pub", "/adapters/pub", owner="beta", shared_with=("acme",),
+                           owner_uid=other.uid)
+
+    async def first() -> int:
+        store = SqliteStore(path)
+        for t in (tenant, other):
+            await store.put_tenant(t)
+        await store.put_key(key)
+        await store.put_adapter(owned)
+        await store.put_adapter(shared)
+        await store.put_key(ApiKey(hash_key("gone"), "beta", "k2", 1.0))
+        await store.delete_key(hash_key("gone"))
+        version = await store.version()
+        await store.close()
+        return version
+
+    async def second(version: int) -> None:
+        store = SqliteStore(path)
+        snap = await store.snapshot()
+        assert snap.version == version
+        assert snap.tenants == {"acme": tenant, "beta": other}
+        assert snap.keys == {key.key_hash: key}
+        assert snap.adapters == {"bot": owned, "pub": shared}
+        assert await store.delete_tenant("acme") == ["bot"]
+        await store.close()
+
+    async def third() -> None:
+        store = SqliteStore(path)
+        snap = await store.snapshot()
+        assert snap.tenants == {"beta": other} and snap.keys == {}
+        assert snap.adapters == {"pub": AdapterRecord("pub", "/adapters/pub", owner="beta",
+                                                      owner_uid=other.uid)}
+        await store.close()
+
+    run(second(run(first())))
+    run(third())
+
+
+def test_sqlite_store_refuses_a_second_gateway_on_its_file(tmp_path: Path) -> None:
+    path = str(tmp_path / "state.db")
+    store = SqliteStore(path)
+    with pytest.raises(ValueError, match="in use by another gateway"):
+        SqliteStore(path)
+    run(store.close())
+    run(SqliteStore(path).close())  # free again once closed
+
+
+def test_sqlite_store_undoes_a_write_the_file_refuses(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+
+    async def scenario() -> None:
+        store = SqliteStore(str(path))
+        await store.put_tenant(Tenant("acme"))
+        # Another writer holds the file's write lock: the next write fails fast.
+        blocker = sqlite3.connect(str(path), timeout=0)
+        blocker.execute("BEGIN IMMEDIATE")
+        store._db.execute("PRAGMA busy_timeout = 0")
+        with pytest.raises(StoreUnavailable, match="state file"):
+            await store.put_tenant(Tenant("beta"))
+        blocker.rollback()
+        blocker.close()
+        snap = await store.snapshot()
+        assert set(snap.tenants) == {"acme"} and snap.version == 1
+        await store.close()
+
+    run(scenario())

@@ -1,0 +1,92 @@
+"""One INFO line per HTTP request on the ``loragate.access`` logger.
+
+    POST /v1/completions 200 tenant=acme adapter=a0 prompt_tokens=12 completion_tokens=8
+    ttft_ms=35.1 duration_ms=120.4
+
+AccessLog is a pure ASGI middleware (no per-chunk cost on streams) that times the request
+from its arrival to the last byte of its response. Routes that know more (the tenant, the
+adapter, token counts, when the first token came) fill the AccessRecord they find with
+``record_of(request)``; fields nobody filled are logged as ``-``. The line holds no key,
+prompt or body: it is safe to keep.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("loragate.access")
+SCOPE_KEY = "loragate.access"
+
+
+@dataclass
+class AccessRecord:
+    """What one request's access line says beyond method, path, status and duration."""
+
+    start: float
+    tenant: str | None = None
+    adapter: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    first_token_at: float | None = None
+    """time.monotonic() of the first generated token."""
+    finish: Callable[[AccessRecord], None] | None = None
+    """Called once the response is sent, before the line is logged (a route fills in what
+    it learned while streaming: token counts, the first token's time)."""
+
+
+def record_of(request: Request) -> AccessRecord | None:
+    """The request's record (None when the app runs without AccessLog, e.g. in a test)."""
+    record = request.scope.get(SCOPE_KEY)
+    return record if isinstance(record, AccessRecord) else None
+
+
+class AccessLog:
+    """See the module docstring."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = AccessRecord(time.monotonic())
+        scope[SCOPE_KEY] = record
+        status = 0  # 0: no response started (the client went away first)
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            if log.isEnabledFor(logging.INFO):
+                if record.finish is not None:
+                    record.finish(record)
+                log.info("%s", access_line(scope["method"], scope["path"], status, record,
+                                           time.monotonic()))
+
+
+def access_line(method: str, path: str, status: int, record: AccessRecord, now: float) -> str:
+    """The logged line (see the module docstring)."""
+    def show(value: object) -> str:
+        return "-" if value is None else str(value)
+
+    ttft = (f"{(record.first_token_at - record.start) * 1000:.1f}"
+            if record.first_token_at is not None else "-")
+    # The path is the client's: printable ASCII only, bounded, so no line can be forged.
+    path = path[:200].encode("ascii", "backslashreplace").decode()
+    path = "".join(c if c.isprintable() and c != " " else f"\\x{ord(c):02x}" for c in path)
+    return (f"{method} {path} {status} tenant={show(record.tenant)} "
+            f"adapter={show(record.adapter)} prompt_tokens={show(record.prompt_tokens)} "
+            f"completion_tokens={show(record.completion_tokens)} ttft_ms={ttft} "
+            f"duration_ms={(now - record.start) * 1000:.1f}")

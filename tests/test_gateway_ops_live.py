@@ -1,0 +1,216 @@
+"""What an operator sees of a running gateway, against live processes: state that survives a
+restart without Redis, the access log and shutdown line, a busy port refused before any
+engine starts, engine log directories cleaned up (kept after a failure), engine load
+progress, and /docs that needs no network."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.serve import EngineProcess, free_port, wait_ready
+from tests.live_servers import LiveServer, start_engine, start_gateway
+
+ADMIN = "ops-admin-key"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, tiny_adapters: dict[str, Path],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    root = tmp_path_factory.mktemp("ops-engine")
+    server = start_engine(tiny_model_dir, root, "--adapter-root",
+                          str(tiny_adapters["a0"].parent))
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def gateway(tiny_model_dir: Path, engine: LiveServer, log_dir: Path, *extra: str
+            ) -> LiveServer:
+    return start_gateway(tiny_model_dir, [engine.url], log_dir, "--admin-key", ADMIN,
+                         "--state-refresh-s", "0.1", *extra).wait_ready()
+
+
+def complete(url: str, key: str, model: str, stream: bool = False) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=60.0,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": model, "prompt": "hello", "max_tokens": 4,
+                            "temperature": 0, "ignore_eos": True, "stream": stream})
+
+
+def make_tenant(url: str, tenant_id: str, adapter_path: Path) -> str:
+    """A tenant owning adapter "<tenant_id>-bot"; returns a fresh key."""
+    assert httpx.post(url + "/admin/tenants", headers=AUTH, timeout=30.0,
+                      json={"tenant_id": tenant_id}).status_code == 201
+    key = httpx.post(url + f"/admin/tenants/{tenant_id}/keys", headers=AUTH, timeout=30.0)
+    assert key.status_code == 201
+    adapter = httpx.post(url + "/admin/adapters", headers=AUTH, timeout=60.0,
+                         json={"name": f"{tenant_id}-bot", "path": str(adapter_path),
+                               "owner": tenant_id})
+    assert adapter.status_code == 201, adapter.text
+    return str(key.json()["key"])
+
+
+def test_tenants_keys_and_adapters_survive_a_restart_without_redis(
+        tiny_model_dir: Path, tiny_adapters: dict[str, Path], engine: LiveServer,
+        tmp_path: Path) -> None:
+    state = tmp_path / "state.db"
+    first = gateway(tiny_model_dir, engine, tmp_path, "--state-path", str(state))
+    try:
+        key = make_tenant(first.url, "acme", tiny_adapters["a0"])
+        assert complete(first.url, key, "acme-bot").status_code == 200
+    finally:
+        assert first.stop() == 0
+    second = gateway(tiny_model_dir, engine, tmp_path, "--state-path", str(state))
+    try:
+        tenant = httpx.get(second.url + "/admin/tenants/acme", headers=AUTH, timeout=30.0)
+        assert tenant.status_code == 200
+        adapter = httpx.get(second.url + "/admin/adapters/acme-bot", headers=AUTH,
+                            timeout=30.0)
+        assert adapter.status_code == 200 and adapter.json()["owner"] == "acme"
+        response = complete(second.url, key, "acme-bot")
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+        models = httpx.get(second.url + "/v1/models", timeout=30.0,
+                           headers={"Authorization": f"Bearer {key}"}).json()
+        assert "acme-bot" in [m["id"] for m in models["data"]]
+    finally:
+        second.stop()
+
+
+def test_access_log_has_a_line_per_request_and_shutdown_says_what_drains(
+        tiny_model_dir: Path, tiny_adapters: dict[str, Path], engine: LiveServer,
+        tmp_path: Path) -> None:
+    server = gateway(tiny_model_dir, engine, tmp_path)  # in memory (tests/conftest.py)
+    try:
+        key = make_tenant(server.url, "beta", tiny_adapters["a0"])
+        assert complete(server.url, key, "beta-bot").status_code == 200
+        streamed = complete(server.url, key, "beta-bot", stream=True)
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+        assert complete(server.url, "lg-wrong", "beta-bot").status_code == 401
+    finally:
+        assert server.stop() == 0
+    log = server.log()
+    line = (r"loragate\.access: POST /v1/completions 200 tenant=beta adapter=beta-bot "
+            r"prompt_tokens=\d+ completion_tokens=4 ttft_ms=\d+\.\d duration_ms=\d+\.\d\n")
+    assert len(re.findall(line, log)) == 2, log[-3000:]  # the whole one and the stream
+    assert re.search(r"loragate\.access: POST /v1/completions 401 tenant=- adapter=- "
+                     r"prompt_tokens=- completion_tokens=- ttft_ms=- duration_ms=", log)
+    assert re.search(r"shutting down: the gateway drains \(no new requests; 0 in flight, "
+                     r"waiting up to 30s for them\)", log)
+    assert "lg-wrong" not in log  # keys never reach the log
+
+
+def test_docs_need_no_network(tiny_model_dir: Path, engine: LiveServer,
+                              tmp_path: Path) -> None:
+    server = gateway(tiny_model_dir, engine, tmp_path)
+    try:
+        page = httpx.get(server.url + "/docs", timeout=30.0)
+        assert page.status_code == 200
+        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", page.text), page.text
+        assets = re.findall(r"""['"](/docs-assets/[^'"]+)['"]""", page.text)
+        assert {"/docs-assets/swagger-ui-bundle.js", "/docs-assets/swagger-ui.css"} <= set(
+            assets)
+        for asset in assets:
+            assert httpx.get(server.url + asset, timeout=30.0).status_code == 200
+        assert httpx.get(server.url + "/openapi.json", timeout=30.0).status_code == 200
+        assert httpx.get(server.url + "/redoc", timeout=30.0).status_code == 404
+    finally:
+        server.stop()
+
+
+def serve_command(model: Path, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model), "--port",
+            str(port), "--instances", "1", "--num-kv-blocks", "64", *extra]
+
+
+def serve_env(tmp: Path) -> dict[str, str]:
+    """The environment of a `loragate serve` child whose temp files go to tmp."""
+    tmp.mkdir(exist_ok=True)
+    return {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
+
+
+def test_a_busy_port_is_refused_before_any_engine_starts(tiny_model_dir: Path,
+                                                         tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = subprocess.run(serve_command(tiny_model_dir, port), capture_output=True,
+                              text=True, timeout=120, env=serve_env(tmp_path / "tmp"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"loragate: error: cannot listen on 127.0.0.1:{port}: Address already in use "
+        f"(another server there? pick another --port)"]
+    assert "starting" not in done.stdout  # no engine was started
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_engine_logs_are_removed_after_a_clean_exit(tiny_model_dir: Path,
+                                                    tmp_path: Path) -> None:
+    port = free_port()
+    tmp = tmp_path / "tmp"
+    process = subprocess.Popen(serve_command(tiny_model_dir, port), env=serve_env(tmp),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert process.stdout is not None
+        lines = []
+        for line in process.stdout:  # until the banner: the gateway is listening
+            lines.append(line)
+            if line.startswith("loragate gateway listening on"):
+                break
+        assert [p.name[:17] for p in tmp.iterdir()] == ["loragate-engines-"]
+        process.send_signal(signal.SIGTERM)
+        rest = process.communicate(timeout=120)[0]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = "".join(lines) + rest
+    assert process.returncode == 0, output
+    assert re.search(r"engine http://127\.0\.0\.1:\d+ ready after \d+s", output), output
+    assert "stopping 1 engine instance(s)" in output
+    assert list(tmp.iterdir()) == [], output
+
+
+def test_engine_logs_are_kept_and_shown_when_an_engine_fails(tiny_model_dir: Path,
+                                                             tmp_path: Path) -> None:
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model_dir, broken, ignore=shutil.ignore_patterns("adapters"))
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    tmp = tmp_path / "tmp"
+    done = subprocess.run(serve_command(broken, free_port()), capture_output=True, text=True,
+                          timeout=180, env=serve_env(tmp))
+    assert done.returncode == 2, done.stdout + done.stderr
+    kept = list(tmp.iterdir())
+    assert len(kept) == 1 and (kept[0] / "engine-0.log").is_file()
+    assert f"engine logs kept in {kept[0]}" in done.stderr
+
+
+def test_wait_ready_says_which_engines_are_still_loading(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A process that never answers /health: an engine still loading its model.
+    loading = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    url = f"http://127.0.0.1:{free_port()}"
+    try:
+        with pytest.raises(RuntimeError, match="not ready after 1s"):
+            wait_ready([EngineProcess(url, loading, tmp_path / "log")], 1.0,
+                       progress_every_s=0.2)
+    finally:
+        loading.kill()
+        loading.wait()
+    out = capsys.readouterr().out
+    assert f"waiting for 1 engine(s) to load the model and warm up (0s): {url}\n" in out
