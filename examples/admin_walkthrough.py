@@ -4,8 +4,8 @@ rotation, cleanup.
     loragate serve --admin-key secret
     python examples/admin_walkthrough.py --admin-key secret [--adapter DIR]
 
---adapter is a PEFT directory to upload (default: the demo model's demo-2 adapter, found
-through the gateway's adapter list). Every step prints the request and the answer.
+--adapter is a PEFT directory to upload (default: a copy of the last public adapter the
+gateway serves, found through its adapter list). Every step prints the request and the answer.
 """
 
 from __future__ import annotations
@@ -49,8 +49,11 @@ def main(argv: list[str] | None = None) -> None:
                          headers={"Authorization": f"Bearer {args.admin_key}"})
     source = args.adapter
     if source is None:
-        listed = {a["name"]: a["path"] for a in admin.get("/admin/adapters").json()}
-        source = Path(listed["demo-2"])
+        listed = sorted((a["name"], a["path"]) for a in admin.get("/admin/adapters").json()
+                        if a["owner"] is None)
+        if not listed:
+            raise SystemExit("the gateway serves no public adapter to copy: pass --adapter DIR")
+        source = Path(listed[-1][1])
 
     show("1. create a tenant (60 requests/minute, tier 1)", admin.post(
         "/admin/tenants", json={"tenant_id": tenant, "rpm": 60, "priority": 1}))

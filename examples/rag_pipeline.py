@@ -76,14 +76,20 @@ def build_messages(passages: list[Passage], question: str) -> list[ChatCompletio
 def setup_tenants(base_url: str, admin_key: str | None) -> list[TenantRun]:
     """Two tenants with an adapter each (see the module docstring)."""
     if admin_key is None:
-        return [TenantRun("docs-team", "demo-0", "unused", "docs-team"),
-                TenantRun("support-team", "demo-1", "unused", "support-team")]
+        first, second = served_adapters(base_url)
+        return [TenantRun("docs-team", first, "unused", "docs-team"),
+                TenantRun("support-team", second, "unused", "support-team")]
     headers = {"Authorization": f"Bearer {admin_key}"}
     with httpx.Client(base_url=base_url, headers=headers, timeout=60.0) as admin:
-        paths = {a["name"]: a["path"] for a in admin.get("/admin/adapters").json()}
+        listed = admin.get("/admin/adapters").json()
+        paths = {a["name"]: a["path"] for a in listed}
+        public = sorted(a["name"] for a in listed if a["owner"] is None)
+        if len(public) < 2:
+            raise SystemExit("the gateway serves fewer than two public adapters: start it on "
+                             "a model with an adapters/ directory, or pass --lora twice")
         runs = []
-        for tenant, demo, adapter in (("docs-team", "demo-0", "docs-bot"),
-                                      ("support-team", "demo-1", "support-bot")):
+        for tenant, demo, adapter in (("docs-team", public[0], "docs-bot"),
+                                      ("support-team", public[1], "support-bot")):
             admin.post("/admin/tenants", json={"tenant_id": tenant, "rpm": 600})  # 409 if rerun
             if adapter not in paths:
                 admin.post("/admin/adapters", json={
@@ -91,6 +97,16 @@ def setup_tenants(base_url: str, admin_key: str | None) -> list[TenantRun]:
             key = admin.post(f"/admin/tenants/{tenant}/keys").json()["key"]
             runs.append(TenantRun(tenant, adapter, key, None))
     return runs
+
+
+def served_adapters(base_url: str) -> tuple[str, str]:
+    """The first two adapters the gateway serves (open mode: every adapter is listed)."""
+    models = httpx.get(base_url + "/v1/models", timeout=60.0).json()["data"]
+    adapters = sorted(m["id"] for m in models if m.get("parent"))
+    if len(adapters) < 2:
+        raise SystemExit("the gateway serves fewer than two adapters: start it on a model "
+                         "with an adapters/ directory, or pass --lora twice")
+    return adapters[0], adapters[1]
 
 
 def ask(client: OpenAI, run: TenantRun, messages: list[ChatCompletionMessageParam],
