@@ -1,4 +1,5 @@
-"""The `loragate` command line: serve, engine, make-demo, generate (offline), chat.
+"""The `loragate` command line: serve, engine, make-demo, train-adapter, generate (offline),
+chat.
 
 Every engine and gateway knob is a flag (see `loragate serve --help`), an environment
 variable LORAGATE_<NAME> or a key of the --config file (TOML or YAML); flags win over the
@@ -49,6 +50,18 @@ def _fetch_default_model(args: argparse.Namespace) -> int:
 
     print(f"default model ready in {ensure_default_model(DEMO_HOME, dtype=args.dtype)}",
           flush=True)
+    return 0
+
+
+def _train_adapter(args: argparse.Namespace) -> int:
+    from lora.demo_training import DemoTrainingConfig, train_demo_adapter
+
+    config = DemoTrainingConfig(style=args.style, steps=args.steps, seed=args.seed,
+                                threads=args.threads)
+    report = train_demo_adapter(args.model, args.out, config,
+                                log=lambda line: print(line, flush=True))
+    print(f"data {report.data_seconds:.0f} s, training {report.train_seconds:.0f} s; serve it "
+          f"with --lora {args.style}={report.out}")
     return 0
 
 
@@ -358,6 +371,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_adapter_args(engine)
     add_config_args(engine, EngineConfig, skip=("model",), title="engine")
     engine.set_defaults(func=_engine)
+
+    train = sub.add_parser(
+        "train-adapter", help="train a demo style adapter (shout, json, brief) with PEFT",
+        description="Train a LoRA adapter that changes the model's answering style, on data "
+                    "the model itself generates (no downloads), and write it as a PEFT "
+                    "directory OUT. A few minutes on 2 CPU cores for a ~135M model.")
+    train.add_argument("out", help="directory to write the PEFT adapter into")
+    train.add_argument("--model", type=local_path, required=True,
+                       help="local Hugging Face model directory (the base model)")
+    train.add_argument("--style", choices=["shout", "json", "brief"], required=True,
+                       help="shout: answers in upper case; json: answers as "
+                            '{"answer": ...}; brief: one short sentence')
+    train.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    train.add_argument("--seed", type=int, default=0,
+                       help="seeds data order and init: same seed, same adapter")
+    train.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    train.set_defaults(func=_train_adapter)
 
     gen = sub.add_parser("generate", help="offline generation for a few prompts")
     gen.add_argument("--model", type=local_path, required=True,
