@@ -18,6 +18,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -31,6 +32,7 @@ from gateway.access_log import AccessLog
 from gateway.admin_api import build_admin_router
 from gateway.auth import StateView
 from gateway.config import GatewayConfig
+from gateway.demo_adapters import watch
 from gateway.docs_ui import install_docs
 from gateway.exposure import instance_tag, operator_endpoints_open, require_operator
 from gateway.guard import Guard
@@ -60,10 +62,11 @@ def body_limit(path: str) -> int:
 
 
 def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
-               adapters: dict[str, str] | None = None, base_model: str | None = None
-               ) -> FastAPI:
+               adapters: dict[str, str] | None = None, base_model: str | None = None,
+               watch_adapter_dir: str | None = None) -> FastAPI:
     """A gateway over engine servers at engine_urls; adapters (name -> PEFT dir as the
-    engines see it) are registered on every instance as it comes up."""
+    engines see it) are registered on every instance as it comes up. watch_adapter_dir: a
+    directory where the demo adapters appear while serving (gateway/demo_adapters.py)."""
     if not engine_urls and not config.redis_url:
         raise ValueError("the gateway needs at least one engine URL, or --redis-url to "
                          "discover engines that register there")
@@ -107,6 +110,8 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
             await pool.poll()
             tasks = [asyncio.create_task(pool.run(config.poll_interval_s)),
                      asyncio.create_task(view.run())]
+            if watch_adapter_dir is not None:
+                tasks.append(asyncio.create_task(watch(Path(watch_adapter_dir), view)))
             if config.redis_url and config.engine_token:
                 tasks.append(asyncio.create_task(discover(
                     store, pool, {u.rstrip("/") for u in engine_urls},

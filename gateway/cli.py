@@ -140,7 +140,8 @@ def parse_adapters(specs: Sequence[str], adapter_dir: str | None) -> dict[str, s
             raise ValueError(f"--adapter-dir {adapter_dir!r} is not a directory")
         real_root = root.resolve()
         for child in sorted(root.iterdir()):
-            if not (child / "adapter_config.json").is_file():
+            # Hidden directories are partial (an adapter still being written or unpacked).
+            if child.name.startswith(".") or not (child / "adapter_config.json").is_file():
                 continue
             real = child.resolve()
             files = (real, real / "adapter_config.json", real / "adapter_model.safetensors")
@@ -181,12 +182,16 @@ def _configs(args: argparse.Namespace, model: str | None) -> tuple[Any, Any]:
 def _serve(args: argparse.Namespace) -> int:
     from engine.adapter_roots import roots_from_env
     from engine.default_model import ensure_default_model
+    from gateway.demo_adapters import start_training
     from gateway.serve import serve
 
     _setup_logging()
     model = args.model
+    trainer = None
     if model is None and not args.engine:
         model = str(ensure_default_model(DEMO_HOME))
+        # Its demo style adapters are trained in the background on first start.
+        trainer = start_training(Path(model), DEMO_HOME / "logs" / "demo-adapters.log")
     if model is None:
         raise ValueError("--engine needs --model too: the gateway tokenizes with the model's "
                          "tokenizer (a local copy of the model directory is enough)")
@@ -214,7 +219,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"refusing to serve without authentication on {gateway_config.host}: "
                          f"set --admin-key (and create tenants), or pass "
                          f"--allow-unauthenticated")
-    serve(gateway_config, engine_config, args.instances, args.engine, model, adapters, roots)
+    try:
+        serve(gateway_config, engine_config, args.instances, args.engine, model, adapters,
+              roots, watch_adapter_dir=adapter_dir if trainer is not None else None)
+    finally:
+        if trainer is not None and trainer.poll() is None:
+            trainer.terminate()  # the next start trains what is still missing
     return 0
 
 

@@ -185,9 +185,11 @@ def stop_engines(engines: list[EngineProcess], timeout_s: float) -> None:
 
 
 def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
-                adapters: dict[str, str], banner: str | None = None) -> None:
+                adapters: dict[str, str], banner: str | None = None,
+                watch_adapter_dir: str | None = None) -> None:
     """Serve the gateway until SIGTERM/SIGINT, then drain."""
-    app = create_app(config, engine_urls, tokenizer_dir, adapters)
+    app = create_app(config, engine_urls, tokenizer_dir, adapters,
+                     watch_adapter_dir=watch_adapter_dir)
     server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
         timeout_graceful_shutdown=int(config.drain_timeout_s),
@@ -218,7 +220,7 @@ def start_drain(app: FastAPI, timeout_s: float) -> None:
 
 def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, instances: int,
           engine_urls: list[str], tokenizer_dir: str, adapters: dict[str, str],
-          adapter_roots: Sequence[str] = ()) -> None:
+          adapter_roots: Sequence[str] = (), watch_adapter_dir: str | None = None) -> None:
     """Start local engines (unless engine_urls are given, or instances is 0: then engines
     come from the Redis registry) and the gateway in front. Local engines get the gateway's
     engine token (a fresh random one when it has none) and adapter_roots."""
@@ -241,7 +243,8 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
             supervisor = EngineSupervisor(engines)
             supervisor.start()
         run_gateway(gateway_config, engine_urls, tokenizer_dir, adapters,
-                    banner=ready_banner(gateway_config, tokenizer_dir, adapters))
+                    banner=ready_banner(gateway_config, tokenizer_dir, adapters),
+                    watch_adapter_dir=watch_adapter_dir)
         clean = True
     finally:
         if supervisor is not None:

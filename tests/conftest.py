@@ -23,6 +23,9 @@ from tests.redis_server import shared_redis_url
 # memory unless a test gives --state-path: none shares the user's ~/.cache/loragate/state.db
 # or another test's file.
 os.environ[STATE_PATH_ENV] = ":memory:"
+# `loragate serve` without --model trains the demo adapters in the background: not in tests
+# (tests/test_demo_adapters_background.py runs that training on a tiny model).
+os.environ["LORAGATE_DEMO_ADAPTERS"] = "0"
 
 TINY_SPEC = DemoModelSpec(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

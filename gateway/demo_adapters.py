@@ -1,0 +1,117 @@
+"""The default model's demo style adapters (shout, json, brief): trained once, in the
+background, while the server already serves the base model.
+
+`loragate serve` without --model starts `python -m gateway.demo_adapters MODEL` when some of
+them are missing from MODEL/adapters. That process trains each missing style in turn
+(lora/demo_training.py, a few minutes each on 2 cores, at a lower CPU priority than serving)
+into a hidden temporary directory and renames it into place when complete, so a directory
+named after a style is always a whole adapter. The gateway watches the directory and
+registers each adapter (public) as it appears; an interrupted run resumes at the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from gateway.auth import StateView
+from gateway.tenancy import AdapterRecord
+from lora.demo_data import STYLES
+
+log = logging.getLogger(__name__)
+WATCH_EVERY_S = 5.0
+TRAIN_ENV = "LORAGATE_DEMO_ADAPTERS"
+"""Set to 0 to serve the default model without training its demo adapters."""
+
+
+def complete_adapters(adapter_dir: Path) -> dict[str, str]:
+    """name -> path of the whole PEFT directories in adapter_dir (hidden ones are partial)."""
+    if not adapter_dir.is_dir():
+        return {}
+    return {child.name: str(child.resolve()) for child in sorted(adapter_dir.iterdir())
+            if not child.name.startswith(".")
+            and (child / "adapter_config.json").is_file()
+            and (child / "adapter_model.safetensors").is_file()}
+
+
+def missing_styles(adapter_dir: Path) -> list[str]:
+    have = complete_adapters(adapter_dir)
+    return [style for style in STYLES if style not in have]
+
+
+def start_training(model_dir: Path, log_path: Path) -> subprocess.Popen[bytes] | None:
+    """Train the missing demo adapters in a background process (None: none is missing, or
+    LORAGATE_DEMO_ADAPTERS=0 turned the training off)."""
+    adapter_dir = model_dir / "adapters"
+    adapter_dir.mkdir(exist_ok=True)
+    missing = missing_styles(adapter_dir)
+    if not missing or os.environ.get(TRAIN_ENV, "1") == "0":
+        return None
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        process = subprocess.Popen([sys.executable, "-m", "gateway.demo_adapters",
+                                    str(model_dir)], stdout=out, stderr=subprocess.STDOUT)
+    print(f"training the demo adapters {', '.join(missing)} in the background (a few minutes "
+          f"each; the base model is served meanwhile; log in {log_path})", flush=True)
+    return process
+
+
+async def watch(adapter_dir: Path, view: StateView, interval_s: float = WATCH_EVERY_S) -> None:
+    """Register each demo adapter as it appears (public); returns once all are there."""
+    while True:
+        new = {name: path for name, path in complete_adapters(adapter_dir).items()
+               if name not in view.snapshot.adapters}
+        for name, path in new.items():
+            await view.store.put_adapter(AdapterRecord(name, path))
+            log.info("demo adapter %s is ready and registered", name)
+        if new:
+            await view.refresh()
+        if not missing_styles(adapter_dir):
+            return
+        await asyncio.sleep(interval_s)
+
+
+def train_missing(model_dir: Path) -> None:
+    """Train every missing style into model_dir/adapters, one after another."""
+    from lora.demo_training import DemoTrainingConfig, train_demo_adapter
+
+    adapter_dir = model_dir / "adapters"
+    for stale in adapter_dir.glob(".*.partial-*"):  # left by an interrupted run
+        shutil.rmtree(stale, ignore_errors=True)
+    for style in missing_styles(adapter_dir):
+        partial = Path(tempfile.mkdtemp(prefix=f".{style}.partial-", dir=adapter_dir))
+        try:
+            train_demo_adapter(model_dir, partial, DemoTrainingConfig(style=style),
+                               log=functools.partial(_log, style))
+            partial.rename(adapter_dir / style)
+        finally:
+            if partial.exists():
+                shutil.rmtree(partial, ignore_errors=True)
+
+
+def _log(style: str, line: str) -> None:
+    print(f"[{style}] {line}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m gateway.demo_adapters MODEL_DIR", file=sys.stderr)
+        return 2
+    with contextlib.suppress(OSError):
+        os.nice(10)  # serving comes first on a small machine
+    train_missing(Path(args[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The default model's demo adapters: trained in the background into place (never a partial
+directory under an adapter's name) and registered by the gateway as they appear."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+from gateway.auth import StateView
+from gateway.cli import parse_adapters
+from gateway.demo_adapters import complete_adapters, missing_styles, train_missing, watch
+from gateway.store import MemoryStore
+
+
+def test_missing_styles_are_trained_into_place(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    (model / "adapters").mkdir()
+    (model / "adapters" / ".shout.partial-x").mkdir()  # left by an interrupted run
+    assert missing_styles(model / "adapters") == ["shout", "json", "brief"]
+    train_missing(model)
+    assert sorted(complete_adapters(model / "adapters")) == ["brief", "json", "shout"]
+    assert [p.name for p in (model / "adapters").iterdir() if p.name.startswith(".")] == []
+    assert sorted(parse_adapters([], str(model / "adapters"))) == ["brief", "json", "shout"]
+
+
+def test_the_gateway_registers_each_adapter_as_it_appears(tiny_adapters: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    adapter_dir = tmp_path / "adapters"
+    adapter_dir.mkdir()
+    shutil.copytree(tiny_adapters["a0"], adapter_dir / "shout")
+    shutil.copytree(tiny_adapters["a0"], adapter_dir / ".json.partial-1")  # not yet whole
+
+    async def scenario() -> list[list[str]]:
+        view = StateView(MemoryStore())
+        await view.refresh()
+        watcher = asyncio.create_task(watch(adapter_dir, view, interval_s=0.01))
+        seen = []
+        while sorted(view.snapshot.adapters) != ["shout"]:
+            await asyncio.sleep(0.01)
+        seen.append(sorted(view.snapshot.adapters))
+        (adapter_dir / ".json.partial-1").rename(adapter_dir / "json")
+        shutil.copytree(tiny_adapters["a1"], adapter_dir / "brief")
+        await asyncio.wait_for(watcher, 10)  # returns once every style is registered
+        seen.append(sorted(view.snapshot.adapters))
+        assert all(a.owner is None for a in view.snapshot.adapters.values())  # public
+        return seen
+
+    assert asyncio.run(scenario()) == [["shout"], ["brief", "json", "shout"]]
