@@ -1,13 +1,15 @@
 """Every code block of README.md runs: ```python blocks as scripts, ```bash blocks with bash,
 each in a fresh process, against a tiny model (LORAGATE_MODEL) and a live open-mode gateway
-(LORAGATE_BASE_URL) serving it as "demo-model" with adapters demo-0 .. demo-3, as
-`./dev.sh serve` does. A block preceded by ``<!-- not-tested: why -->`` is skipped (a GPU,
-several hosts, a server that runs until stopped, hours of benchmarks), and only those."""
+(LORAGATE_BASE_URL) serving it under the default model's name with the three demo style
+adapters (random tiny ones here), as `./dev.sh serve` does once its adapters are trained. A
+block preceded by ``<!-- not-tested: why -->`` is skipped (a GPU, several hosts, a server
+that runs until stopped, hours of benchmarks), and only those."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.default_model import DEFAULT_MODEL_NAME
 from engine.demo_model import make_demo_adapters, make_demo_model
+from lora.demo_data import STYLES
 from tests.conftest import TINY_SPEC
 from tests.live_servers import start_engine, start_gateway
 
@@ -55,12 +59,15 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def base_url(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("readme-logs")
-    engine = start_engine(demo_model, logs, "--adapter-root", str(demo_model / "adapters"))
+    styles = tmp_path_factory.mktemp("styles")
+    for i, style in enumerate(STYLES):  # the default model's adapter names
+        shutil.copytree(demo_model / "adapters" / f"demo-{i}", styles / style)
+    engine = start_engine(demo_model, logs, "--adapter-root", str(styles))
     gateway = None
     try:
         engine.wait_ready()
-        gateway = start_gateway(demo_model, [engine.url], logs, "--adapter-dir",
-                                str(demo_model / "adapters")).wait_ready()
+        gateway = start_gateway(demo_model, [engine.url], logs, "--adapter-dir", str(styles),
+                                "--served-model-name", DEFAULT_MODEL_NAME).wait_ready()
         yield gateway.url
     finally:
         for server in (gateway, engine):
