@@ -51,7 +51,7 @@ def test_greedy_answers_match_transformers(
 def test_fetch_default_model_reuses_the_converted_directory(
         smollm2_dir: Path, loragate_home: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr("gateway.cli.DEMO_HOME", loragate_home)
+    monkeypatch.setattr("gateway.cli_models.DEMO_HOME", loragate_home)
     before = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
     assert main(["fetch-default-model"]) == 0
     assert capsys.readouterr().out == f"default model ready in {smollm2_dir}\n"
