@@ -7,11 +7,13 @@ drain) and kills after a timeout; kill() is the crash the fault tests need.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,3 +106,16 @@ def start_serve(log_dir: Path, *extra: str) -> LiveServer:
     port = free_port()
     args = ["serve", "--port", str(port), "--poll-interval-s", "0.2", *extra]
     return _spawn(args, log_dir / f"serve-{port}.log", port)
+
+
+@contextlib.contextmanager
+def running(*servers: LiveServer) -> Iterator[None]:
+    """Wait until every server is ready (in order), and stop them all afterwards, the last
+    started first, whatever happened in between."""
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield
+    finally:
+        for server in reversed(servers):
+            server.stop()

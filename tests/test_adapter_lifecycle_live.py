@@ -26,7 +26,7 @@ import pytest
 from engine.demo_model import make_peft_adapter
 from lora.adapter import SUPPORTED_MODULES
 from tests.live_http import engine_is_idle, poll, sse_events, wait_engines_idle
-from tests.live_servers import LiveServer, start_engine, start_gateway
+from tests.live_servers import LiveServer, running, start_engine, start_gateway
 from tests.test_adapter_upload import tar_bytes
 
 ADMIN = "lifecycle-admin"
@@ -64,9 +64,7 @@ def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
                           "--max-lora-rank", "8", "--adapter-root", str(root))
     gateway = start_gateway(tiny_model_dir, [engine.url], root, "--admin-key", ADMIN,
                             "--adapter-upload-dir", str(uploads))
-    try:
-        engine.wait_ready()
-        gateway.wait_ready()
+    with running(engine, gateway):
         setup = Setup(engine, gateway, uploads, root, old, new, {})
         for tenant in ("ta", "tb"):
             assert admin(setup, "POST", "/admin/tenants",
@@ -74,9 +72,6 @@ def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             setup.keys[tenant] = admin(setup, "POST", f"/admin/tenants/{tenant}/keys"
                                        ).json()["key"]
         yield setup
-    finally:
-        gateway.stop()
-        engine.stop()
 
 
 def admin(setup: Setup, method: str, path: str, **kwargs: Any) -> httpx.Response:

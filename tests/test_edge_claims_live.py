@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.live_http import poll, wait_engines_idle
-from tests.live_servers import LiveServer, start_engine, start_gateway
+from tests.live_servers import LiveServer, running, start_engine, start_gateway
 
 ADMIN = "edge-admin-key"
 CONTEXT = 1024
@@ -33,13 +33,8 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     engine = start_engine(tiny_model_dir, root, "--num-kv-blocks", "128")
     gateway = start_gateway(tiny_model_dir, [engine.url], root, "--admin-key", ADMIN,
                             "--state-refresh-s", "0.1")
-    try:
-        engine.wait_ready()
-        gateway.wait_ready()
+    with running(engine, gateway):
         yield engine, gateway
-    finally:
-        gateway.stop()
-        engine.stop()
 
 
 def _admin(gateway: LiveServer, path: str, body: dict[str, Any] | None = None

@@ -27,7 +27,7 @@ import pytest
 from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
 from gateway.serve import free_port
 from tests.live_http import poll, sse_events, wait_engines_idle
-from tests.live_servers import LiveServer, _spawn, start_engine, start_gateway
+from tests.live_servers import LiveServer, _spawn, running, start_engine, start_gateway
 
 LONG_PROMPT = [5 + i % 400 for i in range(3000)]
 HANGUPS = 50
@@ -54,13 +54,8 @@ def servers(slow_model: Path, tmp_path_factory: pytest.TempPathFactory
     engine = start_engine(slow_model, logs, "--max-num-batched-tokens", "1024",
                           "--num-kv-blocks", "1024", "--max-loras", "1", adapters=adapters)
     gateway = start_gateway(slow_model, [engine.url], logs, adapters=adapters)
-    try:
-        engine.wait_ready()
-        gateway.wait_ready()
+    with running(engine, gateway):
         yield engine, gateway
-    finally:
-        gateway.stop()
-        engine.stop()
 
 
 def _body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:

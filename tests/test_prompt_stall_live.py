@@ -15,7 +15,7 @@ import pytest
 
 from engine.demo_model import DemoModelSpec, make_demo_model
 from tests.live_http import sse_events, wait_engines_idle
-from tests.live_servers import LiveServer, start_engine, start_gateway
+from tests.live_servers import LiveServer, running, start_engine, start_gateway
 
 LONG_CONTEXT = 2**19
 BIG_PROMPT = "lorem ipsum dolor sit amet " * 222_222  # 6 MB, about 4M tokens
@@ -32,13 +32,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServ
         num_kv_heads=2, max_position_embeddings=LONG_CONTEXT, seed=0))
     engine = start_engine(model, root, "--num-kv-blocks", "1024")
     gateway = start_gateway(model, [engine.url], root)
-    try:
-        engine.wait_ready()
-        gateway.wait_ready()
+    with running(engine, gateway):
         yield engine, gateway
-    finally:
-        gateway.stop()
-        engine.stop()
 
 
 def _model(gateway: LiveServer) -> str:

@@ -21,7 +21,7 @@ import pytest
 
 from engine.demo_model import make_peft_adapter
 from tests.live_http import engine_state, wait_engines_idle
-from tests.live_servers import LiveServer, start_engine, start_gateway
+from tests.live_servers import LiveServer, running, start_engine, start_gateway
 
 MAX_IN_FLIGHT = 4
 
@@ -36,13 +36,8 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                           "8", adapters=adapters)
     gateway = start_gateway(tiny_model_dir, [engine.url], root, "--max-in-flight-per-instance",
                             str(MAX_IN_FLIGHT), adapters=adapters)
-    try:
-        engine.wait_ready()
-        gateway.wait_ready()
+    with running(engine, gateway):
         yield engine, gateway
-    finally:
-        gateway.stop()
-        engine.stop()
 
 
 def _healthy(gateway: LiveServer) -> None:
