@@ -7,6 +7,8 @@ them are missing from MODEL/adapters. That process trains each missing style in 
 into a hidden temporary directory and renames it into place when complete, so a directory
 named after a style is always a whole adapter. The gateway watches the directory and
 registers each adapter (public) as it appears; an interrupted run resumes at the next start.
+Each adapter records the recipe it was trained with (RECIPE_FILE); one trained by another
+version of the recipe is removed at start and trained again.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -21,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from gateway.auth import StateView
@@ -31,6 +36,40 @@ log = logging.getLogger(__name__)
 WATCH_EVERY_S = 5.0
 TRAIN_ENV = "LORAGATE_DEMO_ADAPTERS"
 """Set to 0 to serve the default model without training its demo adapters."""
+RECIPE_FILE = "loragate-demo.json"
+"""Written into each demo adapter's directory: the recipe that trained it (recipe())."""
+
+
+def recipe(style: str) -> dict[str, object]:
+    """What a demo adapter of ``style`` is trained from: its config and a digest of the code
+    that makes its data and trains it (any change there makes a different adapter)."""
+    import lora.demo_data
+    import lora.demo_training
+
+    code = hashlib.sha256()
+    for module in (lora.demo_data, lora.demo_training):
+        code.update(Path(str(module.__file__)).read_bytes())
+    config = asdict(lora.demo_training.DemoTrainingConfig(style=style))
+    return {"style": style, "config": config, "code_sha256": code.hexdigest()}
+
+
+def remove_stale(adapter_dir: Path) -> list[str]:
+    """Delete the demo adapters trained by another recipe than today's; returns their styles."""
+    stale = []
+    for style, path in complete_adapters(adapter_dir).items():
+        if style not in STYLES:
+            continue
+        try:
+            recorded = json.loads((Path(path) / RECIPE_FILE).read_text())
+        except (OSError, ValueError):
+            recorded = None
+        if recorded != json.loads(json.dumps(recipe(style))):  # tuples read back as lists
+            # Renamed first so that no whole-looking directory is ever half deleted.
+            doomed = Path(tempfile.mkdtemp(prefix=f".{style}.stale-", dir=adapter_dir))
+            Path(path).rename(doomed / style)
+            shutil.rmtree(doomed, ignore_errors=True)
+            stale.append(style)
+    return stale
 
 
 def complete_adapters(adapter_dir: Path) -> dict[str, str]:
@@ -53,8 +92,14 @@ def start_training(model_dir: Path, log_path: Path) -> subprocess.Popen[bytes] |
     LORAGATE_DEMO_ADAPTERS=0 turned the training off)."""
     adapter_dir = model_dir / "adapters"
     adapter_dir.mkdir(exist_ok=True)
+    if os.environ.get(TRAIN_ENV, "1") == "0":
+        return None
+    stale = remove_stale(adapter_dir)
+    if stale:
+        print(f"demo adapters {', '.join(stale)} were trained by an older recipe: training "
+              f"them again", flush=True)
     missing = missing_styles(adapter_dir)
-    if not missing or os.environ.get(TRAIN_ENV, "1") == "0":
+    if not missing:
         return None
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
@@ -80,18 +125,24 @@ async def watch(adapter_dir: Path, view: StateView, interval_s: float = WATCH_EV
         await asyncio.sleep(interval_s)
 
 
-def train_missing(model_dir: Path) -> None:
-    """Train every missing style into model_dir/adapters, one after another."""
+def train_missing(model_dir: Path, adapter_dir: Path | None = None) -> None:
+    """Train every missing style into adapter_dir (default model_dir/adapters), one after
+    another; the base model answers the training questions once for all of them."""
     from lora.demo_training import DemoTrainingConfig, train_demo_adapter
 
-    adapter_dir = model_dir / "adapters"
-    for stale in adapter_dir.glob(".*.partial-*"):  # left by an interrupted run
-        shutil.rmtree(stale, ignore_errors=True)
+    adapter_dir = model_dir / "adapters" if adapter_dir is None else adapter_dir
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*adapter_dir.glob(".*.partial-*"), *adapter_dir.glob(".*.stale-*")]:
+        shutil.rmtree(stale, ignore_errors=True)  # left by an interrupted run
+    answers: dict[str, str] = {}
     for style in missing_styles(adapter_dir):
         partial = Path(tempfile.mkdtemp(prefix=f".{style}.partial-", dir=adapter_dir))
         try:
-            train_demo_adapter(model_dir, partial, DemoTrainingConfig(style=style),
-                               log=functools.partial(_log, style))
+            report = train_demo_adapter(model_dir, partial, DemoTrainingConfig(style=style),
+                                        log=functools.partial(_log, style),
+                                        known_answers=answers)
+            answers = report.base_answers
+            (partial / RECIPE_FILE).write_text(json.dumps(recipe(style), indent=2))
             partial.rename(adapter_dir / style)
         finally:
             if partial.exists():

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +100,9 @@ class TrainingReport:
     train_seconds: float
     held_out: list[str] = field(default_factory=list)
     """Questions not trained on, for trying the adapter."""
+    base_answers: dict[str, str] = field(default_factory=dict)
+    """question -> the base model's own answer, before the style: every style is trained on
+    the same answers, so the next style's training can take them instead of generating."""
 
 
 def chat_prompt(tokenizer: Any, question: str) -> str:
@@ -142,18 +145,30 @@ def generate_answers(model: Any, tokenizer: Any, prompts: Sequence[str], max_new
     return answers
 
 
-def build_examples(model: Any, tokenizer: Any, questions: Sequence[str], style: str,
-                   max_answer_tokens: int) -> list[Example]:
+def build_examples(tokenizer: Any, answers: Mapping[str, str], questions: Sequence[str],
+                   style: str) -> list[Example]:
     """The base model's answers to ``questions`` rewritten in ``style``, tokenized; questions
     whose rewritten answer is empty are dropped."""
-    answers = generate_answers(model, tokenizer, [chat_prompt(tokenizer, q) for q in questions],
-                               max_answer_tokens)
     examples = []
-    for question, answer in zip(questions, answers, strict=True):
+    for question in questions:
+        answer = answers[question]
         target = STYLES[style](answer) if answer else ""
         if target:
             examples.append(encode_example(tokenizer, question, target))
     return examples
+
+
+def base_answers(model: Any, tokenizer: Any, questions: Sequence[str], max_answer_tokens: int,
+                 known: Mapping[str, str] | None = None) -> dict[str, str]:
+    """question -> the base model's greedy answer, generating only those not in ``known``
+    (answers of an earlier style's training, made with the same max_answer_tokens)."""
+    answers = {q: known[q] for q in questions if known and q in known}
+    todo = [q for q in questions if q not in answers]
+    if todo:
+        generated = generate_answers(model, tokenizer, [chat_prompt(tokenizer, q) for q in todo],
+                                     max_answer_tokens)
+        answers.update(zip(todo, generated, strict=True))
+    return answers
 
 
 @contextmanager
@@ -225,9 +240,11 @@ def batch_loss(causal: Any, examples: Sequence[Example], prefix: Sequence[torch.
 
 
 def train_demo_adapter(model_dir: str | Path, out: str | Path, config: DemoTrainingConfig,
-                       log: Callable[[str], None] = print) -> TrainingReport:
+                       log: Callable[[str], None] = print,
+                       known_answers: Mapping[str, str] | None = None) -> TrainingReport:
     """Generate the style's data with the base model, train a LoRA on it, save it to ``out``
-    (adapter_config.json + adapter_model.safetensors)."""
+    (adapter_config.json + adapter_model.safetensors). known_answers: the base_answers of an
+    earlier report on the same model with the same max_answer_tokens, reused."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -241,10 +258,13 @@ def train_demo_adapter(model_dir: str | Path, out: str | Path, config: DemoTrain
         base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         base.eval()  # no dropout anywhere: the same seed gives the same adapter
         train_q, held_out = split_questions(config.num_questions, config.seed)
-        log(f"answering {len(train_q)} questions with the base model "
-            f"(max {config.max_answer_tokens} tokens each)")
-        examples = build_examples(base, tokenizer, train_q, config.style,
-                                  config.max_answer_tokens)
+        todo = len([q for q in train_q if not known_answers or q not in known_answers])
+        if todo:
+            log(f"answering {todo} questions with the base model "
+                f"(max {config.max_answer_tokens} tokens each)")
+        answers = base_answers(base, tokenizer, train_q, config.max_answer_tokens,
+                               known_answers)
+        examples = build_examples(tokenizer, answers, train_q, config.style)
         if len(examples) < config.batch_size:
             raise ValueError(f"only {len(examples)} usable examples for style "
                              f"{config.style!r}; need at least batch_size={config.batch_size}")
@@ -268,7 +288,7 @@ def train_demo_adapter(model_dir: str | Path, out: str | Path, config: DemoTrain
         log(f"adapter written to {out} ({train_seconds:.1f} s of training, "
             f"final loss {losses[-1]:.3f})")
         return TrainingReport(Path(out), examples, losses, data_seconds, train_seconds,
-                              held_out)
+                              held_out, answers)
     finally:
         torch.set_num_threads(threads)
 

@@ -9,7 +9,14 @@ from pathlib import Path
 
 from gateway.auth import StateView
 from gateway.cli import parse_adapters
-from gateway.demo_adapters import complete_adapters, missing_styles, train_missing, watch
+from gateway.demo_adapters import (
+    RECIPE_FILE,
+    complete_adapters,
+    missing_styles,
+    remove_stale,
+    train_missing,
+    watch,
+)
 from gateway.store import MemoryStore
 
 
@@ -22,6 +29,15 @@ def test_missing_styles_are_trained_into_place(tiny_model_dir: Path, tmp_path: P
     assert sorted(complete_adapters(model / "adapters")) == ["brief", "json", "shout"]
     assert [p.name for p in (model / "adapters").iterdir() if p.name.startswith(".")] == []
     assert sorted(parse_adapters([], str(model / "adapters"))) == ["brief", "json", "shout"]
+
+    # Each records its recipe; one trained by another recipe is removed at the next start.
+    assert remove_stale(model / "adapters") == []
+    stamp = model / "adapters" / "json" / RECIPE_FILE
+    stamp.write_text(stamp.read_text().replace('"steps": ', '"steps": 1'))
+    (model / "adapters" / "brief" / RECIPE_FILE).unlink()  # trained before recipes were kept
+    assert remove_stale(model / "adapters") == ["brief", "json"]
+    assert sorted(p.name for p in (model / "adapters").iterdir()) == ["shout"]
+    assert missing_styles(model / "adapters") == ["json", "brief"]
 
 
 def test_the_gateway_registers_each_adapter_as_it_appears(tiny_adapters: dict[str, Path],
