@@ -7,9 +7,10 @@ tenants with their own adapters, streamed answers, and a summary from the gatewa
 With --admin-key the script creates two tenants (docs-team, support-team), gives each its own
 adapter (registered through the admin API from the demo adapters' directories) and a key,
 and asks through those keys; without it (a gateway in open mode) it uses the demo adapters
-directly and keeps the tenants apart with a cache_salt each. The demo model has random
-weights, so the answers are gibberish: the retrieval, the prompt layout, the streaming, the
-adapters and the prefix cache are all real.
+directly and keeps the tenants apart with a cache_salt each. On the default model
+(SmolLM2-135M-Instruct) the answers are real, if short of what a larger model would say; on a
+random-weight model from `loragate make-demo` they are gibberish, and the retrieval, the prompt
+layout, the streaming, the adapters and the prefix cache work all the same.
 
 Prompt layout (stable, so repeated documents become cached prefixes): the system prompt, then
 the retrieved passages in ascending passage id, then the question.
@@ -110,12 +111,12 @@ def served_adapters(base_url: str) -> tuple[str, str]:
 
 
 def ask(client: OpenAI, run: TenantRun, messages: list[ChatCompletionMessageParam],
-        max_tokens: int) -> None:
+        max_tokens: int, temperature: float) -> None:
     start = time.perf_counter()
     first: float | None = None
     extra = {"cache_salt": run.cache_salt} if run.cache_salt else {}
     stream = client.chat.completions.create(
-        model=run.model, messages=messages, max_tokens=max_tokens, temperature=0.7, seed=1,
+        model=run.model, messages=messages, max_tokens=max_tokens, temperature=temperature, seed=1,
         stream=True, stream_options={"include_usage": True}, extra_body=extra)
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--admin-key", default=None)
     parser.add_argument("--k", type=int, default=3, help="passages per question")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (the default): greedy, the same answer every time")
     parser.add_argument("--rounds", type=int, default=1,
                         help="ask every question this many times (repeats hit the cache)")
     args = parser.parse_args(argv)
@@ -178,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{', '.join(f'{p.passage_id}:{p.topic}' for p in found)}\n  answer: ",
                       end="")
                 client = OpenAI(base_url=args.base_url + "/v1", api_key=run.api_key)
-                ask(client, run, build_messages(found, question), args.max_tokens)
+                ask(client, run, build_messages(found, question), args.max_tokens,
+                    args.temperature)
     summary(args.base_url, runs, args.admin_key)
 
 

