@@ -8,10 +8,15 @@ Flat batch layout (T tokens in all), decodes first:
 Each layer's KV cache is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim];
 viewed flat as [num_blocks * block_size, ...], token position p of a request lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
+
+Layers may differ in their sliding window (Gemma: local and global layers): a step builds
+one AttentionMetadata per distinct window of the model (build_step_metadata), all sharing
+one slot mapping, and each layer reads the one of its own window.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +65,23 @@ class AttentionMetadata:
     the reference path reads are left empty)."""
 
 
+def build_step_metadata(
+    decodes: list[tuple[list[int], int]],
+    prefills: list[tuple[list[int], int, int]],
+    block_size: int,
+    windows: Iterable[int | None],
+    device: torch.device,
+    cascade: bool = False,
+) -> dict[int | None, AttentionMetadata]:
+    """The step's metadata for each distinct sliding window (None: full attention) among
+    the model's layers, all with one shared slot mapping. Arguments as for
+    build_attention_metadata; only the full-attention entry may plan cascade attention."""
+    slot_mapping = _slot_mapping(decodes, prefills, block_size, device)
+    return {window: build_attention_metadata(decodes, prefills, block_size, window, device,
+                                             cascade, slot_mapping)
+            for window in dict.fromkeys(windows)}
+
+
 def build_attention_metadata(
     decodes: list[tuple[list[int], int]],
     prefills: list[tuple[list[int], int, int]],
@@ -67,11 +89,14 @@ def build_attention_metadata(
     sliding_window: int | None,
     device: torch.device,
     cascade: bool = False,
+    slot_mapping: torch.Tensor | None = None,
 ) -> AttentionMetadata:
     """decodes: (block_table, context_len) per one-token request, in batch order.
     prefills: (block_table, start_pos, q_len) per multi-token chunk, after the decodes.
-    cascade: plan cascade attention when the device and model allow it."""
-    slot_mapping = _slot_mapping(decodes, prefills, block_size, device)
+    cascade: plan cascade attention when the device and model allow it.
+    slot_mapping: the step's, when already built (for another window)."""
+    if slot_mapping is None:
+        slot_mapping = _slot_mapping(decodes, prefills, block_size, device)
     if cascade and sliding_window is None and cascade_available(device):
         return _cascade_metadata(decodes, prefills, block_size, slot_mapping, device)
     num_decodes = len(decodes)
@@ -170,11 +195,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Torch reference paged attention (or cascade attention when the metadata planned it).
 
     Semantics: writes k/v of every token into its cache slot, then each token attends
     causally (and within the sliding window, if any) to its request's whole context.
+    softcap (Gemma 2): scores = softcap * tanh(scale * q.k / softcap) before the mask;
+    the cascade path has no soft-capping, so a model with one never plans it.
     Shapes: q [T, H, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D];
     returns [T, H, D]. H must be a multiple of Hkv (GQA). dtypes: q/k/v/caches alike.
     """
@@ -184,6 +212,7 @@ def paged_attention(
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
     if meta.cascade is not None:
+        assert softcap is None, "cascade attention has no soft-capping"
         return cascade_attention(q, k, v, k_cache, v_cache, meta.cascade, scale)
     gqa = q.shape[1] != num_kv_heads
     out = torch.empty_like(q)
@@ -194,9 +223,7 @@ def paged_attention(
         kd = _gather_context(k_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2)
         vd = _gather_context(v_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)  # [Nd, H, 1, D]
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-        )
+        od = _attend(qd, kd, vd, meta.decode_mask, scale, softcap, gqa)
         out[:nd] = od.squeeze(2)
 
     for seq in meta.prefills:
@@ -210,9 +237,26 @@ def paged_attention(
             vp = _gather_context(v_cache, seq.context_blocks, ctx_len).transpose(0, 1)
         # A leading batch dim of 1: torch's CPU SDPA takes its fused kernels only for 4-D
         # inputs; 3-D inputs fall back to a path 2-3x slower (measured on torch 2.13).
-        op = F.scaled_dot_product_attention(
-            qp[None], kp[None], vp[None], attn_mask=seq.mask, is_causal=seq.mask is None,
-            scale=scale, enable_gqa=gqa,
-        )[0]
+        op = _attend(qp[None], kp[None], vp[None], seq.mask, scale, softcap, gqa)[0]
         out[rows] = op.transpose(0, 1)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, softcap: float | None, gqa: bool) -> torch.Tensor:
+    """softmax(scale * q @ k.T, masked) @ v. q [B, H, Lq, D], k/v [B, Hkv, Lk, D], mask
+    broadcastable to [B, H, Lq, Lk] (True = attend) or None for causal with Lq == Lk.
+    With softcap the scores are capped first (Gemma 2), in explicit matmuls since torch's
+    SDPA has no such option; the softmax then runs in fp32, as transformers' does."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale, enable_gqa=gqa)
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

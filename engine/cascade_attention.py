@@ -19,7 +19,8 @@ request per layer. This path instead
 
 It needs the log-sum-exp of each partial attention, which torch's CPU flash-attention
 kernel returns (``aten::_scaled_dot_product_flash_attention_for_cpu``); engines on other
-devices, and models with a sliding window, use the reference path.
+devices, layers with a sliding window (Gemma's local layers; its global layers still cascade)
+and models that soft-cap attention scores (Gemma 2) use the reference path.
 """
 
 from __future__ import annotations

@@ -78,8 +78,9 @@ class EngineConfig:
     cascade_attention: bool = True
     """On a CPU, read KV blocks that several running requests share (cached prefixes) once
     per step instead of once per request (engine/cascade_attention.py). Off: the reference
-    attention, which copies every request's context. Ignored on a GPU and for sliding-window
-    models."""
+    attention, which copies every request's context. Ignored on a GPU, for sliding-window
+    layers (Gemma's global layers still use it) and for models that soft-cap attention
+    scores (Gemma 2)."""
 
     prefix_auto_threshold: float = 0.30
     """Hit rate under which prefix_caching="auto" turns caching off."""

@@ -9,6 +9,12 @@ directory itself: ``model.safetensors`` (float weights, no tied ``lm_head``), ``
 The output appears whole or not at all: everything is written into a temporary sibling
 directory that is renamed to OUT only when complete, so an interrupted import never leaves
 a directory that looks like a model but is not one.
+
+Gemma 2 and Gemma 3 GGUF files are refused although the engine serves both families:
+transformers' GGUF reader keeps none of ``query_pre_attn_scalar``, the soft-capping values,
+Gemma 3's local rope base or its global rope scaling and falls back to defaults that are
+wrong for some checkpoints (Gemma 3 4B and larger scale their global rope, Gemma 2 and 3
+27B use another query scalar), so an import could serve a silently different model.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from engine.models.shape import SUPPORTED_MODEL_TYPES
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+"""The GGUF ``general.architecture`` values import_gguf converts."""
+_LOSSY_ARCHITECTURES = ("gemma2", "gemma3")
+"""Served from Hugging Face directories, but not importable from GGUF (module docstring)."""
 
 GGUF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The float types ``import_gguf`` can write."""
@@ -62,9 +71,13 @@ def gguf_architecture(gguf_file: str | Path) -> str:
 def check_supported(gguf_file: str | Path) -> str:
     """The file's architecture, or ValueError naming it when the engine cannot serve it."""
     arch = gguf_architecture(gguf_file)
-    if arch not in SUPPORTED_MODEL_TYPES:
+    if arch in _LOSSY_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} of {Path(gguf_file).name!r} cannot be "
+                         f"imported: the GGUF reader loses settings it needs (query scalar, "
+                         f"rope scaling); serve its Hugging Face checkpoint directory instead")
+    if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} of {Path(gguf_file).name!r} is not "
-                         f"supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                         f"supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
     return arch
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, build_attention_metadata
+from engine.attention import AttentionMetadata, build_step_metadata
 from engine.config import EngineConfig
 from engine.models.llama import LlamaForFlatBatch
 from engine.sampler import Sampler
@@ -42,7 +42,9 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = config.block_size
-        self.cascade_attention = config.cascade_attention
+        # Cascade attention has no score soft-capping (Gemma 2): such models never plan it.
+        self.cascade_attention = config.cascade_attention and model.shape.attn_softcap is None
+        self.layer_windows = tuple(dict.fromkeys(model.shape.layer_windows))
         per_block = kv_bytes_per_block(model, config.block_size, dtype)
         self.num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
         if self.num_blocks < 1:
@@ -97,7 +99,7 @@ class ModelRunner:
         return out
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[
-            torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
+            torch.Tensor, torch.Tensor, dict[int | None, AttentionMetadata], torch.Tensor,
             LoraBatchMetadata | None]:
         token_ids: list[int] = []
         token_slots: list[int] = []
@@ -115,9 +117,8 @@ class ModelRunner:
                 decodes.append((c.block_table, c.context_len))
             else:
                 prefills.append((c.block_table, c.start_pos, c.num_tokens))
-        meta = build_attention_metadata(decodes, prefills, self.block_size,
-                                        self.model.shape.sliding_window, self.device,
-                                        cascade=self.cascade_attention)
+        meta = build_step_metadata(decodes, prefills, self.block_size, self.layer_windows,
+                                   self.device, cascade=self.cascade_attention)
         return (
             torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),

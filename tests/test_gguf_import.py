@@ -36,6 +36,17 @@ def test_an_unsupported_architecture_is_named(tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-mamba.gguf"]
 
 
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])
+def test_gemma_gguf_is_refused_with_the_reason(tmp_path: Path, architecture: str) -> None:
+    # The engine serves Gemma, but transformers' GGUF reader drops settings Gemma needs.
+    gguf = write_gguf(tmp_path / "tiny-gemma.gguf", architecture)
+    with pytest.raises(ValueError, match=rf"GGUF architecture '{architecture}' of "
+                                         r"'tiny-gemma.gguf' cannot be imported: .* serve its "
+                                         r"Hugging Face checkpoint directory instead"):
+        import_gguf(gguf, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"not a gguf file at all")

@@ -2,7 +2,8 @@
 
 Each family's checkpoint is built by transformers itself (from_config with a seed,
 save_pretrained) with the tiny demo tokenizer; weights that random init leaves trivial
-(biases at zero, norm weights at one) are randomised so that a model ignoring them fails.
+(biases at zero, norm weights at one, Gemma's norm offsets at zero) are randomised so that a
+model ignoring them fails.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -28,10 +31,12 @@ from transformers import (
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.attention import build_attention_metadata
+from engine.attention import build_attention_metadata, build_step_metadata
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.models.loader import load_hf_config
 from engine.models.rope import llama3_inv_freq, rope_cos_sin
+from engine.models.shape import ModelShape
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from lora.adapter import SUPPORTED_MODULES
@@ -43,8 +48,15 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 """With head_dim 16 and theta 10000 the wavelengths are 6.3, 19.9, 62.8, 199, ...: one kept
 (< 64 / 4), two blended, five stretched: every branch of the llama3 scaling is used."""
 
+GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
+"""Local, global, local: both kinds, and a local layer after a global one."""
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+"""As Gemma 3 4B and larger ship it: a scaled global rope, a plain local one of another base."""
+
 FAMILIES = ["llama-tied", "llama3-rope", "llama-linear-rope", "llama-yarn-rope", "qwen2",
-            "qwen3", "mistral-window"]
+            "qwen3", "mistral-window", "gemma3", "gemma2"]
+TIED = ("llama-tied", "gemma3")
 
 
 def _config(kind: str, vocab: int) -> PretrainedConfig:
@@ -66,6 +78,18 @@ def _config(kind: str, vocab: int) -> PretrainedConfig:
         return Qwen2Config(**common)
     if kind == "qwen3":
         return Qwen3Config(head_dim=16, **common)
+    # Gemma: query_pre_attn_scalar (24) differs from head_dim, so a model scaling by
+    # head_dim fails; the window (16) is far shorter than the prompts. Gemma 3's heads are
+    # wider than hidden_size / num_heads, as in the real ones (4 x 32 = 128 > 64).
+    if kind == "gemma3":
+        return Gemma3TextConfig(**{**common, "tie_word_embeddings": True,
+                                   "num_hidden_layers": len(GEMMA3_LAYERS)}, head_dim=32,
+                                query_pre_attn_scalar=24, sliding_window=WINDOW,
+                                layer_types=GEMMA3_LAYERS, rope_parameters=GEMMA3_ROPE)
+    if kind == "gemma2":
+        # Caps far below the defaults (50, 30), so that they change these tiny scores.
+        return Gemma2Config(head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                            attn_logit_softcapping=0.5, final_logit_softcapping=2.0, **common)
     assert kind == "mistral-window"
     return MistralConfig(sliding_window=WINDOW, **common)
 
@@ -106,7 +130,7 @@ def family_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             _randomise_trivial_weights(model)
             model.save_pretrained(str(out))
             tok.save_pretrained(str(out))
-            if kind != "llama-tied":
+            if kind not in TIED:
                 assert model.lm_head.weight.data_ptr() != (
                     model.get_input_embeddings().weight.data_ptr())
             if kind == "llama3-rope":
@@ -149,8 +173,8 @@ def _run(engine: LLMEngine, items: list[tuple[str, list[int], int, int, str | No
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_family_matches_transformers(family_dir: Callable[[str], Path], kind: str) -> None:
     """Greedy, teacher-forced fp32 parity under chunked prefill, prefix hits and
-    preemption. Prompts (31-190 tokens) and decodes run far past the Mistral window (16),
-    and past the 64 original positions of the scaled ropes."""
+    preemption. Prompts (31-190 tokens) and decodes run far past the Mistral and Gemma
+    window (16), and past the 64 original positions of the scaled ropes."""
     model_dir = family_dir(kind)
     engine = _engine(model_dir)
     items = shared_prefix_workload(24, seed=21)
@@ -182,7 +206,8 @@ def _make_adapter(model_dir: Path, out: Path, seed: int) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama3-rope", "qwen2", "qwen3", "mistral-window"])
+@pytest.mark.parametrize("kind", ["llama3-rope", "qwen2", "qwen3", "mistral-window", "gemma3",
+                                  "gemma2"])
 def test_family_adapter_matches_peft(family_dir: Callable[[str], Path], tmp_path: Path,
                                      kind: str) -> None:
     """Adapter and base requests in one chunked batch: each equals PEFT (or the base)."""
@@ -234,6 +259,48 @@ def test_sliding_window_never_plans_cascade_attention() -> None:
     assert int(meta.decode_mask.sum()) == WINDOW
 
 
+def test_layers_with_different_windows_get_their_own_metadata() -> None:
+    # Gemma 3: the local layers' metadata masks to the window on the reference path; the
+    # global layers' plans cascade attention; one slot mapping serves both.
+    metas = build_step_metadata([([0, 1, 2], 40)], [([3, 4], 0, 20)], block_size=16,
+                                windows=(WINDOW, None, WINDOW), device=torch.device("cpu"),
+                                cascade=True)
+    assert list(metas) == [WINDOW, None]
+    local, full = metas[WINDOW], metas[None]
+    assert local.cascade is None and local.decode_mask is not None
+    assert int(local.decode_mask.sum()) == WINDOW
+    assert full.cascade is not None
+    assert local.slot_mapping is full.slot_mapping
+
+
+def test_gemma_shape_reads_layer_types_ropes_and_caps(family_dir: Callable[[str], Path]) -> None:
+    gemma3 = ModelShape.from_hf_config(load_hf_config(str(family_dir("gemma3"))))
+    assert gemma3.layer_windows == (WINDOW, None, WINDOW)
+    assert gemma3.rope_kinds == ("full_attention", "sliding_attention")
+    assert gemma3.layer_rope == (1, 0, 1)
+    assert gemma3.attn_scale == 24 ** -0.5 and gemma3.qk_norm
+    assert gemma3.attn_softcap is None and gemma3.final_softcap is None
+    gemma2 = ModelShape.from_hf_config(load_hf_config(str(family_dir("gemma2"))))
+    assert gemma2.layer_windows == (WINDOW, None) and gemma2.layer_rope == (0, 0)
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (0.5, 2.0)
+    assert not gemma2.qk_norm
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    (dict(use_bidirectional_attention=True),
+     "use_bidirectional_attention=True .* is not supported"),
+    (dict(hidden_activation="gelu"), "hidden_activation 'gelu' is not supported"),
+    (dict(rope_parameters={**GEMMA3_ROPE, "sliding_attention": {
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}),
+     r"rope_type 'dynamic' \(sliding_attention layers\) is not supported"),
+], ids=["bidirectional", "exact-gelu", "dynamic-local-rope"])
+def test_unservable_gemma_configs_are_refused(family_dir: Callable[[str], Path], tmp_path: Path,
+                                              changes: dict[str, object], match: str) -> None:
+    model_dir = _edited_copy(family_dir("gemma3"), tmp_path / "m", **changes)
+    with pytest.raises(ValueError, match=match):
+        LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=8))
+
+
 def _edited_copy(src: Path, dst: Path, **changes: object) -> Path:
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
@@ -243,8 +310,10 @@ def _edited_copy(src: Path, dst: Path, **changes: object) -> Path:
 
 
 @pytest.mark.parametrize(("changes", "match"), [
-    (dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"]),
-     r"model type 'gemma2' is not supported \(architecture Gemma2ForCausalLM\)"),
+    (dict(model_type="gemma", architectures=["GemmaForCausalLM"]),
+     r"model type 'gemma' is not supported \(architecture GemmaForCausalLM\)"),
+    (dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
+     r"model type 'gemma3' is not supported \(architecture Gemma3ForConditionalGeneration\)"),
     (dict(model_type="mamba9000", architectures=["Mamba9000ForCausalLM"]),
      r"model type 'mamba9000' is not supported \(architecture Mamba9000ForCausalLM\)"),
     (dict(architectures=["LlamaForSequenceClassification"]),
@@ -253,7 +322,8 @@ def _edited_copy(src: Path, dst: Path, **changes: object) -> Path:
      "rope_type 'dynamic' is not supported"),
     (dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], use_sliding_window=True,
           head_dim=16), "qwen3 with use_sliding_window=True is not supported"),
-], ids=["gemma2", "unknown-type", "classifier-head", "dynamic-rope", "qwen3-window"])
+], ids=["gemma1", "gemma3-multimodal", "unknown-type", "classifier-head", "dynamic-rope",
+        "qwen3-window"])
 def test_unservable_models_are_refused_at_load(tiny_model_dir: Path, tmp_path: Path,
                                                changes: dict[str, object], match: str) -> None:
     model_dir = _edited_copy(tiny_model_dir, tmp_path / "m", **changes)

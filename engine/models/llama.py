@@ -1,7 +1,10 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat, unpadded batch of tokens.
 
 The families differ only in switches of ModelShape: q/k/v biases (Qwen2), a per-head
-RMSNorm of q and k before rope (Qwen3), a sliding attention window (Mistral).
+RMSNorm of q and k before rope (Qwen3), a sliding attention window (Mistral). Each layer
+fixes at construction which window's attention metadata and which rope table it reads, so
+models whose layers differ (Gemma, engine/models/gemma.py, built from these parts) cost the
+others nothing.
 
 Parameter names equal the Hugging Face checkpoint's, so a checkpoint loads with a plain
 load_state_dict. Every forward takes T tokens of any number of requests at once; only
@@ -10,6 +13,9 @@ attention needs to know where one request ends (AttentionMetadata).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -17,6 +23,18 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.models.shape import ModelShape
 from lora.layers import LoraLinear
 from lora.ops import LoraBatchMetadata
+
+RopeTables = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per rope kind (ModelShape.rope_kinds): the step's cos and sin, each [T, 1, head_dim]."""
+StepMetadata = Mapping[int | None, AttentionMetadata]
+"""The step's attention metadata per sliding window (None: full attention)."""
+NormFactory = Callable[[int, float], nn.Module]
+"""(dim, eps) -> an RMSNorm module."""
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": nn.functional.silu,
+    "gelu_pytorch_tanh": partial(nn.functional.gelu, approximate="tanh"),
+}
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -42,34 +60,36 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Self-attention with GQA and rotary embeddings over paged KV."""
 
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, layer: int, norm: NormFactory = RMSNorm) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             shape.num_heads, shape.num_kv_heads, shape.head_dim)
-        self.sliding_window = shape.sliding_window
+        self.sliding_window = shape.layer_windows[layer]
+        self.rope = shape.layer_rope[layer]
+        self.softcap = shape.attn_softcap
         h = shape.hidden_size
         self.q_proj = LoraLinear(h, self.num_heads * self.head_dim, bias=shape.qkv_bias)
         self.k_proj = LoraLinear(h, self.num_kv_heads * self.head_dim, bias=shape.qkv_bias)
         self.v_proj = LoraLinear(h, self.num_kv_heads * self.head_dim, bias=shape.qkv_bias)
         self.o_proj = LoraLinear(self.num_heads * self.head_dim, h, bias=shape.o_bias)
-        # Qwen3: RMSNorm over each head's head_dim features, one weight shared by all heads.
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
+        # Qwen3, Gemma 3: RMSNorm over each head's head_dim features, one weight for all heads.
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         if shape.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, shape.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, shape.rms_norm_eps)
-        self.scale = self.head_dim ** -0.5
+            self.q_norm = norm(self.head_dim, shape.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, shape.rms_norm_eps)
+        self.scale = shape.attn_scale
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, head_dim]
-        sin: torch.Tensor,
+        ropes: RopeTables,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        metas: StepMetadata,
         lora: LoraBatchMetadata | None,
     ) -> torch.Tensor:
         t = x.shape[0]
+        cos, sin = ropes[self.rope]
         q = self.q_proj(x, lora).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x, lora).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x, lora).view(t, self.num_kv_heads, self.head_dim)
@@ -77,12 +97,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # before rope, as Qwen3 does
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metas[self.sliding_window],
+                              self.scale, self.softcap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim), lora)
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward."""
+    """Gated feed-forward: SwiGLU, or GeGLU (tanh-approximated GELU) for Gemma."""
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
@@ -90,47 +111,55 @@ class MLP(nn.Module):
         self.gate_proj = LoraLinear(h, i, bias=b)
         self.up_proj = LoraLinear(h, i, bias=b)
         self.down_proj = LoraLinear(i, h, bias=b)
+        self.act = _ACTIVATIONS[shape.hidden_act]
 
     def forward(self, x: torch.Tensor, lora: LoraBatchMetadata | None) -> torch.Tensor:
-        gated = nn.functional.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora)
+        gated = self.act(self.gate_proj(x, lora)) * self.up_proj(x, lora)
         return self.down_proj(gated, lora)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP block with residuals."""
 
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(shape)
+        self.self_attn = Attention(shape, layer)
         self.mlp = MLP(shape)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+    def forward(self, x: torch.Tensor, ropes: RopeTables,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], metas: StepMetadata,
                 lora: LoraBatchMetadata | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, lora)
+        x = x + self.self_attn(self.input_layernorm(x), ropes, kv_cache, metas, lora)
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class DecoderModel(nn.Module):
     """Embedding, layers and final norm (the checkpoint's ``model.`` prefix)."""
 
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: ModelShape, layer: Callable[[ModelShape, int], nn.Module],
+                 norm: NormFactory) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.layers = nn.ModuleList(layer(shape, i) for i in range(shape.num_layers))
+        self.norm = norm(shape.hidden_size, shape.rms_norm_eps)
 
 
 class LlamaForFlatBatch(nn.Module):
     """The whole causal LM. forward() returns hidden states; compute_logits() applies the
-    LM head to the rows that are sampled only."""
+    LM head to the rows that are sampled only.
+
+    cos, sin: [len(shape.rope_kinds), max_positions, head_dim] rope tables.
+    """
+
+    layer_class: Callable[[ModelShape, int], nn.Module] = DecoderLayer
+    norm_class: NormFactory = RMSNorm
 
     def __init__(self, shape: ModelShape, cos: torch.Tensor, sin: torch.Tensor) -> None:
         super().__init__()
         self.shape = shape
-        self.model = DecoderModel(shape)
+        self.model = DecoderModel(shape, self.layer_class, self.norm_class)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
@@ -142,15 +171,19 @@ class LlamaForFlatBatch(nn.Module):
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        metas: StepMetadata,
         lora: LoraBatchMetadata | None = None,
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.model.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        x = self.embed(input_ids)
+        cos = self.rope_cos[:, positions].to(x.dtype).unsqueeze(2)  # [K, T, 1, head_dim]
+        sin = self.rope_sin[:, positions].to(x.dtype).unsqueeze(2)
+        ropes = list(zip(cos.unbind(0), sin.unbind(0), strict=True))
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta, lora)
+            x = layer(x, ropes, kv_cache, metas, lora)
         return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

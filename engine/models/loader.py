@@ -1,4 +1,5 @@
-"""Load a local Hugging Face checkpoint directory into LlamaForFlatBatch."""
+"""Load a local Hugging Face checkpoint directory into LlamaForFlatBatch (or its Gemma
+subclass)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 
+from engine.models.gemma import GemmaForFlatBatch
 from engine.models.llama import LlamaForFlatBatch
-from engine.models.rope import rope_cos_sin
+from engine.models.rope import rope_tables
 from engine.models.shape import ModelShape, check_architecture
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,9 +79,10 @@ def load_model(
 ) -> LlamaForFlatBatch:
     """Build the model on the meta device, then assign the checkpoint's tensors to it."""
     shape = ModelShape.from_hf_config(config)
-    cos, sin = rope_cos_sin(config, shape.head_dim, max_positions)
+    cos, sin = rope_tables(config, shape.head_dim, max_positions, shape.rope_kinds)
+    model_class = GemmaForFlatBatch if shape.is_gemma else LlamaForFlatBatch
     with torch.device("meta"):
-        model = LlamaForFlatBatch(shape, cos.to("meta"), sin.to("meta"))
+        model = model_class(shape, cos.to("meta"), sin.to("meta"))
     state: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(Path(model_dir)):
         state.update(load_file(str(file), device="cpu"))
