@@ -83,8 +83,9 @@ class LLMEngine:
             adaptive=AdaptiveConfig(threshold=config.prefix_auto_threshold),
             publish_every=config.prefix_publish_every, pool_shares=config.kv_pool_shares,
             pool_default_cap=config.kv_pool_default_cap)
-        self.lora = (LoraManager(self.model_shape, config.max_loras, config.max_cpu_loras,
-                                 config.max_lora_rank) if config.max_loras else None)
+        self.lora = (LoraManager(self.model_shape.lora_targets(), config.max_loras,
+                                 config.max_cpu_loras, config.max_lora_rank)
+                     if config.max_loras else None)
         self.scheduler = Scheduler(config, self.kv, self.lora)
         self.metrics = EngineMetrics()
         self._tracked: dict[str, _Tracked] = {}

@@ -66,8 +66,9 @@ class ModelRunner:
             for _ in range(s.num_layers)
         ] if self.num_swap_blocks else []
         self.sampler = Sampler(config.seed, device)
-        self.lora_slots = (LoraSlots(model, config.max_loras, config.max_lora_rank, dtype,
-                                     device) if config.max_loras else None)
+        self.lora_slots = (LoraSlots(model.model.layers, s.lora_targets(), config.max_loras,
+                                     config.max_lora_rank, dtype, device)
+                           if config.max_loras else None)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -43,7 +43,7 @@ from gateway.engine_client import EngineRejected, EngineUnavailable
 from gateway.instances import Instance
 from gateway.service import Gateway
 from gateway.tenancy import AdapterRecord
-from lora.adapter import LoraAdapter, load_adapter, max_adapter_bytes
+from lora.adapter import LoraAdapter, load_adapter
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def max_rank(gw: Gateway) -> int:
 def unpacked_cap(shape: ModelShape, rank: int) -> int:
     """Bytes an upload may unpack to: twice the largest adapter the engines can load (all
     seven modules at max rank, float32) plus slack for the config and a README."""
-    return 2 * max_adapter_bytes(shape, rank) + SLACK_BYTES
+    return 2 * shape.lora_targets().max_adapter_bytes(rank) + SLACK_BYTES
 
 
 async def check_name_free(gw: Gateway, name: str) -> None:
@@ -123,7 +123,7 @@ def unpack_and_validate(upload: Path, staging: Path, name: str, shape: ModelShap
     """Worker thread: unpack into staging and validate it like an engine would load it."""
     extract_archive(upload, staging, cap)
     try:
-        return load_adapter(name, staging, shape, rank)
+        return load_adapter(name, staging, shape.lora_targets(), rank)
     except ValueError as exc:  # the staging path means nothing to the caller
         raise ValueError(str(exc).replace(str(staging), "the upload")) from None
 

@@ -226,7 +226,7 @@ async def _validate(name: str, path: str, shape: ModelShape, max_rank: int) -> L
     """Validate a PEFT directory off the event loop as the engines will load it (their
     smallest max_lora_rank included); 400 naming the problem."""
     try:
-        return await asyncio.to_thread(load_adapter, name, path, shape, max_rank)
+        return await asyncio.to_thread(load_adapter, name, path, shape.lora_targets(), max_rank)
     except ValueError as exc:
         raise ApiError(400, f"adapter refused: {exc}", param="path") from None
 

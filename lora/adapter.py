@@ -20,10 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from engine.models.shape import ModelShape
-
-SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                     "down_proj")
+from lora.targets import SUPPORTED_MODULES, LoraTargets
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
                   r"\.lora_([AB])\.weight$")
@@ -38,21 +35,6 @@ _UNSUPPORTED_SWITCHES: tuple[tuple[str, Any], ...] = (
 
 MAX_CONFIG_BYTES = 1 << 20
 """adapter_config.json is a few hundred bytes; anything far larger is not a PEFT config."""
-
-
-def module_dims(shape: ModelShape, module: str) -> tuple[int, int]:
-    """(in_features, out_features) of a target module of the base model."""
-    q_out = shape.num_heads * shape.head_dim
-    kv_out = shape.num_kv_heads * shape.head_dim
-    return {
-        "q_proj": (shape.hidden_size, q_out),
-        "k_proj": (shape.hidden_size, kv_out),
-        "v_proj": (shape.hidden_size, kv_out),
-        "o_proj": (q_out, shape.hidden_size),
-        "gate_proj": (shape.hidden_size, shape.intermediate_size),
-        "up_proj": (shape.hidden_size, shape.intermediate_size),
-        "down_proj": (shape.intermediate_size, shape.hidden_size),
-    }[module]
 
 
 @dataclass(frozen=True)
@@ -82,13 +64,6 @@ class LoraAdapter:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
-
-def max_adapter_bytes(shape: ModelShape, max_rank: int) -> int:
-    """Bytes of the largest adapter an engine with max_lora_rank=max_rank can load: every
-    supported module of every layer at that rank, in float32 (the widest dtype PEFT saves)."""
-    per_layer = sum(sum(module_dims(shape, m)) for m in SUPPORTED_MODULES)
-    return shape.num_layers * per_layer * max_rank * 4
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -141,19 +116,20 @@ def _check_config(config: dict[str, Any], where: str, max_rank: int) -> tuple[in
     return rank, float(alpha), bool(config.get("use_rslora", False))
 
 
-def load_adapter(name: str, path: str | Path, shape: ModelShape, max_rank: int) -> LoraAdapter:
+def load_adapter(name: str, path: str | Path, targets: LoraTargets, max_rank: int
+                 ) -> LoraAdapter:
     """Read, validate and digest a PEFT directory. Every problem is a ValueError naming it
     (an unreadable file included: callers catch ValueError only)."""
     if not name or not re.fullmatch(r"[A-Za-z0-9._:/-]{1,128}", name):
         raise ValueError(f"adapter name {name!r} must be 1-128 of [A-Za-z0-9._:/-]")
     try:
-        return _load(name, Path(path), shape, max_rank)
+        return _load(name, Path(path), targets, max_rank)
     except OSError as exc:
         raise ValueError(f"adapter {name!r}: its files cannot be read ({exc.strerror})"
                          ) from None
 
 
-def _load(name: str, path: Path, shape: ModelShape, max_rank: int) -> LoraAdapter:
+def _load(name: str, path: Path, targets: LoraTargets, max_rank: int) -> LoraAdapter:
     if not path.is_dir():
         raise ValueError(f"adapter directory {str(path)!r} does not exist")
     where = f"adapter {name!r}"
@@ -178,9 +154,9 @@ def _load(name: str, path: Path, shape: ModelShape, max_rank: int) -> LoraAdapte
         layer, module, half = int(match[1]), match[3], match[4]
         if module not in SUPPORTED_MODULES:
             raise ValueError(f"{where}: target module {module!r} is not supported")
-        if layer >= shape.num_layers:
+        if layer >= targets.num_layers:
             raise ValueError(f"{where}: weight for layer {layer}, the base model has "
-                             f"{shape.num_layers} layers")
+                             f"{targets.num_layers} layers")
         pairs.setdefault((layer, module), {})[half] = tensor
     if not pairs:
         raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")
@@ -191,7 +167,7 @@ def _load(name: str, path: Path, shape: ModelShape, max_rank: int) -> LoraAdapte
             raise ValueError(f"{where}: layer {layer} {module} lacks lora_"
                              f"{'B' if 'A' in halves else 'A'}")
         a, b = halves["A"], halves["B"]
-        fan_in, fan_out = module_dims(shape, module)
+        fan_in, fan_out = targets.module_dims(module)
         if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
             raise ValueError(
                 f"{where}: layer {layer} {module} has A {tuple(a.shape)} and B "

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from lora.adapter import SUPPORTED_MODULES
 from lora.demo_data import STYLES, split_questions
+from lora.targets import SUPPORTED_MODULES
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class DemoTrainingConfig:
     lora_alpha: int = 16
     """LoRA alpha (scaling = alpha / r)."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    """Modules the adapter patches (a subset of lora.adapter.SUPPORTED_MODULES)."""
+    """Modules the adapter patches (a subset of lora.targets.SUPPORTED_MODULES)."""
     top_layers: int = 6
     """The adapter patches the last this many decoder layers (all of them if the model has
     fewer): a style is a matter of the output end, and frozen lower layers run once per

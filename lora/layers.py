@@ -10,17 +10,15 @@ ops, each token using the A/B of its request's slot:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lora.adapter import SUPPORTED_MODULES, LoraAdapter, module_dims
+from lora.adapter import LoraAdapter
 from lora.ops import LoraBatchMetadata, add_lora
-
-if TYPE_CHECKING:  # llama.py imports this module for LoraLinear
-    from engine.models.llama import LlamaForFlatBatch
+from lora.targets import SUPPORTED_MODULES, LoraTargets
 
 
 class LoraLinear(nn.Linear):
@@ -44,18 +42,19 @@ class LoraLinear(nn.Linear):
 class LoraSlots:
     """The GPU-side (device) slots: max_loras adapters' weights, stacked per target."""
 
-    def __init__(self, model: LlamaForFlatBatch, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, layers: Iterable[nn.Module], targets: LoraTargets, max_loras: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        """layers: the decoder layers, each holding the SUPPORTED_MODULES as LoraLinear
+        attributes of its ``self_attn`` or ``mlp``."""
         self.max_loras = max_loras
         self.max_rank = max_rank
-        shape = model.shape
         self._targets: dict[tuple[int, str], LoraLinear] = {}
-        for layer_index, layer in enumerate(model.model.layers):
+        for layer_index, layer in enumerate(layers):
             for module in SUPPORTED_MODULES:
                 parent = layer.self_attn if hasattr(layer.self_attn, module) else layer.mlp
                 linear = getattr(parent, module)
                 assert isinstance(linear, LoraLinear)
-                fan_in, fan_out = module_dims(shape, module)
+                fan_in, fan_out = targets.module_dims(module)
                 linear.lora_a = torch.zeros(max_loras, max_rank, fan_in, dtype=dtype,
                                             device=device)
                 linear.lora_b = torch.zeros(max_loras, fan_out, max_rank, dtype=dtype,

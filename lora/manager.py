@@ -25,8 +25,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.models.shape import ModelShape
 from lora.adapter import LoraAdapter, load_adapter
+from lora.targets import LoraTargets
 
 _Stamp = tuple[tuple[int, int, int] | None, ...] | None
 """What _stamp() returns: the state of an adapter's files on disk."""
@@ -57,9 +57,9 @@ class LoraManager:
     """See the module docstring. Methods other than register()/identity() must be called
     from the engine thread."""
 
-    def __init__(self, shape: ModelShape, max_loras: int, max_cpu_loras: int, max_rank: int,
+    def __init__(self, targets: LoraTargets, max_loras: int, max_cpu_loras: int, max_rank: int,
                  error_recheck_s: float = 1.0) -> None:
-        self.shape = shape
+        self.targets = targets
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
         self.max_rank = max_rank
@@ -87,7 +87,7 @@ class LoraManager:
     # ---------------------------------------------------------------- any thread
     def validate(self, name: str, path: str) -> LoraAdapter:
         """Load and validate a PEFT directory (slow: reads the weights)."""
-        return load_adapter(name, path, self.shape, self.max_rank)
+        return load_adapter(name, path, self.targets, self.max_rank)
 
     def identity(self, name: str) -> tuple[str, str]:
         """(name, digest) of a registered adapter; ValueError if unknown."""
@@ -236,7 +236,7 @@ class LoraManager:
         if record is None or name in self._loading or name in self.load_errors:
             return
         self._load_stamps[name] = _stamp(record.path)
-        self._loading[name] = self._loader.submit(load_adapter, name, record.path, self.shape,
+        self._loading[name] = self._loader.submit(load_adapter, name, record.path, self.targets,
                                                   self.max_rank)
 
     def _record_error(self, name: str, message: str, stamp: _Stamp) -> None:

@@ -16,7 +16,7 @@ from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
 from gateway.redis_store import RedisStore
 from gateway.sqlite_store import STATE_PATH_ENV, SqliteStore
 from gateway.store import MemoryStore, StateStore
-from lora.adapter import SUPPORTED_MODULES
+from lora.targets import SUPPORTED_MODULES
 from tests.redis_server import shared_redis_url
 
 # Gateways started by tests (in process or as children, which inherit this) keep tenants in

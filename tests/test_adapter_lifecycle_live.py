@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from engine.demo_model import make_peft_adapter
-from lora.adapter import SUPPORTED_MODULES
+from lora.targets import SUPPORTED_MODULES
 from tests.live_http import engine_is_idle, poll, sse_events, wait_engines_idle
 from tests.live_servers import LiveServer, running, start_engine, start_gateway
 from tests.test_adapter_upload import tar_bytes

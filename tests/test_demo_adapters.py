@@ -96,7 +96,7 @@ def test_training_writes_a_peft_dir_loragate_loads(trained: TrainingReport,
     assert sorted(p.name for p in trained.out.iterdir()) == [
         "README.md", "adapter_config.json", "adapter_model.safetensors"]
     shape = ModelShape.from_hf_config(load_hf_config(str(tiny_model_dir)))
-    adapter = load_adapter("json", trained.out, shape, max_rank=8)
+    adapter = load_adapter("json", trained.out, shape.lora_targets(), max_rank=8)
     assert adapter.rank == 8 and adapter.alpha == 16.0
     assert adapter.target_modules == {"q_proj", "k_proj", "v_proj", "o_proj"}
     assert sorted({layer for layer, _ in adapter.weights}) == [0, 1]  # top_layers >= 2

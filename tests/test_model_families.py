@@ -39,7 +39,7 @@ from engine.models.rope import llama3_inv_freq, rope_cos_sin
 from engine.models.shape import ModelShape
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from lora.adapter import SUPPORTED_MODULES
+from lora.targets import SUPPORTED_MODULES
 from tests.parity import check_against_reference, load_reference, shared_prefix_workload
 
 WINDOW = 16

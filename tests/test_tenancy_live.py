@@ -18,7 +18,7 @@ import pytest
 from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
 from gateway.exposure import instance_tag
 from gateway.sliding_window import SPAN_S
-from lora.adapter import SUPPORTED_MODULES
+from lora.targets import SUPPORTED_MODULES
 from tests.live_http import metric, poll, wait_engines_idle
 from tests.live_servers import LiveServer, start_engine, start_gateway
 from tests.redis_server import PrivateRedis, private_redis

@@ -8,6 +8,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from engine.models.rope import check_rope
+from lora.targets import SUPPORTED_MODULES, LoraTargets
 
 CAUSAL_LM_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -91,6 +92,15 @@ class ModelShape:
     @property
     def is_gemma(self) -> bool:
         return self.model_type in GEMMA_MODEL_TYPES
+
+    def lora_targets(self) -> LoraTargets:
+        """The (in, out) features of each projection an adapter may patch."""
+        h, i = self.hidden_size, self.intermediate_size
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        dims = {"q_proj": (h, q_out), "k_proj": (h, kv_out), "v_proj": (h, kv_out),
+                "o_proj": (q_out, h), "gate_proj": (h, i), "up_proj": (h, i),
+                "down_proj": (i, h)}
+        return LoraTargets(self.num_layers, tuple(dims[m] for m in SUPPORTED_MODULES))
 
     @classmethod
     def from_hf_config(cls, config: PretrainedConfig) -> ModelShape:

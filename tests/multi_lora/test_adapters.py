@@ -17,13 +17,13 @@ from lora.manager import LoraManager
 # --------------------------------------------------------------------------- validation
 def test_valid_adapter_loads_with_identity(adapters: dict[str, Path], shape: ModelShape
                                            ) -> None:
-    a = load_adapter("ad2", adapters["ad2"], shape, max_rank=32)
+    a = load_adapter("ad2", adapters["ad2"], shape.lora_targets(), max_rank=32)
     assert a.rank == 16 and a.use_rslora and a.target_modules == {"gate_proj", "up_proj",
                                                                    "down_proj"}
     assert len(a.weights) == 2 * 3  # 2 layers x 3 modules
-    again = load_adapter("ad2", adapters["ad2"], shape, max_rank=32)
+    again = load_adapter("ad2", adapters["ad2"], shape.lora_targets(), max_rank=32)
     assert again.digest == a.digest
-    other = load_adapter("ad2", adapters["ad6"], shape, max_rank=32)
+    other = load_adapter("ad2", adapters["ad6"], shape.lora_targets(), max_rank=32)
     assert other.digest != a.digest
 
 
@@ -71,7 +71,7 @@ def test_bad_adapters_are_refused(adapters: dict[str, Path], shape: ModelShape, 
         _edit_config(path, peft_type="IA3")
     max_rank = 16 if breakage == "rank_over_cap" else 64
     with pytest.raises(ValueError, match=match):
-        load_adapter("broken", path, shape, max_rank=max_rank)
+        load_adapter("broken", path, shape.lora_targets(), max_rank=max_rank)
 
 
 def test_adapter_for_another_base_model_is_refused(tiny_model_dir: Path, shape: ModelShape,
@@ -84,7 +84,7 @@ def test_adapter_for_another_base_model_is_refused(tiny_model_dir: Path, shape: 
     path = make_peft_adapter(other, tmp_path / "foreign", rank=4, target_modules=("q_proj",),
                              seed=1)
     with pytest.raises(ValueError, match="the base model and r=4 need A"):
-        load_adapter("foreign", path, shape, max_rank=16)
+        load_adapter("foreign", path, shape.lora_targets(), max_rank=16)
 
 
 def test_unsupported_target_module_is_refused(tiny_model_dir: Path, shape: ModelShape,
@@ -92,13 +92,14 @@ def test_unsupported_target_module_is_refused(tiny_model_dir: Path, shape: Model
     path = make_peft_adapter(tiny_model_dir, tmp_path / "head", rank=4,
                              target_modules=("q_proj", "lm_head"), seed=2)
     with pytest.raises(ValueError, match="unexpected weight"):
-        load_adapter("head", path, shape, max_rank=16)
+        load_adapter("head", path, shape.lora_targets(), max_rank=16)
 
 
 # ------------------------------------------------------------------------------ manager
 def _manager(shape: ModelShape, adapters: dict[str, Path], max_loras: int = 2,
              max_cpu: int = 8) -> LoraManager:
-    manager = LoraManager(shape, max_loras=max_loras, max_cpu_loras=max_cpu, max_rank=32)
+    manager = LoraManager(shape.lora_targets(), max_loras=max_loras, max_cpu_loras=max_cpu,
+                          max_rank=32)
     for name, path in adapters.items():
         manager.add(manager.validate(name, str(path)))
     return manager
@@ -180,7 +181,7 @@ def test_non_finite_weights_are_refused(adapters: dict[str, Path], shape: ModelS
     path = _broken_copy(adapters["ad0"], tmp_path / "poisoned")
     _poison(path, value)
     with pytest.raises(ValueError, match="lora_B holds NaN or infinite values"):
-        load_adapter("poisoned", path, shape, max_rank=32)
+        load_adapter("poisoned", path, shape.lora_targets(), max_rank=32)
 
 
 @pytest.mark.parametrize("alpha", ["NaN", "Infinity", "-Infinity"])
@@ -192,7 +193,7 @@ def test_non_finite_alpha_is_refused(adapters: dict[str, Path], shape: ModelShap
     config["lora_alpha"] = "ALPHA"
     (path / "adapter_config.json").write_text(json.dumps(config).replace('"ALPHA"', alpha))
     with pytest.raises(ValueError, match="lora_alpha must be finite"):
-        load_adapter("alpha", path, shape, max_rank=32)
+        load_adapter("alpha", path, shape.lora_targets(), max_rank=32)
 
 
 @pytest.mark.parametrize(("content", "match"), [
@@ -206,7 +207,7 @@ def test_hostile_configs_are_refused_with_value_error(adapters: dict[str, Path],
     path = _broken_copy(adapters["ad0"], tmp_path / "hostile")
     (path / "adapter_config.json").write_bytes(content)
     with pytest.raises(ValueError, match=match):
-        load_adapter("hostile", path, shape, max_rank=32)
+        load_adapter("hostile", path, shape.lora_targets(), max_rank=32)
 
 
 def test_load_error_clears_when_the_files_are_repaired(shape: ModelShape,
@@ -214,7 +215,8 @@ def test_load_error_clears_when_the_files_are_repaired(shape: ModelShape,
                                                        tmp_path: Path) -> None:
     path = _broken_copy(adapters["ad0"], tmp_path / "flaky")
     good = (path / "adapter_model.safetensors").read_bytes()
-    m = LoraManager(shape, max_loras=1, max_cpu_loras=1, max_rank=32, error_recheck_s=0.0)
+    m = LoraManager(shape.lora_targets(), max_loras=1, max_cpu_loras=1, max_rank=32,
+                    error_recheck_s=0.0)
     m.add(m.validate("flaky", str(path)))
     m.add(m.validate("other", str(adapters["ad1"])))  # pushes "flaky" out of the CPU tier
     (path / "adapter_model.safetensors").write_bytes(good[: len(good) // 2])
