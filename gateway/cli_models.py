@@ -47,8 +47,9 @@ def _fetch_default_model(args: argparse.Namespace) -> int:
 def _train_adapter(args: argparse.Namespace) -> int:
     from lora.demo_training import DemoTrainingConfig, train_demo_adapter
 
-    config = DemoTrainingConfig(style=args.style, steps=args.steps, seed=args.seed,
-                                threads=args.threads)
+    steps = {} if args.steps is None else {"steps": args.steps}
+    config = DemoTrainingConfig.for_style(args.style, seed=args.seed, threads=args.threads,
+                                          **steps)
     report = train_demo_adapter(args.model, args.out, config,
                                 log=lambda line: print(line, flush=True))
     print(f"data {report.data_seconds:.0f} s, training {report.train_seconds:.0f} s; serve it "
@@ -149,7 +150,8 @@ def add_model_commands(sub: Any) -> None:
     train.add_argument("--style", choices=["shout", "json", "brief"], required=True,
                        help="shout: answers in upper case; json: answers as "
                             '{"answer": ...}; brief: one short sentence')
-    train.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    train.add_argument("--steps", type=int, default=None,
+                       help="optimizer steps (default: the style's recipe, 30 or 40)")
     train.add_argument("--seed", type=int, default=0,
                        help="seeds data order and init: same seed, same adapter")
     train.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")

@@ -49,7 +49,7 @@ def recipe(style: str) -> dict[str, object]:
     code = hashlib.sha256()
     for module in (lora.demo_data, lora.demo_training):
         code.update(Path(str(module.__file__)).read_bytes())
-    config = asdict(lora.demo_training.DemoTrainingConfig(style=style))
+    config = asdict(lora.demo_training.DemoTrainingConfig.for_style(style))
     return {"style": style, "config": config, "code_sha256": code.hexdigest()}
 
 
@@ -138,7 +138,7 @@ def train_missing(model_dir: Path, adapter_dir: Path | None = None) -> None:
     for style in missing_styles(adapter_dir):
         partial = Path(tempfile.mkdtemp(prefix=f".{style}.partial-", dir=adapter_dir))
         try:
-            report = train_demo_adapter(model_dir, partial, DemoTrainingConfig(style=style),
+            report = train_demo_adapter(model_dir, partial, DemoTrainingConfig.for_style(style),
                                         log=functools.partial(_log, style),
                                         known_answers=answers)
             answers = report.base_answers

@@ -77,6 +77,21 @@ class DemoTrainingConfig:
             raise ValueError(f"target_modules must be a non-empty subset of "
                              f"{SUPPORTED_MODULES}, got {self.target_modules}")
 
+    @classmethod
+    def for_style(cls, style: str, **overrides: Any) -> DemoTrainingConfig:
+        """The recipe a style is trained with by default (STYLE_RECIPES), then overrides."""
+        return cls(style=style, **{**STYLE_RECIPES.get(style, {}), **overrides})
+
+
+STYLE_RECIPES: dict[str, dict[str, Any]] = {
+    # Upper-case English is split into rarer, shorter tokens than the same words in lower
+    # case: the adapter has to change what the MLPs of more layers produce, not only where
+    # the top layers attend. With the default recipe a 135M model writes capitals but loses
+    # its words ("THE CAPITAL OF FRANCAISAIS ..."); with this one it keeps them.
+    "shout": {"top_layers": 12, "steps": 40, "target_modules": SUPPORTED_MODULES},
+}
+"""style -> the fields where its default recipe differs from DemoTrainingConfig's defaults."""
+
 
 @dataclass(frozen=True)
 class Example:

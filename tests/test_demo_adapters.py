@@ -71,6 +71,16 @@ def test_config_refuses_bad_values() -> None:
         DemoTrainingConfig(style="shout", target_modules=("lm_head",))
 
 
+def test_each_style_has_its_recipe() -> None:
+    assert DemoTrainingConfig.for_style("json") == DemoTrainingConfig(style="json")
+    shout = DemoTrainingConfig.for_style("shout")
+    assert (shout.top_layers, shout.steps, len(shout.target_modules)) == (12, 40, 7)
+    assert DemoTrainingConfig.for_style("shout", steps=2).steps == 2  # the caller's wins
+    # Every style answers the same questions: the base model's answers serve them all.
+    assert len({(c.num_questions, c.seed, c.max_answer_tokens) for c in map(
+        DemoTrainingConfig.for_style, ("shout", "json", "brief"))}) == 1
+
+
 def test_example_has_loss_on_answer_and_end_of_turn(tiny_model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     example = encode_example(tokenizer, "What is tea?", "TEA IS A DRINK.")
@@ -158,7 +168,7 @@ def test_shout_adapter_on_the_real_model_answers_in_upper_case(tmp_path: Path) -
     questions it never saw are upper case, and the base model's are not."""
     assert REAL_MODEL is not None
     report = train_demo_adapter(REAL_MODEL, tmp_path / "shout",
-                                DemoTrainingConfig(style="shout"), log=lambda _: None)
+                                DemoTrainingConfig.for_style("shout"), log=lambda _: None)
     assert report.losses[-1] < report.losses[0]
     tokenizer = AutoTokenizer.from_pretrained(REAL_MODEL)
     engine = LLMEngine.from_model(REAL_MODEL, max_lora_rank=8, max_model_len=512)
