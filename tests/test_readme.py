@@ -78,7 +78,8 @@ def base_url(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def test_the_readme_has_blocks_of_each_kind() -> None:
     langs = [b.lang for b in BLOCKS]
     assert langs.count("python") >= 4 and langs.count("bash") >= 10
-    assert all(b.lang in ("python", "bash") for b in BLOCKS), langs
+    # Anything else (a transcript) says why it does not run.
+    assert all(b.lang in ("python", "bash") or b.not_tested for b in BLOCKS), langs
     assert "../shared" not in README.read_text()  # links stay inside the repository
 
 
