@@ -1,7 +1,7 @@
 """One INFO line per HTTP request on the ``loragate.access`` logger.
 
     POST /v1/completions 200 tenant=acme adapter=a0 prompt_tokens=12 completion_tokens=8
-    ttft_ms=35.1 duration_ms=120.4
+    ttft_ms=35.1 duration_ms=120.4 user=u-123
 
 AccessLog is a pure ASGI middleware (no per-chunk cost on streams) that times the request
 from its arrival to the last byte of its response. Routes that know more (the tenant, the
@@ -31,6 +31,9 @@ class AccessRecord:
     start: float
     tenant: str | None = None
     adapter: str | None = None
+    end_user: str | None = None
+    """The request's own end-user id (OpenAI's ``user`` / ``safety_identifier``): what it
+    is for, telling abuse apart per end user, needs it in the log."""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     first_token_at: float | None = None
@@ -83,10 +86,14 @@ def access_line(method: str, path: str, status: int, record: AccessRecord, now: 
 
     ttft = (f"{(record.first_token_at - record.start) * 1000:.1f}"
             if record.first_token_at is not None else "-")
-    # The path is the client's: printable ASCII only, bounded, so no line can be forged.
-    path = path[:200].encode("ascii", "backslashreplace").decode()
-    path = "".join(c if c.isprintable() and c != " " else f"\\x{ord(c):02x}" for c in path)
-    return (f"{method} {path} {status} tenant={show(record.tenant)} "
+    return (f"{method} {_printable(path)} {status} tenant={show(record.tenant)} "
             f"adapter={show(record.adapter)} prompt_tokens={show(record.prompt_tokens)} "
             f"completion_tokens={show(record.completion_tokens)} ttft_ms={ttft} "
-            f"duration_ms={(now - record.start) * 1000:.1f}")
+            f"duration_ms={(now - record.start) * 1000:.1f}" + (
+                f" user={_printable(record.end_user)}" if record.end_user else ""))
+
+
+def _printable(text: str) -> str:
+    """The client's text as printable ASCII without spaces, bounded: no line can be forged."""
+    text = text[:200].encode("ascii", "backslashreplace").decode()
+    return "".join(c if c.isprintable() and c != " " else f"\\x{ord(c):02x}" for c in text)

@@ -118,6 +118,7 @@ async def _serve(gateway: Gateway, req: _Call,
     access = record_of(req.http)
     if access is not None:
         access.tenant = req.principal.tenant_id
+        access.end_user = req.body.safety_identifier or req.body.user
 
         def fill(record: AccessRecord) -> None:
             if job is not None:

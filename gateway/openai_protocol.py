@@ -7,17 +7,18 @@ and would fail the request later as a 500), lists short. A refusal is a 400 whos
 names the field, with one short error per field however large the value (a huge list of bad
 items must not become a huge error body).
 
-Fields OpenAI defines that we do not implement are accepted only at their neutral value
-(n=1, echo=false, penalties 0, no logit_bias): anything else is a 400 naming the field, never
-a silent difference. Unknown fields are ignored, as OpenAI-compatible servers do, so clients
-that send vendor extensions keep working. Our own extras: cache_salt, priority, top_k,
-ignore_eos.
+Fields of OpenAI's and vLLM's schemas that we do not implement (gateway/openai_fields.py)
+are accepted only at their neutral value (n=1, echo=false, penalties 0, no response_format...):
+anything else is a 400 naming the field, never a silent difference. Fields in neither place
+are ignored, as OpenAI-compatible servers do, so clients that send vendor extensions keep
+working. Our own extras: cache_salt, priority, top_k, ignore_eos.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -27,8 +28,13 @@ from pydantic import (
     SkipValidation,
     StrictStr,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
     field_validator,
+    model_validator,
 )
+
+from gateway import openai_fields
+from gateway.openai_fields import Unsupported
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -78,38 +84,25 @@ class SamplingFields(BaseModel):
                               description="-1 or 0: no top-k (vLLM's and ours)")
     seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
     stop: Stop | None = None
-    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[Text, Field(max_length=256)] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    """The end user's id, for telling abuse apart: logged on the access line (user=)."""
+    safety_identifier: Annotated[Text, Field(max_length=256)] | None = None
+    """OpenAI's newer name for ``user``."""
     ignore_eos: bool = False
     cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     priority: int = Field(default=0, ge=-1000, le=1000)
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("n must be 1: one choice per request is supported (send several "
-                             "requests for several samples)")
-        return value
+    UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.SHARED
+    """The endpoint's table of fields accepted at their neutral value only."""
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @model_validator(mode="wrap")
     @classmethod
-    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
-        if value not in (None, 0.0):
-            raise ValueError(f"{info.field_name} is not supported (only 0)")
-        return value
-
-    @field_validator("logit_bias", mode="before")
-    @classmethod
-    def _no_logit_bias(cls, value: Any) -> Any:
-        if value:  # before its items are validated: one error, however big the map
-            raise ValueError("logit_bias is not supported")
-        return value
+    def _refuse_unsupported(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # Before the fields: a refused field is the one error, whatever else is wrong.
+        openai_fields.check_unsupported(data, cls.UNSUPPORTED, cls.__name__)
+        return handler(data)
 
     @field_validator("stream_options")
     @classmethod
@@ -144,8 +137,7 @@ class CompletionRequest(SamplingFields):
     prompt: Annotated[StrictStr | list[TokenId] | list[StrictStr], SkipValidation]
     max_tokens: MaxTokens | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False
-    suffix: str | None = None
+    UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.COMPLETIONS
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -173,20 +165,6 @@ class CompletionRequest(SamplingFields):
         if not value:
             raise ValueError("prompt must not be empty")
         return valid_text(value) if isinstance(value, str) else value
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix is not supported")
-        return value
 
 
 class TextPart(BaseModel):
@@ -225,20 +203,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
+    UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.CHAT
 
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs=true")
-        return value
-
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _no_tools(cls, value: Any) -> Any:
-        if value:
-            raise ValueError("tools are not supported")
         return value
 
     def requested_max_tokens(self) -> int | None:

@@ -21,6 +21,8 @@ from tests.live_servers import running, start_serve
 from tests.parity import check_against_reference, load_reference
 from tests.real_model.conftest import NUM_KV_BLOCKS, chat_prompt
 
+pytestmark = pytest.mark.timeout(3600)  # the first run trains three adapters (minutes)
+
 MODELS = (None, "shout", "json", "brief")
 """None: the base model."""
 MAX_TOKENS = 40

@@ -1,0 +1,151 @@
+"""The request fields of OpenAI's completions and chat completions schemas, and vLLM's extra
+parameters, that loragate does not implement: each is accepted only at a value that means
+"off" (its neutral values), and anything else is a 400 naming the field, never a silent
+difference. The fields it implements are the pydantic models' own (gateway/openai_protocol.py);
+tests/openai_api/test_fields.py walks both tables.
+
+A field in neither table (a vendor extension) is ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A field we do not implement: the values that leave a request unchanged, and why."""
+
+    neutral: tuple[Any, ...]
+    """Values accepted (None, and empty lists and maps, are always accepted too)."""
+    reason: str
+    """Completes "NAME is not supported: ..."."""
+
+    def allows(self, value: Any) -> bool:
+        if value is None or (isinstance(value, list | dict) and not value):
+            return True
+        return any(_same(value, n) for n in self.neutral)
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """value == neutral, except that a bool only equals a bool (True is not 1)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return type(value) is type(neutral) and value == neutral
+    if isinstance(value, int | float) and isinstance(neutral, int | float):
+        return bool(value == neutral)
+    return type(value) is type(neutral) and bool(value == neutral)
+
+
+def _off(*neutral: Any, reason: str = "") -> Unsupported:
+    return Unsupported(neutral, reason or "not implemented yet")
+
+
+_NO_STRUCTURED = "structured outputs (JSON schema, regex, grammar) are not implemented yet"
+_NO_TOOLS = "tool calling is not implemented yet"
+_NO_STORE = "loragate stores no completions"
+
+SHARED: Mapping[str, Unsupported] = {
+    # OpenAI
+    "n": _off(1, reason="one choice per request (send several requests for several samples)"),
+    "presence_penalty": _off(0, reason="only 0"),
+    "frequency_penalty": _off(0, reason="only 0"),
+    "logit_bias": _off(reason="no logit biases"),
+    "response_format": _off({"type": "text"}, reason=_NO_STRUCTURED),
+    "store": _off(False, reason=_NO_STORE),
+    "metadata": _off(reason=_NO_STORE + " (metadata tags stored completions)"),
+    "service_tier": _off("auto", "default", reason="one tier"),
+    "prompt_cache_retention": _off("in_memory", "in-memory",
+                                   reason="cached blocks live in the engines' memory only"),
+    # vLLM's sampling extras
+    "best_of": _off(1, reason="one sequence per request"),
+    "use_beam_search": _off(False, reason="no beam search"),
+    "length_penalty": _off(1, reason="no beam search"),
+    "min_p": _off(0, reason="only 0"),
+    "repetition_penalty": _off(1, reason="only 1"),
+    "min_tokens": _off(0, reason="only 0"),
+    "stop_token_ids": _off(reason="stop at strings (stop) or at the model's end of turn"),
+    "include_stop_str_in_output": _off(False, reason="stop strings are never included"),
+    "skip_special_tokens": _off(True, reason="special tokens are always skipped"),
+    "spaces_between_special_tokens": _off(True, reason="special tokens are skipped"),
+    "truncate_prompt_tokens": _off(reason="a prompt longer than the context is refused"),
+    "prompt_logprobs": _off(reason="log-probs of generated tokens only"),
+    "allowed_token_ids": _off(reason="no token restrictions"),
+    "bad_words": _off(reason="no token restrictions"),
+    "logits_processors": _off(reason="no custom logits processors"),
+    "return_tokens_as_token_ids": _off(False, reason="tokens are returned as text"),
+    "return_token_ids": _off(False, reason="tokens are returned as text"),
+    "structured_outputs": _off(reason=_NO_STRUCTURED),
+    "guided_json": _off(reason=_NO_STRUCTURED),
+    "guided_regex": _off(reason=_NO_STRUCTURED),
+    "guided_choice": _off(reason=_NO_STRUCTURED),
+    "guided_grammar": _off(reason=_NO_STRUCTURED),
+    "guided_decoding_backend": _off(reason=_NO_STRUCTURED),
+    "guided_whitespace_pattern": _off(reason=_NO_STRUCTURED),
+    "kv_transfer_params": _off(reason="no disaggregated prefill"),
+    "vllm_xargs": _off(reason="no vLLM plugins"),
+}
+"""Both endpoints."""
+
+COMPLETIONS: Mapping[str, Unsupported] = {
+    **SHARED,
+    "echo": _off(False, reason="the prompt is not echoed"),
+    "suffix": _off("", reason="no fill-in-the-middle"),
+    "add_special_tokens": _off(True, reason="a text prompt is tokenized with the tokenizer's "
+                                            "special tokens (send token ids for full control)"),
+}
+"""POST /v1/completions."""
+
+CHAT: Mapping[str, Unsupported] = {
+    **SHARED,
+    "tools": _off(reason=_NO_TOOLS),
+    "tool_choice": _off("none", reason=_NO_TOOLS),
+    "parallel_tool_calls": _off(reason=_NO_TOOLS + " (OpenAI refuses it without tools too)"),
+    "functions": _off(reason=_NO_TOOLS),
+    "function_call": _off("none", reason=_NO_TOOLS),
+    "audio": _off(reason="text only"),
+    "modalities": _off(["text"], reason="text only"),
+    "prediction": _off(reason="no predicted outputs"),
+    "reasoning_effort": _off(reason="the model does not reason in a separate channel"),
+    "verbosity": _off("medium", reason="not implemented"),
+    "web_search_options": _off(reason="no web search"),
+    "moderation": _off(reason="no moderation"),
+    "prompt_cache_key": _off(reason="the router places requests by their prompts' cached "
+                                    "prefixes; cache_salt keeps tenants' caches apart"),
+    "prompt_cache_options": _off(reason="the router places requests by their prompts' cached "
+                                        "prefixes"),
+    "echo": _off(False, reason="the last message is not echoed"),
+    "add_generation_prompt": _off(True, reason="the template always ends with the assistant's "
+                                               "turn opened"),
+    "continue_final_message": _off(False, reason="the template always opens a new turn"),
+    "add_special_tokens": _off(False, reason="the chat template places special tokens"),
+    "chat_template": _off(reason="the model's own chat template is used"),
+    "chat_template_kwargs": _off(reason="the model's own chat template is used"),
+    "documents": _off(reason="put documents in the messages"),
+    "mm_processor_kwargs": _off(reason="text only"),
+}
+"""POST /v1/chat/completions."""
+
+
+def check_unsupported(data: Any, table: Mapping[str, Unsupported], model: str) -> None:
+    """Raise a ValidationError located at the first field of ``data`` (a raw JSON object)
+    set to a value ``table`` does not accept; the error names the field and says why."""
+    if not isinstance(data, dict):
+        return
+    for name, value in data.items():
+        unsupported = table.get(name)
+        if unsupported is not None and not unsupported.allows(value):
+            allowed = ", ".join(repr(n) for n in unsupported.neutral)
+            detail = f"{name} is not supported: {unsupported.reason}" + (
+                f" (allowed: {allowed})" if allowed else "")
+            raise ValidationError.from_exception_data(model, [InitErrorDetails(
+                type=PydanticCustomError("unsupported_field", detail), loc=(name,),
+                input=_short(value))])
+
+
+def _short(value: Any) -> Any:
+    """The refused value as the error may carry it: a huge list or map is not echoed."""
+    return value if not isinstance(value, list | dict | str) or len(value) <= 16 else "..."

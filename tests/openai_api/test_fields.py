@@ -1,0 +1,138 @@
+"""Every field of OpenAI's completions and chat completions schemas (as the official `openai`
+package types them) and of vLLM's extra parameters is honoured or refused with a 400 naming
+it: never accepted and silently ignored."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import openai
+import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+from pydantic import BaseModel, ValidationError
+
+from gateway.openai_fields import CHAT, COMPLETIONS, Unsupported
+from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tests.live_servers import LiveServer
+
+VLLM_EXTRAS = (
+    # vLLM's sampling and prompt extras on both endpoints (its protocol.py), and those on
+    # one endpoint only: what a client migrating from vLLM may send.
+    "best_of", "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty",
+    "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "prompt_logprobs", "allowed_token_ids", "bad_words", "logits_processors",
+    "return_tokens_as_token_ids", "return_token_ids", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "guided_whitespace_pattern", "priority", "cache_salt", "kv_transfer_params", "vllm_xargs",
+    "response_format", "add_special_tokens",
+)
+VLLM_CHAT_EXTRAS = ("echo", "add_generation_prompt", "continue_final_message",
+                    "chat_template", "chat_template_kwargs", "documents",
+                    "mm_processor_kwargs")
+STREAMING = ("stream",)  # the openai package types it on the streaming variant of the params
+
+ENDPOINTS: dict[str, tuple[type[BaseModel], Mapping[str, Unsupported], tuple[str, ...]]] = {
+    "completions": (CompletionRequest, COMPLETIONS, (
+        *completion_create_params.CompletionCreateParamsBase.__annotations__, *STREAMING,
+        *VLLM_EXTRAS)),
+    "chat": (ChatCompletionRequest, CHAT, (
+        *chat_create_params.CompletionCreateParamsBase.__annotations__, *STREAMING,
+        *VLLM_EXTRAS, *VLLM_CHAT_EXTRAS)),
+}
+BASE: dict[str, dict[str, Any]] = {
+    "completions": {"model": "m", "prompt": "Hi"},
+    "chat": {"model": "m", "messages": [{"role": "user", "content": "Hi"}]},
+}
+
+ACTIVE: dict[str, Any] = {
+    # A value of each unsupported field that would change the answer if it were honoured.
+    "n": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {"7": 5},
+    "response_format": {"type": "json_object"}, "store": True, "metadata": {"k": "v"},
+    "service_tier": "flex", "prompt_cache_retention": "24h", "best_of": 3,
+    "use_beam_search": True, "length_penalty": 0.5, "min_p": 0.1, "repetition_penalty": 1.2,
+    "min_tokens": 4, "stop_token_ids": [2], "include_stop_str_in_output": True,
+    "skip_special_tokens": False, "spaces_between_special_tokens": False,
+    "truncate_prompt_tokens": 8, "prompt_logprobs": 1, "allowed_token_ids": [1, 2],
+    "bad_words": ["no"], "logits_processors": ["x"], "return_tokens_as_token_ids": True,
+    "return_token_ids": True, "structured_outputs": {"json": {}}, "guided_json": {"type": "object"},
+    "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'",
+    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "echo": True, "suffix": "end",
+    "add_special_tokens": "flip",  # per endpoint: the opposite of what it does (below)
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "tool_choice": "auto", "parallel_tool_calls": False, "functions": [{"name": "f"}],
+    "function_call": "auto", "audio": {"voice": "alloy", "format": "mp3"},
+    "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "high", "verbosity": "low",
+    "web_search_options": {"search_context_size": "low"},
+    "moderation": {"type": "auto"}, "prompt_cache_key": "k",
+    "prompt_cache_options": {"x": 1}, "add_generation_prompt": False,
+    "continue_final_message": True, "chat_template": "{{ messages }}",
+    "chat_template_kwargs": {"enable_thinking": True},
+    "documents": [{"title": "t", "text": "x"}], "mm_processor_kwargs": {"x": 1},
+}
+
+
+def active_value(endpoint: str, name: str) -> Any:
+    value = ACTIVE[name]
+    if value == "flip":
+        return endpoint == "chat"  # completions add special tokens; chat does not
+    return value
+
+
+CASES = [(endpoint, name) for endpoint, (_, table, _) in ENDPOINTS.items() for name in table]
+
+
+def test_every_field_is_honoured_or_refused() -> None:
+    for endpoint, (model, table, fields) in ENDPOINTS.items():
+        unaccounted = sorted(set(fields) - set(model.model_fields) - set(table))
+        assert unaccounted == [], f"{endpoint}: fields neither honoured nor refused"
+        both = sorted(set(model.model_fields) & set(table))
+        assert both == [], f"{endpoint}: fields both declared and refused"
+    assert set(ACTIVE) == set(COMPLETIONS) | set(CHAT)  # an example for every refusal
+
+
+@pytest.mark.parametrize("endpoint, name", CASES)
+def test_an_unsupported_field_is_refused_naming_it(endpoint: str, name: str) -> None:
+    model, table, _ = ENDPOINTS[endpoint]
+    with pytest.raises(ValidationError) as caught:
+        model.model_validate({**BASE[endpoint], name: active_value(endpoint, name)})
+    [error] = caught.value.errors()
+    assert error["loc"] == (name,) and error["msg"].startswith(f"{name} is not supported: ")
+    for neutral in (None, *table[name].neutral):  # its neutral values change nothing
+        model.model_validate({**BASE[endpoint], name: neutral})
+
+
+def test_a_bool_is_not_a_number() -> None:
+    with pytest.raises(ValidationError):  # True == 1 in Python, not in the API
+        CompletionRequest.model_validate({**BASE["completions"], "n": True})
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({**BASE["completions"], "echo": 0})
+    CompletionRequest.model_validate({**BASE["completions"], "n": 1.0, "echo": False})
+
+
+def test_vendor_extensions_are_ignored() -> None:
+    request = CompletionRequest.model_validate({**BASE["completions"], "x_trace": "abc"})
+    assert "x_trace" not in request.model_dump()
+
+
+@pytest.mark.parametrize("endpoint, name", [("chat", "response_format"), ("chat", "tools"),
+                                            ("completions", "best_of"),
+                                            ("completions", "min_tokens")])
+def test_the_server_answers_400_naming_the_field(gateway: LiveServer, client: openai.OpenAI,
+                                                 base_model: str, endpoint: str,
+                                                 name: str) -> None:
+    extra = {name: active_value(endpoint, name)}
+    with pytest.raises(openai.BadRequestError) as caught:
+        if endpoint == "chat":
+            client.chat.completions.create(model=base_model, max_tokens=2, extra_body=extra,
+                                           messages=[{"role": "user", "content": "Hi"}])
+        else:
+            client.completions.create(model=base_model, prompt="Hi", max_tokens=2,
+                                      extra_body=extra)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == name, error
+    assert f"{name} is not supported" in error["message"]
