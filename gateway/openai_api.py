@@ -16,35 +16,27 @@ token reservation, then dispatch (service).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, cast
+from typing import Any, cast
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerBase
 
 from engine.http_errors import ApiError
 from gateway.access_log import AccessRecord, record_of
 from gateway.auth import Principal
+from gateway.caller import Caller
 from gateway.config import GatewayConfig
 from gateway.engine_client import ACCEPTED
 from gateway.exposure import instance_tag
+from gateway.info_api import build_info_router
 from gateway.openai_format import Endpoint, ResponseFormatter
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.openai_stream import ClosingStream, collect, next_or_disconnect, sse
 from gateway.prompts import PromptEncoder
 from gateway.service import Claim, Gateway, Job, Outcome
-
-
-async def _caller(request: Request) -> Principal:
-    """Runs before the body is validated, so a missing key is a 401 first."""
-    gateway: Gateway = request.app.state.gateway
-    return await gateway.authenticate(request)
-
-
-Caller = Annotated[Principal, Depends(_caller)]
 
 
 def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokenizerBase
@@ -54,16 +46,7 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
     router = APIRouter()
     prompts = PromptEncoder(tokenizer)
 
-    @router.get("/v1/models")
-    async def list_models(principal: Caller) -> dict[str, Any]:
-        gateway = get_gateway()
-        created = int(time.time())
-        base = {"id": gateway.base_model, "object": "model", "created": created,
-                "owned_by": "loragate", "root": gateway.base_model, "parent": None}
-        adapters = [{"id": name, "object": "model", "created": created,
-                     "owned_by": "loragate", "root": name, "parent": gateway.base_model}
-                    for name in gateway.adapter_names(principal)]
-        return {"object": "list", "data": [base, *adapters]}
+    router.include_router(build_info_router(get_gateway, prompts))
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request,

@@ -1,0 +1,139 @@
+"""The endpoints that describe the model and its tokenizer without generating: GET /v1/models,
+GET /v1/models/{id}, and, as vLLM's OpenAI server has them, POST /tokenize, POST /detokenize
+and GET /tokenizer_info.
+
+/tokenize returns exactly the ids a completion or chat request with the same prompt or
+messages would send to the engine (the same PromptEncoder), so a client can count tokens
+before it asks. The caller needs the same key as for /v1/completions, and a model it cannot
+see is a 404, as there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import PreTrainedTokenizerBase
+
+from engine.http_errors import ApiError
+from gateway.caller import Caller
+from gateway.openai_protocol import (
+    MAX_MODEL_NAME,
+    MAX_PROMPT_TOKEN_IDS,
+    ChatCompletionRequest,
+    ChatMessage,
+    Text,
+    TokenId,
+)
+from gateway.prompts import PromptEncoder
+from gateway.service import Gateway
+
+
+class TokenizeRequest(BaseModel):
+    """A prompt (as /v1/completions takes it) or messages (as /v1/chat/completions does)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)]
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
+    add_special_tokens: bool | None = None
+    """Only the endpoint's own behaviour: True for a prompt, False for messages."""
+    add_generation_prompt: bool = True
+    """Only True: the template ends with the assistant's turn opened, as in chat requests."""
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        as_sent = self.prompt is not None  # what the endpoints do with special tokens
+        if self.add_special_tokens not in (None, as_sent):
+            raise ValueError(f"add_special_tokens={self.add_special_tokens} is not supported "
+                             f"for {'prompt' if as_sent else 'messages'}: the ids are those "
+                             f"a request sends (add_special_tokens={as_sent})")
+        if not self.add_generation_prompt:
+            raise ValueError("add_generation_prompt=false is not supported: the ids are "
+                             "those a chat request sends")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """Token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)]
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+
+
+def model_card(gateway: Gateway, name: str, created: int) -> dict[str, Any]:
+    """OpenAI's model object for the base model or one of its adapters."""
+    parent = None if name == gateway.base_model else gateway.base_model
+    return {"id": name, "object": "model", "created": created, "owned_by": "loragate",
+            "root": name, "parent": parent}
+
+
+def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
+                      ) -> APIRouter:
+    """The routes above, over the API router's prompt encoder."""
+    router = APIRouter()
+    tokenizer: PreTrainedTokenizerBase = prompts.tokenizer
+
+    @router.get("/v1/models")
+    async def list_models(principal: Caller) -> dict[str, Any]:
+        gateway = get_gateway()
+        created = int(time.time())
+        names = [gateway.base_model, *gateway.adapter_names(principal)]
+        return {"object": "list", "data": [model_card(gateway, n, created) for n in names]}
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, principal: Caller) -> dict[str, Any]:
+        gateway = get_gateway()
+        gateway.resolve_model(body.model, principal)  # 404 for a model it cannot see
+        context = gateway.context_length()
+        if body.prompt is not None:
+            PromptEncoder.check_chars(len(body.prompt), context, "prompt")
+            ids = await prompts.encode_prompt(body.prompt)
+        else:
+            chat = ChatCompletionRequest(model=body.model, messages=body.messages or [])
+            PromptEncoder.check_chars(chat.prompt_chars(), context, "messages")
+            ids = await prompts.encode_chat(chat.template_messages())
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": context, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, principal: Caller) -> dict[str, str]:
+        gateway = get_gateway()
+        gateway.resolve_model(body.model, principal)
+        vocab = len(tokenizer)
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary (size {vocab})",
+                           param="tokens")
+        # Decoding a long list is CPU work: off the event loop.
+        text = await asyncio.to_thread(tokenizer.decode, body.tokens)
+        return {"prompt": str(text)}
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info(principal: Caller) -> dict[str, Any]:
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "vocab_size": len(tokenizer),
+            "model_max_length": get_gateway().max_model_len() or None,
+            "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+            "pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
+            "chat_template": tokenizer.chat_template,
+        }
+
+    @router.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, principal: Caller) -> dict[str, Any]:
+        gateway = get_gateway()
+        gateway.resolve_model(model_id, principal)  # 404 for a model it cannot see
+        return model_card(gateway, model_id, int(time.time()))
+
+    return router

@@ -1,0 +1,91 @@
+"""The endpoints that describe the model without generating: /v1/models/{id}, and vLLM's
+/tokenize, /detokenize and /tokenizer_info, checked against what a real request uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from tests.live_servers import LiveServer
+
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is <|im_end|> in a prompt?"}]
+
+
+def post(gateway: LiveServer, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(gateway.url + path, json=body, timeout=30.0)
+
+
+def test_tokenize_gives_the_ids_a_request_sends(gateway: LiveServer, client: openai.OpenAI,
+                                                base_model: str,
+                                                tokenizer: PreTrainedTokenizerBase) -> None:
+    prompt = "The quick brown fox"
+    out = post(gateway, "/tokenize", {"model": base_model, "prompt": prompt,
+                                      "return_token_strs": True}).json()
+    assert "tokens" in out, out
+    assert out["tokens"] == tokenizer(prompt)["input_ids"] and out["count"] == len(out["tokens"])
+    assert out["token_strs"] == tokenizer.convert_ids_to_tokens(out["tokens"])
+    assert out["max_model_len"] > 0
+    done = client.completions.create(model=base_model, prompt=prompt, max_tokens=1)
+    assert done.usage is not None and done.usage.prompt_tokens == out["count"]
+
+    chat = post(gateway, "/tokenize", {"model": "a0", "messages": MESSAGES}).json()
+    reply = client.chat.completions.create(model="a0", messages=MESSAGES,  # type: ignore[arg-type]
+                                           max_tokens=1)
+    assert reply.usage is not None and reply.usage.prompt_tokens == chat["count"]
+    # Control-token text typed in a message stays text, as in the chat request itself: the
+    # only end-of-turn tokens are the template's, one per message.
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert chat["tokens"].count(end) == len(MESSAGES)
+
+
+def test_detokenize_round_trips(gateway: LiveServer, base_model: str,
+                                tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = tokenizer("Hello there, world")["input_ids"]
+    assert post(gateway, "/detokenize", {"model": base_model, "tokens": ids}).json() == {
+        "prompt": tokenizer.decode(ids)}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"prompt": "x", "messages": MESSAGES}, None),
+    ("/tokenize", {}, None),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": False}, None),
+    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, None),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+])
+def test_bad_requests_are_400(gateway: LiveServer, base_model: str, path: str,
+                              body: dict[str, Any], param: str | None) -> None:
+    response = post(gateway, path, {"model": base_model, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_an_unknown_model_is_404_everywhere(gateway: LiveServer) -> None:
+    for response in (post(gateway, "/tokenize", {"model": "nope", "prompt": "x"}),
+                     post(gateway, "/detokenize", {"model": "nope", "tokens": [1]}),
+                     httpx.get(gateway.url + "/v1/models/nope", timeout=10.0)):
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "model_not_found"
+
+
+def test_model_cards_and_tokenizer_info(gateway: LiveServer, client: openai.OpenAI,
+                                        base_model: str,
+                                        tokenizer: PreTrainedTokenizerBase) -> None:
+    listed = {m.id: m for m in client.models.list()}
+    for name in (base_model, "a0"):
+        card = client.models.retrieve(name)
+        assert (card.id, card.owned_by) == (name, "loragate")
+        assert card.model_dump()["parent"] == listed[name].model_dump()["parent"]
+    assert client.models.retrieve("a0").model_dump()["parent"] == base_model
+    info = httpx.get(gateway.url + "/tokenizer_info", timeout=10.0).json()
+    assert info["eos_token"] == tokenizer.eos_token
+    assert info["vocab_size"] == len(tokenizer)
+    assert info["chat_template"] == tokenizer.chat_template
