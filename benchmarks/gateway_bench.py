@@ -1,4 +1,4 @@
-"""Serving benchmarks of issue 5, each measured side by side in one run.
+"""Serving benchmarks (gateway overhead, routing), each measured side by side in one run.
 
     python -m benchmarks.gateway_bench --model DIR [--quick] [--part overhead|routing|all]
 

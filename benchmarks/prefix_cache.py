@@ -14,8 +14,8 @@ combination is a miss: a cold start. A server that has been up for a while has t
 cached; so the cached modes measure capacity once more in steady state: the engine first
 serves ``--warm-requests`` other requests drawn from the same corpus and popularity (not
 timed), then the same measured requests (caching off has nothing to warm; its capacity is
-the same). The KV pool (``--kv-blocks``) is sized to hold the hot set, as the issue asks.
-Then the on/off ratios against the issue's targets; a variant with shuffled document order
+the same). The KV pool (``--kv-blocks``) is sized to hold the hot set.
+Then the on/off ratios against their targets; a variant with shuffled document order
 shows what an unstable layout costs.
 
 The capacity ratio depends on the model's shape: prefix caching saves the projections and

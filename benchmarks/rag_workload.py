@@ -26,7 +26,7 @@ from prefix_cache.hashing import chain_hashes
 
 @dataclass(frozen=True)
 class RagSpec:
-    """Shape of the RAG workload (defaults follow issue 3)."""
+    """Shape of the RAG workload (the defaults are the RAG benchmark's)."""
 
     num_requests: int = 200
     num_documents: int = 64
