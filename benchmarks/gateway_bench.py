@@ -1,4 +1,4 @@
-"""Serving benchmarks of issue 5, each measured side by side in one run.
+"""Serving benchmarks (gateway overhead, routing), each measured side by side in one run.
 
     python -m benchmarks.gateway_bench --model DIR [--quick] [--part overhead|routing|all]
 
@@ -141,7 +141,7 @@ async def _one_at_a_time(engine_url: str, gateway_url: str, requests: list[Servi
 
 
 def overhead(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    num = 40 if args.quick else 200
+    num = 40 if args.quick else args.overhead_requests
     vocab = load_hf_config(args.model).vocab_size
     requests = from_workload(generate(WorkloadSpec(num, LengthRange(32, 96), LengthRange(16, 16),
                                                    vocab, seed=1)))
@@ -188,8 +188,11 @@ def overhead(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
 def routing_run(args: argparse.Namespace, log_dir: Path, instances: int, policy: str,
                 kv_blocks: int, requests: list[ServingRequest],
                 adapters: dict[str, str]) -> dict[str, Any]:
-    threads = str(max(1, (os.cpu_count() or 2) // instances))
-    os.environ["OMP_NUM_THREADS"] = threads  # instances split the cores, not fight for them
+    # Instances split the cores instead of fighting for them (never more threads than the
+    # caller's OMP_NUM_THREADS, e.g. the suite's --threads).
+    before = os.environ.get("OMP_NUM_THREADS")
+    share = max(1, (os.cpu_count() or 2) // instances)
+    os.environ["OMP_NUM_THREADS"] = str(min(share, int(before)) if before else share)
     config = EngineConfig(model=args.model, max_loras=args.max_loras,
                           max_num_batched_tokens=512, max_num_seqs=32,
                           num_kv_blocks=kv_blocks)
@@ -208,7 +211,10 @@ def routing_run(args: argparse.Namespace, log_dir: Path, instances: int, policy:
         if gateway is not None:
             stop_gateway(gateway)
         stop_engines(engines, 30)
-        os.environ.pop("OMP_NUM_THREADS", None)
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
     print(f"  {result['request_throughput']:.2f} req/s, hit rate "
           f"{result.get('prefix_hit_rate', 0.0):.1%}, TTFT p50 {result['ttft_p50_ms']:.0f} ms",
           flush=True)
@@ -277,7 +283,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", required=True)
     parser.add_argument("--part", choices=("overhead", "routing", "all"), default="all")
     parser.add_argument("--quick", action="store_true", help="small runs (smoke test)")
-    parser.add_argument("--overhead-rate", type=float, default=4.0)
+    parser.add_argument("--overhead-rate", type=float, default=4.0,
+                        help="overhead part: requests/s of both paths together")
+    parser.add_argument("--overhead-requests", type=int, default=200,
+                        help="overhead part: requests side by side (half of them are also "
+                             "sent one at a time first)")
     parser.add_argument("--rag-requests", type=int, default=120)
     parser.add_argument("--rag-rate", type=float, default=1.0)
     parser.add_argument("--max-loras", type=int, default=4)

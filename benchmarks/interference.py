@@ -8,7 +8,7 @@ arrive. With chunked prefill on, each step holds at most ``--budget`` tokens, so
 prompt is spread over several steps and every running request still gets its token each
 step; with it off, a long prompt is prefilled in one step (the budget must then hold the
 whole prompt) and every decode waits for it. Reports the running requests' inter-token
-latency p50 / p99 / max for both settings and the p99 ratio off/on (issue 7's target: p99
+latency p50 / p99 / max for both settings and the p99 ratio off/on (the target: p99
 ITL >= 3x lower with chunking on). Engine in-process, same seeds for both runs.
 """
 

@@ -2,15 +2,16 @@
 batching.
 
     python -m benchmarks.lora_throughput --model DIR [--num-requests 128] [--repeats 1]
-        [--threads N] [--quick]
+        [--threads N] [--adapter-counts 1,4,16,64] [--distributions uniform,zipf] [--quick]
 
 One seeded mixed workload (prompts 32-256, outputs 32-128 tokens, greedy, ignore_eos, every
 request added at once) is served several times in one run:
 
 1. the engine without LoRA (max_loras=0, every request on the base model): the reference;
 2. the engine (max_loras=16, max_cpu_loras=64, max_lora_rank=16, max_num_seqs=64) with 1, 4,
-   16 and 64 distinct adapters, requests spread over them uniformly or by a zipf(s=1.1)
-   popularity; each is reported as a ratio to (1);
+   16 and 64 distinct adapters (``--adapter-counts``; 16 is always run), requests spread
+   over them uniformly or by a zipf(s=1.1) popularity (``--distributions``; uniform is
+   always run); each is reported as a ratio to (1);
 3. the PEFT-style baseline for the 16-adapter uniform assignment: one transformers
    ``PeftModel`` holding all 16 adapters, requests grouped by adapter, ``set_adapter`` and a
    static left-padded ``generate`` per batch of at most 64 same-adapter requests, each batch
@@ -19,10 +20,11 @@ request added at once) is served several times in one run:
 Each configuration gets a fresh engine (construction, adapter registration and a one-request
 warm-up are untimed); the timer covers adding and serving the whole workload. Only the
 tokens each request asked for are counted. The adapters (seeded PEFT directories, ranks
-alternating 8 and 16, all seven projections, b_scale=0.2) are written once under
-DIR/bench-adapters and reused. With --repeats N every configuration (and the baseline) is
-served N times round-robin and the fastest run is reported. --quick is a smoke test of the
-whole matrix (16 requests, outputs of 16-32 tokens); its numbers are not the benchmark.
+alternating 8 and 16, all seven projections, b_scale=0.2, made by PEFT for the model's own
+shapes) are written once under DIR/bench-adapters and reused. With --repeats N every
+configuration (and the baseline) is served N times round-robin and the fastest run is
+reported. --quick is a smoke test of the whole matrix (16 requests, outputs of 16-32
+tokens); its numbers are not the benchmark.
 
 Results are printed and written as JSON (default benchmarks/results/lora_throughput.json).
 """
@@ -260,11 +262,18 @@ class Configuration:
         return f"{self.num_adapters} adapters, {self.distribution}"
 
 
-def configurations() -> list[Configuration]:
-    """The reference first, then every adapter count under every distribution."""
+def configurations(counts: Sequence[int] = ADAPTER_COUNTS,
+                   distributions: Sequence[str] = DISTRIBUTIONS) -> list[Configuration]:
+    """The reference first, then every adapter count under every distribution; the
+    16-adapter uniform configuration (the targets' numerator) is always among them."""
+    counts = sorted({*counts, BASELINE_ADAPTERS})
+    distributions = [d for d in DISTRIBUTIONS if d in {*distributions, BASELINE_DISTRIBUTION}]
     return [Configuration(0, None)] + [Configuration(count, distribution)
-                                       for count in ADAPTER_COUNTS
-                                       for distribution in DISTRIBUTIONS]
+                                       for count in counts for distribution in distributions]
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -289,11 +298,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--adapters-dir", type=Path, default=None,
                         help="where the bench adapters are written and reused "
                              "(default MODEL/bench-adapters)")
+    parser.add_argument("--adapter-counts", type=_int_list, default=list(ADAPTER_COUNTS),
+                        help="adapter counts to sweep, comma-separated (16 is always run)")
+    parser.add_argument("--distributions", default=",".join(DISTRIBUTIONS),
+                        help="adapter popularity, comma-separated: uniform, zipf (uniform is "
+                             "always run)")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON result path")
     args = parser.parse_args(argv)
     args.num_requests = args.num_requests or (16 if args.quick else 128)
     if min(args.num_requests, args.repeats) < 1 or args.threads < 0:
         parser.error("--num-requests and --repeats must be >= 1, --threads >= 0")
+    args.distributions = args.distributions.split(",")
+    if set(args.distributions) - set(DISTRIBUTIONS) or min(args.adapter_counts,
+                                                           default=1) < 1:
+        parser.error(f"--distributions must be among {DISTRIBUTIONS}, --adapter-counts >= 1")
+    args.configurations = configurations(args.adapter_counts, args.distributions)
     args.output_len = QUICK_OUTPUT_LEN if args.quick else OUTPUT_LEN
     args.adapters_dir = args.adapters_dir or bench_adapters_dir(args.model)
     return args
@@ -303,7 +322,7 @@ def serve_all(args: argparse.Namespace, requests: list[BenchRequest], paths: dic
               ) -> tuple[list[list[EngineRun]], list[RunResult]]:
     """Every configuration, then the PEFT baseline, args.repeats rounds; returns all engine
     runs per configuration (in configurations() order) and all baseline runs."""
-    configs = configurations()
+    configs: list[Configuration] = args.configurations
     engine_runs: list[list[EngineRun]] = [[] for _ in configs]
     baseline_runs: list[RunResult] = []
     baseline_adapters = assign_adapters(len(requests), BASELINE_ADAPTERS,
@@ -349,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{sum(r.prompt_len for r in requests)} prompt tokens; {info['cpu_count']} CPUs, "
           f"torch {info['torch']} on {device}, load average {info['load_average_start']}",
           flush=True)
-    paths = ensure_adapters(args.model, args.adapters_dir, max(ADAPTER_COUNTS))
+    paths = ensure_adapters(args.model, args.adapters_dir,
+                            max(c.num_adapters for c in args.configurations))
 
     engine_runs, baseline_runs = serve_all(args, requests, paths)
     runs = [fastest_run(r) for r in engine_runs]

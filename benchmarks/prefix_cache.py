@@ -14,8 +14,8 @@ combination is a miss: a cold start. A server that has been up for a while has t
 cached; so the cached modes measure capacity once more in steady state: the engine first
 serves ``--warm-requests`` other requests drawn from the same corpus and popularity (not
 timed), then the same measured requests (caching off has nothing to warm; its capacity is
-the same). The KV pool (``--kv-blocks``) is sized to hold the hot set, as the issue asks.
-Then the on/off ratios against the issue's targets; a variant with shuffled document order
+the same). The KV pool (``--kv-blocks``) is sized to hold the hot set.
+Then the on/off ratios against their targets; a variant with shuffled document order
 shows what an unstable layout costs.
 
 The capacity ratio depends on the model's shape: prefix caching saves the projections and
@@ -25,6 +25,14 @@ attention is ~45% of a token's FLOPs, far above a real model's (~5-15%), so the 
 runs are repeated on the "wide" demo shape (engine/demo_model.py WIDE_SPEC, ~20%), built in
 a temporary directory unless ``--wide-model`` names one (``--no-wide``: skip; ``--quick``
 skips it unless named).
+
+The prompts (``--corpus``) are random token ids on a random-weight demo model (its answers are
+noise either way, and the figures stay comparable with earlier runs) and real text otherwise:
+sections of the Python language reference and a question about one of them, in the model's
+chat format (benchmarks/text_corpus.py); the first answers of the cached run are printed and
+kept in the report, so a real model's output can be checked by eye. Every request generates
+exactly its output length (ignore_eos), so every mode does the same work; the answers shown
+stop at the first end-of-sequence token.
 """
 
 from __future__ import annotations
@@ -37,12 +45,25 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from benchmarks.rag_workload import RagRequest, RagSpec, make_rag_workload, theoretical_reuse
+from transformers import AutoTokenizer
+
+from benchmarks.rag_workload import (
+    CorpusFactory,
+    RagRequest,
+    RagSpec,
+    make_rag_workload,
+    random_corpus,
+    theoretical_reuse,
+)
 from benchmarks.serving_metrics import nearest_rank
+from benchmarks.text_corpus import text_corpus
 from engine.demo_model import WIDE_SPEC, make_demo_model
 from engine.llm_engine import LLMEngine
 from engine.models.loader import load_hf_config
 from engine.sampling_params import SamplingParams
+
+SAMPLE_ANSWERS = 3
+"""How many of the measured requests' answers each run keeps (the first ones)."""
 
 
 @dataclass(frozen=True)
@@ -62,11 +83,20 @@ class ModeResult:
     throughput_rps: float
     output_tokens_per_s: float
     makespan_s: float
+    answers: tuple[str, ...] = ()
+    """The first SAMPLE_ANSWERS requests' answers, up to the first end-of-sequence token."""
 
 
 def _greedy(request: RagRequest) -> SamplingParams:
     """Exactly the request's output length, greedy (the same work in every mode)."""
     return SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+
+
+def _answer(engine: LLMEngine, token_ids: list[int]) -> str:
+    """The answer's text up to its first end-of-sequence token (ignore_eos runs on)."""
+    end = next((i for i, t in enumerate(token_ids) if t in engine.eos_token_ids),
+               len(token_ids))
+    return str(engine.tokenizer.decode(token_ids[:end], skip_special_tokens=True)).strip()
 
 
 def run_mode(model: str, mode: str, requests: list[RagRequest], layout: str,
@@ -93,6 +123,8 @@ def run_mode(model: str, mode: str, requests: list[RagRequest], layout: str,
     start = time.monotonic()
     pending = list(enumerate(requests))
     ttft: list[float] = []
+    answers: dict[str, str] = {}
+    sampled = {f"rag-{i}" for i in range(SAMPLE_ANSWERS)}
     finished_at = start
     while pending or engine.has_unfinished_requests():
         now = time.monotonic()
@@ -108,6 +140,8 @@ def run_mode(model: str, mode: str, requests: list[RagRequest], layout: str,
                 assert out.timing is not None and out.timing.ttft is not None
                 ttft.append(out.timing.ttft)
                 finished_at = time.monotonic()
+                if out.request_id in sampled:
+                    answers[out.request_id] = _answer(engine, out.token_ids)
     after = engine.stats()
     makespan = finished_at - start
     prompt_tokens = after.prompt_tokens - before.prompt_tokens
@@ -124,7 +158,21 @@ def run_mode(model: str, mode: str, requests: list[RagRequest], layout: str,
         throughput_rps=len(requests) / makespan,
         output_tokens_per_s=sum(r.output_len for r in requests) / makespan,
         makespan_s=makespan,
+        answers=tuple(answers[k] for k in sorted(answers)),
     )
+
+
+def _samples(model: str, requests: list[RagRequest], result: ModeResult
+             ) -> list[dict[str, str]]:
+    """The end of the first prompts (the question) beside their answers, printed: what a
+    reader checks to see that a real model answers sensibly."""
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    samples = []
+    for request, answer in zip(requests, result.answers, strict=False):
+        tail = str(tokenizer.decode(request.prompt_token_ids[-40:], skip_special_tokens=True))
+        samples.append({"prompt_tail": tail.strip(), "answer": answer})
+        print(f"  prompt ...{tail.strip()[-160:]!r}\n  answer: {answer!r}", flush=True)
+    return samples
 
 
 def _print_table(results: list[ModeResult]) -> None:
@@ -136,15 +184,32 @@ def _print_table(results: list[ModeResult]) -> None:
               f"{r.ttft_p99_s:>9.2f}s{r.throughput_rps:>8.2f}{r.output_tokens_per_s:>8.1f}")
 
 
-def _workloads(spec: RagSpec, model: str, num_warm: int
+def is_demo_model(model: str) -> bool:
+    """A random-weight model written by ``loragate make-demo``."""
+    return (Path(model) / "loragate_demo.json").is_file()
+
+
+def corpus_for(model: str, corpus: str) -> CorpusFactory:
+    """The prompts' corpus: "random" ids, "text" in the model's chat format, or "auto"
+    (random on a demo model, text otherwise)."""
+    if corpus == "auto":
+        corpus = "random" if is_demo_model(model) else "text"
+    if corpus == "random":
+        return random_corpus
+    return text_corpus(AutoTokenizer.from_pretrained(model, local_files_only=True))
+
+
+def _workloads(spec: RagSpec, model: str, num_warm: int, corpus: str
                ) -> tuple[list[RagRequest], list[RagRequest], list[RagRequest]]:
     """(measured, warm-up, shuffled) requests over the model's vocabulary."""
     spec = replace(spec, vocab_size=load_hf_config(model).vocab_size)
+    factory = corpus_for(model, corpus)
     # The generator draws requests one after another from one stream, so the first
     # num_requests of a longer list are exactly the measured list; the rest are independent
     # draws from the same corpus and popularity, used as the warm-up.
-    drawn = make_rag_workload(replace(spec, num_requests=spec.num_requests + num_warm))
-    shuffled = make_rag_workload(replace(spec, shuffle_docs=True))
+    drawn = make_rag_workload(replace(spec, num_requests=spec.num_requests + num_warm),
+                              factory)
+    shuffled = make_rag_workload(replace(spec, shuffle_docs=True), factory)
     return drawn[:spec.num_requests], drawn[spec.num_requests:], shuffled
 
 
@@ -192,6 +257,13 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                         help="fixed Poisson rate (req/s) for the latency phase instead")
     parser.add_argument("--capacity-only", action="store_true",
                         help="skip the latency phase and the shuffled layout (faster)")
+    parser.add_argument("--modes", default="on,off,auto",
+                        help="caching modes to run, comma-separated (on and off required)")
+    parser.add_argument("--no-shuffled", action="store_true",
+                        help="skip the shuffled-layout runs")
+    parser.add_argument("--corpus", choices=("auto", "random", "text"), default="auto",
+                        help="prompts: random ids, Python reference text in the model's chat "
+                             "format, or auto (random on a loragate demo model, else text)")
     parser.add_argument("--warm-requests", type=int, default=400,
                         help="requests served before the steady-state capacity runs (0: skip "
                              "them)")
@@ -213,7 +285,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                    vocab_size=load_hf_config(args.model).vocab_size)
     engine_kwargs: dict[str, object] = dict(max_num_batched_tokens=512, max_num_seqs=64,
                                             num_kv_blocks=args.kv_blocks)
-    modes = ("on", "off") if args.capacity_only else ("on", "off", "auto")
+    modes = tuple(m for m in ("on", "off", "auto") if m in args.modes.split(","))
+    if not {"on", "off"} <= set(modes):
+        parser.error(f"--modes needs on and off, got {args.modes!r}")
+    if args.capacity_only:
+        modes = ("on", "off")
 
     def capacity_runs(model: str, label: str, stable: list[RagRequest],
                       warm_up: list[RagRequest]
@@ -234,12 +310,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
               f"{result.ttft_p50_s:.2f}s", flush=True)
         return result
 
-    stable, warm_up, shuffled = _workloads(spec, args.model, num_warm)
+    stable, warm_up, shuffled = _workloads(spec, args.model, num_warm, args.corpus)
     capacity, warm = capacity_runs(args.model, "model", stable, warm_up)
+    samples = _samples(args.model, stable, capacity["on"])
     rate = args.rate or args.load * capacity["on"].throughput_rps
     latency = {} if args.capacity_only else {m: run(args.model, "model", m, "stable", stable,
-                                                    rate) for m in ("off", "on", "auto")}
-    shuffled_results = [] if args.capacity_only else [
+                                                    rate) for m in ("off", "on", "auto")
+                                             if m in modes}
+    shuffled_results = [] if args.capacity_only or args.no_shuffled else [
         run(args.model, "model", "on", "shuffled", shuffled, None),
         run(args.model, "model", "on", "shuffled", shuffled, rate)]
 
@@ -248,7 +326,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if args.wide_model or not (args.no_wide or args.quick):
         with tempfile.TemporaryDirectory(prefix="loragate-wide-") as tmp:
             wide_model = args.wide_model or str(make_demo_model(tmp, WIDE_SPEC))
-            wide_stable, wide_warm_up, _ = _workloads(spec, wide_model, num_warm)
+            wide_stable, wide_warm_up, _ = _workloads(spec, wide_model, num_warm,
+                                                      args.corpus)
             wide_capacity, wide_warm = capacity_runs(wide_model, "wide", wide_stable,
                                                      wide_warm_up)
 
@@ -282,6 +361,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(f"shuffled layout hit rate: {summary['shuffled_hit_rate']:.1%} "
               f"(stable: {capacity['on'].hit_rate:.1%})")
     report: dict[str, object] = {"spec": asdict(spec), "engine": engine_kwargs,
+                                 "corpus": args.corpus, "samples": samples,
                                  "results": [asdict(r) for r in results], "summary": summary}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

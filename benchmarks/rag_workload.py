@@ -8,11 +8,16 @@ follow-up's prompt is the previous turn's prompt + that turn's answer + a new qu
 conversation's own history is a prefix only the instance that served it has cached.
 ``theoretical_reuse`` computes, from the request list alone, the share of prompt tokens an
 unbounded prefix cache could serve.
+
+The token ids come from a ``Corpus``: random ids by default (any model, no tokenizer), or
+real text framed by the model's chat template (benchmarks/text_corpus.py), so a real model
+answers real questions and its outputs can be read.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from benchmarks.workloads import NUM_SPECIAL_IDS
@@ -21,7 +26,7 @@ from prefix_cache.hashing import chain_hashes
 
 @dataclass(frozen=True)
 class RagSpec:
-    """Shape of the RAG workload (defaults follow issue 3)."""
+    """Shape of the RAG workload (the defaults are the RAG benchmark's)."""
 
     num_requests: int = 200
     num_documents: int = 64
@@ -63,6 +68,31 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(NUM_SPECIAL_IDS, vocab) for _ in range(n)]
 
 
+@dataclass(frozen=True)
+class Corpus:
+    """What prompts are made of. A prompt is ``system`` + its documents in order +
+    ``question(rng, doc_ids)``; a follow-up turn appends ``filler(rng, n)`` (the stand-in for
+    the answer the client was shown) and a new question."""
+
+    documents: list[list[int]]
+    system: list[int]
+    """Everything before the first document: the shared prefix of every request."""
+    question: Callable[[random.Random, tuple[int, ...]], list[int]]
+    """Token ids after the documents, up to where the model starts its answer."""
+    filler: Callable[[random.Random, int], list[int]]
+
+
+def random_corpus(spec: RagSpec, rng: random.Random) -> Corpus:
+    """Uniformly random token ids (no special ids) of the spec's lengths."""
+    docs = [_tokens(rng, rng.randint(*spec.doc_len), spec.vocab_size)
+            for _ in range(spec.num_documents)]
+    system = _tokens(rng, spec.system_prompt_len, spec.vocab_size)
+    return Corpus(
+        docs, system,
+        question=lambda r, _docs: _tokens(r, r.randint(*spec.question_len), spec.vocab_size),
+        filler=lambda r, n: _tokens(r, n, spec.vocab_size))
+
+
 def _zipf_sample(rng: random.Random, weights: list[float], k: int) -> list[int]:
     """k distinct ids drawn with probability proportional to weights."""
     chosen: set[int] = set()
@@ -72,14 +102,21 @@ def _zipf_sample(rng: random.Random, weights: list[float], k: int) -> list[int]:
     return sorted(chosen)
 
 
-def make_rag_workload(spec: RagSpec) -> list[RagRequest]:
+CorpusFactory = Callable[[RagSpec, random.Random], Corpus]
+
+
+def make_rag_workload(spec: RagSpec, corpus: CorpusFactory = random_corpus
+                      ) -> list[RagRequest]:
     """``spec.num_requests`` requests in arrival order. Conversations start as a Poisson
     process at ``rate / turns_per_session`` (so requests arrive at ``rate`` on average) and
-    the first ``num_requests`` turns by arrival time are kept."""
+    the first ``num_requests`` turns by arrival time are kept. ``corpus`` builds the
+    documents from the workload's seeded generator (it must make ``spec.num_documents``)."""
     rng = random.Random(spec.seed)
-    docs = [_tokens(rng, rng.randint(*spec.doc_len), spec.vocab_size)
-            for _ in range(spec.num_documents)]
-    system = _tokens(rng, spec.system_prompt_len, spec.vocab_size)
+    built = corpus(spec, rng)
+    docs, system = built.documents, built.system
+    if len(docs) != spec.num_documents:
+        raise ValueError(f"the corpus has {len(docs)} documents, the spec asks for "
+                         f"{spec.num_documents}")
     weights = [1.0 / (rank + 1) ** spec.zipf_s for rank in range(spec.num_documents)]
     turns = spec.turns_per_session
     num_sessions = -(-spec.num_requests // turns)
@@ -92,14 +129,14 @@ def make_rag_workload(spec: RagSpec) -> list[RagRequest]:
         prompt = list(system)
         for d in doc_ids:
             prompt.extend(docs[d])
-        prompt.extend(_tokens(rng, rng.randint(*spec.question_len), spec.vocab_size))
+        prompt.extend(built.question(rng, tuple(doc_ids)))
         requests.append(RagRequest(prompt, spec.output_len, start, tuple(doc_ids), session))
         arrival = start
         for _ in range(turns - 1):
-            # The client sends back the answer it was shown; the benchmark's outputs are
-            # random tokens, so a stand-in answer of the same length takes their place.
-            prompt = [*prompt, *_tokens(rng, spec.output_len, spec.vocab_size),
-                      *_tokens(rng, rng.randint(*spec.question_len), spec.vocab_size)]
+            # The client sends back the answer it was shown; the workload is made before
+            # any answer exists, so a stand-in answer of the same length takes its place.
+            prompt = [*prompt, *built.filler(rng, spec.output_len),
+                      *built.question(rng, tuple(doc_ids))]
             arrival += rng.expovariate(1.0 / spec.mean_turn_gap_s)
             requests.append(RagRequest(prompt, spec.output_len, arrival, tuple(doc_ids),
                                        session))

@@ -1,4 +1,4 @@
-"""Reliability under overload, faults and disconnects, counted (issue 7). Loopback only.
+"""Reliability under overload, faults and disconnects, counted. Loopback only.
 
     python -m benchmarks.reliability --model DIR [--quick] [--soak-s 600]
 

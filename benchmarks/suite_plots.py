@@ -68,7 +68,23 @@ def _rate(r: dict[str, Any], ax: Axes) -> None:
     ax.set_title("request-rate sweep through the gateway", fontsize=10)
 
 
+def _gateway_overhead(overhead: dict[str, Any], ax: Axes) -> None:
+    """TTFT p50 direct vs through the gateway, one at a time and under load."""
+    alone = overhead["one_at_a_time"]["ttft_p50_ms"]
+    pooled = overhead["pooled"]
+    for offset, path in ((-0.2, "direct"), (0.2, "gateway")):
+        ax.bar([offset, 1 + offset], [alone[path], pooled[path]["ttft_p50_ms"]], 0.4,
+               label=path)
+    ax.set_xticks(range(2), ["one at a time", "under load"])
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_title("gateway overhead: direct vs through the gateway", fontsize=10)
+    ax.legend()
+
+
 def _gateway(r: dict[str, Any], ax: Axes) -> None:
+    if "routing" not in r:
+        _gateway_overhead(r["overhead"], ax)
+        return
     routing = r.get("routing", {})
     runs = routing.get("runs", [])
     conversations = routing.get("conversations", {}).get("runs", [])

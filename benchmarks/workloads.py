@@ -62,7 +62,7 @@ class WorkloadSpec:
 
 
 def mixed_workload(num_requests: int, vocab_size: int, seed: int = 0) -> WorkloadSpec:
-    """The issue-2 mix: prompts of 32-512 tokens, outputs of 16-256 tokens."""
+    """The throughput benchmark's mix: prompts of 32-512 tokens, outputs of 16-256 tokens."""
     return WorkloadSpec(num_requests, LengthRange(32, 512), LengthRange(16, 256), vocab_size, seed)
 
 
