@@ -62,12 +62,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- queue management
     def add(self, request: Request) -> None:
-        if not self.kv.can_ever_fit(request.max_num_tokens, pool_of(request)):
-            raise ValueError(
-                f"request {request.request_id!r} needs up to {request.max_num_tokens} tokens "
-                f"of KV cache, more than the whole cache (or its pool "
-                f"{pool_of(request)!r}) can hold"
-            )
+        """Queue a request; the engine checked that it fits the cache (LLMEngine.validate)."""
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=self._queue_key)
@@ -284,8 +279,6 @@ class Scheduler:
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        if request.timing.first_scheduled is None:
-            request.timing.first_scheduled = time.monotonic()
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=request.token_ids_slice(start, start + n),
