@@ -258,19 +258,19 @@ class LLMEngine:
         sched = self.scheduler.schedule(focus)
         if focus is not None and sched.is_empty:
             # The suspect cannot run now: let everyone else run, so it gets what it waits for.
-            focus, finished = None, sched.finished_request_ids
-            sched = self.scheduler.schedule(exclude=suspects)
-            sched.finished_request_ids[:0] = finished
+            self.runner.abandon(sched)
+            focus, sched = None, self.scheduler.schedule(exclude=suspects)
         t1 = time.perf_counter()
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
-            self.runner.sampler.release(sched.finished_request_ids)
+            self.runner.abandon(sched)
             return failed
         try:
             result = self.runner.execute(sched)
         except Exception:
             log.exception("a step of %d request(s) failed; isolating the cause",
                           len(sched.chunks))
+            self.runner.abandon(sched)
             culprits = self.isolation.failed(self.scheduler.rollback(sched), focus)
             return failed + [self._fail(r, STEP_FAILED_MESSAGE) for r in culprits]
         self.isolation.succeeded(sched)

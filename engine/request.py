@@ -79,12 +79,6 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def token_ids_slice(self, start: int, end: int) -> list[int]:
-        n_prompt = len(self.prompt_token_ids)
-        if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
-
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
