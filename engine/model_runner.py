@@ -12,6 +12,7 @@ import torch
 from engine.attention import build_step_metadata
 from engine.config import EngineConfig
 from engine.input_batch import InputBatch
+from engine.kv_cache import blocks_for
 from engine.models.llama import LlamaForFlatBatch
 from engine.sampler import Sampler
 from engine.scheduler_output import SchedulerOutput
@@ -68,7 +69,11 @@ class ModelRunner:
             for _ in range(s.num_layers)
         ] if self.num_swap_blocks else []
         self.sampler = Sampler(config.seed, device)
-        self.batch = InputBatch(config.max_num_batched_tokens, config.block_size, device)
+        # A table never holds more blocks than the cache, nor than the model's context.
+        max_blocks = min(self.num_blocks,
+                         blocks_for(s.max_position_embeddings, config.block_size))
+        self.batch = InputBatch(config.max_num_seqs, max_blocks, config.max_num_batched_tokens,
+                                config.block_size, device)
         self.lora_slots = (LoraSlots(model, config.max_loras, config.max_lora_rank, dtype,
                                      device) if config.max_loras else None)
 

@@ -51,8 +51,10 @@ def runner_copy(sched: Scheduler) -> InputBatch:
     """The copies of sched's running requests that a model runner would hold, kept by the
     runner's own InputBatch from the scheduler's outputs (see feed_runner)."""
     if sched not in _runner_copies:
-        _runner_copies[sched] = InputBatch(sched.config.max_num_batched_tokens,
-                                           sched.config.block_size, torch.device("cpu"))
+        cfg = sched.config
+        _runner_copies[sched] = InputBatch(cfg.max_num_seqs, sched.kv.num_blocks,
+                                           cfg.max_num_batched_tokens, cfg.block_size,
+                                           torch.device("cpu"))
     return _runner_copies[sched]
 
 
@@ -68,17 +70,18 @@ def feed_runner(sched: Scheduler, out: SchedulerOutput) -> None:
 
 def assert_runner_in_sync(sched: Scheduler) -> None:
     """Every running request's runner copy has the scheduler's tokens and block table."""
-    copies = runner_copy(sched).requests
+    copies = runner_copy(sched)
     for request in sched.running:
-        copy = copies[request.request_id]
-        assert copy.token_ids == request.all_token_ids, request.request_id
-        assert copy.block_table == sched.kv.block_table(request.request_id), request.request_id
+        request_id = request.request_id
+        assert copies.requests[request_id].token_ids == request.all_token_ids, request_id
+        assert copies.block_table(request_id).tolist() == sched.kv.block_table(request_id), (
+            request_id)
 
 
 def tables_of(sched: Scheduler, out: SchedulerOutput) -> dict[str, list[int]]:
     """The block table of each request of a step that step() ran, as the runner saw it."""
-    copies = runner_copy(sched).requests
-    return {c.request_id: list(copies[c.request_id].block_table) for c in out.chunks}
+    copies = runner_copy(sched)
+    return {c.request_id: copies.block_table(c.request_id).tolist() for c in out.chunks}
 
 
 def step(sched: Scheduler) -> SchedulerOutput:

@@ -90,7 +90,7 @@ def test_random_workload_keeps_chunks_block_aligned_and_within_limits(
                 assert c.num_tokens <= threshold
         feed_runner(sched, out)  # asserts every chunk is covered by the runner's table
         for c in out.chunks:
-            assert len(runner_copy(sched).requests[c.request_id].block_table) == blocks_for(
+            assert len(runner_copy(sched).block_table(c.request_id)) == blocks_for(
                 c.context_len, bs)
         owned = [b for r in sched.running for b in kv.block_table(r.request_id)]
         assert len(owned) == len(set(owned))
