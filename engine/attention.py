@@ -16,9 +16,11 @@ one slot mapping, and each layer reads the one of its own window.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,9 @@ from engine.cascade_attention import (
     cascade_attention,
     cascade_available,
 )
+
+BlockTable = Sequence[int] | npt.NDArray[np.int64]
+"""A request's cache blocks in position order: a list, or a row of the runner's array."""
 
 
 @dataclass
@@ -66,8 +71,8 @@ class AttentionMetadata:
 
 
 def build_step_metadata(
-    decodes: list[tuple[list[int], int]],
-    prefills: list[tuple[list[int], int, int]],
+    decodes: Sequence[tuple[BlockTable, int]],
+    prefills: Sequence[tuple[BlockTable, int, int]],
     block_size: int,
     windows: Iterable[int | None],
     device: torch.device,
@@ -83,8 +88,8 @@ def build_step_metadata(
 
 
 def build_attention_metadata(
-    decodes: list[tuple[list[int], int]],
-    prefills: list[tuple[list[int], int, int]],
+    decodes: Sequence[tuple[BlockTable, int]],
+    prefills: Sequence[tuple[BlockTable, int, int]],
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
@@ -103,11 +108,12 @@ def build_attention_metadata(
     decode_blocks = decode_mask = None
     decode_len = 0
     if decodes:
-        max_blocks = max(-(-ctx // block_size) for _, ctx in decodes)
-        decode_blocks = torch.tensor(
-            [bt[:max_blocks] + [0] * (max_blocks - min(len(bt), max_blocks)) for bt, _ in decodes],
-            dtype=torch.int64,
-        )
+        tables = np.zeros((len(decodes), max(-(-ctx // block_size) for _, ctx in decodes)),
+                          dtype=np.int64)
+        for row, (bt, ctx) in enumerate(decodes):
+            used = -(-ctx // block_size)
+            tables[row, :used] = bt[:used]
+        decode_blocks = torch.from_numpy(tables)
         ctx_lens = torch.tensor([ctx for _, ctx in decodes], dtype=torch.int64)
         decode_len = int(ctx_lens.max())
         positions = torch.arange(decode_len, dtype=torch.int64)
@@ -146,31 +152,39 @@ def build_attention_metadata(
 
 
 def _slot_mapping(
-    decodes: list[tuple[list[int], int]],
-    prefills: list[tuple[list[int], int, int]],
+    decodes: Sequence[tuple[BlockTable, int]],
+    prefills: Sequence[tuple[BlockTable, int, int]],
     block_size: int,
     device: torch.device,
 ) -> torch.Tensor:
     """[T] cache slot of each token of the step, in batch order (decodes, then chunks)."""
-    positions = [(block_table, ctx - 1) for block_table, ctx in decodes]
-    positions += [(block_table, p) for block_table, start_pos, q_len in prefills
-                  for p in range(start_pos, start_pos + q_len)]
-    return torch.tensor([bt[p // block_size] * block_size + p % block_size
-                         for bt, p in positions], dtype=torch.int64, device=device)
+    slots = [int(bt[(ctx - 1) // block_size]) * block_size + (ctx - 1) % block_size
+             for bt, ctx in decodes]
+    parts = [np.array(slots, dtype=np.int64)]
+    for bt, start_pos, q_len in prefills:
+        positions = np.arange(start_pos, start_pos + q_len)
+        table = np.asarray(bt[:-(-(start_pos + q_len) // block_size)], dtype=np.int64)
+        parts.append(table[positions // block_size] * block_size + positions % block_size)
+    return torch.from_numpy(np.concatenate(parts)).to(device)
+
+
+def _as_list(block_table: BlockTable) -> list[int]:
+    return block_table.tolist() if isinstance(block_table, np.ndarray) else list(block_table)
 
 
 def _cascade_metadata(
-    decodes: list[tuple[list[int], int]],
-    prefills: list[tuple[list[int], int, int]],
+    decodes: Sequence[tuple[BlockTable, int]],
+    prefills: Sequence[tuple[BlockTable, int, int]],
     block_size: int,
     slot_mapping: torch.Tensor,
     device: torch.device,
 ) -> AttentionMetadata:
-    requests = [CascadeRequest(block_table, ctx, row, 1, fresh=False)
+    requests = [CascadeRequest(_as_list(block_table), ctx, row, 1, fresh=False)
                 for row, (block_table, ctx) in enumerate(decodes)]
     query_start = len(decodes)
     for block_table, start_pos, q_len in prefills:
-        requests.append(CascadeRequest(block_table, start_pos, query_start, q_len, fresh=True))
+        requests.append(CascadeRequest(_as_list(block_table), start_pos, query_start, q_len,
+                                       fresh=True))
         query_start += q_len
     return AttentionMetadata(
         slot_mapping=slot_mapping,

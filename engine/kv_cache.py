@@ -19,7 +19,7 @@ from collections import deque
 
 from engine.request import Request
 from prefix_cache.adaptive import AdaptiveConfig, HitRateTracker, PrefixCachingMode
-from prefix_cache.cache import HashBlockCache
+from prefix_cache.cache import BlockCache, HashBlockCache
 from prefix_cache.hashing import ROOT_HASH, chain_hashes
 from prefix_cache.pools import BASE_POOL, PoolAccounting
 
@@ -71,7 +71,8 @@ class KVCacheManager:
                  pool_default_cap: float = 1.0) -> None:
         self.block_size = block_size
         self.pools = PoolAccounting(num_blocks, pool_shares, pool_default_cap)
-        self.pool = HashBlockCache(num_blocks, publish_every=publish_every, pools=self.pools)
+        self.pool: BlockCache = HashBlockCache(num_blocks, publish_every=publish_every,
+                                               pools=self.pools)
         self.swap_pool = BlockPool(num_swap_blocks)
         self.tracker = HitRateTracker(prefix_caching, adaptive)
         self._tables: dict[str, list[int]] = {}
@@ -104,16 +105,12 @@ class KVCacheManager:
         return self._tables.get(request_id, [])
 
     def max_tokens_per_request(self, pool: str = BASE_POOL) -> int:
-        """The most tokens (prompt + output) one request of ``pool`` can ever hold."""
+        """The most tokens (prompt + output) one request of ``pool`` can ever hold: the whole
+        cache but the other pools' floors, within the pool's cap, with nothing else
+        running. A request needs blocks_for(n) blocks, so n tokens fit iff n <= this."""
         blocks = min(self.pool.num_blocks - self.pools.floors_of_others(pool),
                      self.pools.cap(pool))
         return blocks * self.block_size
-
-    def can_ever_fit(self, num_tokens: int, pool: str = BASE_POOL) -> bool:
-        """Whether num_tokens fit the cache and the pool's cap, with nothing else running."""
-        need = blocks_for(num_tokens, self.block_size)
-        return need <= min(self.pool.num_blocks - self.pools.floors_of_others(pool),
-                           self.pools.cap(pool))
 
     # ------------------------------------------------------------------ prefix hits
     def _update_hashes(self, request: Request) -> list[int]:
@@ -186,8 +183,7 @@ class KVCacheManager:
             self.tracker.on_admitted()
             return
         self.tracker.record(request.num_tokens, num_hit_tokens)
-        self.pools.query_tokens[pool_of(request)] += request.num_tokens
-        self.pools.hit_tokens[pool_of(request)] += num_hit_tokens
+        self.pools.record_lookup(pool_of(request), request.num_tokens, num_hit_tokens)
         first = num_hit_tokens // self.block_size
         mine = [h for h in request.block_hashes[first:] if h not in self._in_flight]
         for h in mine:

@@ -51,7 +51,6 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
     num_tokens_reported: int = 0
-    num_logprobs_reported: int = 0
 
 
 class LLMEngine:
@@ -129,10 +128,13 @@ class LLMEngine:
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"= {total} exceeds the model's context of {self.max_model_len} tokens")
-        if not self.kv.can_ever_fit(total, lora or BASE_POOL):
+        # The one "fits in the cache" check: the scheduler relies on it (Scheduler.add).
+        room = self.kv.max_tokens_per_request(lora or BASE_POOL)
+        if total > room:
             raise ValueError(
                 f"prompt + max_tokens = {total} tokens exceeds the whole KV cache "
-                f"({self.kv.num_blocks * self.kv.block_size} tokens) or its pool's cap")
+                f"({self.kv.num_blocks * self.kv.block_size} tokens) or its pool's share "
+                f"({room} tokens)")
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int = 0, arrival_time: float | None = None,
@@ -257,19 +259,19 @@ class LLMEngine:
         sched = self.scheduler.schedule(focus)
         if focus is not None and sched.is_empty:
             # The suspect cannot run now: let everyone else run, so it gets what it waits for.
-            focus, finished = None, sched.finished_request_ids
-            sched = self.scheduler.schedule(exclude=suspects)
-            sched.finished_request_ids[:0] = finished
+            self.runner.abandon(sched)
+            focus, sched = None, self.scheduler.schedule(exclude=suspects)
         t1 = time.perf_counter()
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
-            self.runner.sampler.release(sched.finished_request_ids)
+            self.runner.abandon(sched)
             return failed
         try:
             result = self.runner.execute(sched)
         except Exception:
             log.exception("a step of %d request(s) failed; isolating the cause",
                           len(sched.chunks))
+            self.runner.abandon(sched)
             culprits = self.isolation.failed(self.scheduler.rollback(sched), focus)
             return failed + [self._fail(r, STEP_FAILED_MESSAGE) for r in culprits]
         self.isolation.succeeded(sched)
@@ -294,12 +296,9 @@ class LLMEngine:
         timing = request.timing
         if timing.first_token is None:
             timing.first_token = now
-            self.metrics.ttft.append(now - timing.arrival)
         else:
             assert timing.last_token is not None
-            itl = now - timing.last_token
-            timing.inter_token_latencies.append(itl)
-            self.metrics.itl.append(itl)
+            timing.inter_token_latencies.append(now - timing.last_token)
         timing.last_token = now
         self.metrics.generation_tokens += 1
         if request.request_id in logprobs:
@@ -349,21 +348,14 @@ class LLMEngine:
             generation_tokens=m.generation_tokens,
             num_steps=m.num_steps,
             num_requests_finished=m.num_requests_finished,
-            recent_ttft=tuple(m.ttft),
-            recent_itl=tuple(m.itl),
             phase_seconds=dict(m.phase_seconds),
             prefix_cache=PrefixCacheStats(
                 enabled=tracker.enabled,
-                queries=tracker.queries,
-                query_tokens=tracker.query_tokens,
-                hit_tokens=tracker.hit_tokens,
-                hit_rate=tracker.hit_rate,
                 rolling_hit_rate=tracker.rolling_hit_rate,
                 cached_blocks=self.kv.pool.num_cached,
-                evictions=self.kv.pool.num_evictions,
                 switches=tracker.num_switches,
+                pools=self.kv.pools.stats(),
             ),
-            kv_pools=self.kv.pools.stats(),
         )
 
     def publish_prefixes(self, cursor: int = 0) -> PrefixUpdate:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from prefix_cache.pools import PoolStats
@@ -29,20 +28,39 @@ class StepTiming:
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """Prefix-cache figures: lookups happen once per admitted request."""
+    """Prefix-cache figures: lookups happen once per admitted request. The counters are the
+    pools' (prefix_cache.pools, their one owner); the global ones are their sums."""
 
     enabled: bool
-    queries: int
-    query_tokens: int
-    hit_tokens: int
-    hit_rate: float
-    """hit_tokens / query_tokens since start."""
     rolling_hit_rate: float
     """Over the last window of long prompts (drives prefix_caching="auto")."""
     cached_blocks: int
-    evictions: int
+    """Blocks holding reusable KV under a hash, in use or free."""
     switches: int
     """Times "auto" turned caching off or on."""
+    pools: dict[str, PoolStats]
+    """Per adapter (and "base"): blocks used / cached, evictions, lookups, floor, cap."""
+
+    @property
+    def queries(self) -> int:
+        return sum(p.queries for p in self.pools.values())
+
+    @property
+    def query_tokens(self) -> int:
+        return sum(p.query_tokens for p in self.pools.values())
+
+    @property
+    def hit_tokens(self) -> int:
+        return sum(p.hit_tokens for p in self.pools.values())
+
+    @property
+    def hit_rate(self) -> float:
+        """hit_tokens / query_tokens since start."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def evictions(self) -> int:
+        return sum(p.evictions for p in self.pools.values())
 
 
 @dataclass(frozen=True)
@@ -65,19 +83,21 @@ class EngineStats:
     generation_tokens: int
     num_steps: int
     num_requests_finished: int
-    recent_ttft: tuple[float, ...]
-    recent_itl: tuple[float, ...]
     phase_seconds: dict[str, float]
     prefix_cache: PrefixCacheStats
-    kv_pools: dict[str, PoolStats]
-    """Per adapter (and "base"): blocks used / cached, evictions, hit rate, floor, cap."""
+
+    @property
+    def kv_pools(self) -> dict[str, PoolStats]:
+        """Per adapter (and "base"): blocks used / cached, evictions, hit rate, floor, cap."""
+        return self.prefix_cache.pools
 
 
 @dataclass
 class EngineMetrics:
-    """Mutable counters updated by the step loop (one thread)."""
+    """Mutable counters updated by the step loop (one thread). Latencies are not here: the
+    engine stamps each request's RequestTiming (LLMEngine._on_new_token), and whoever
+    streams the outputs observes them."""
 
-    window: int = 4096
     prompt_tokens: int = 0
     prompt_tokens_computed: int = 0
     generation_tokens: int = 0
@@ -85,15 +105,9 @@ class EngineMetrics:
     num_requests_finished: int = 0
     last_budget_utilization: float = 0.0
     _utilization_sum: float = 0.0
-    ttft: deque[float] = field(default_factory=deque)
-    itl: deque[float] = field(default_factory=deque)
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("schedule", "prepare", "forward", "sample", "output"), 0.0))
     last_step: StepTiming | None = None
-
-    def __post_init__(self) -> None:
-        self.ttft = deque(maxlen=self.window)
-        self.itl = deque(maxlen=self.window)
 
     def record_step(self, scheduled_tokens: int, prefill_tokens: int, budget: int,
                     timing: StepTiming) -> None:

@@ -1,5 +1,6 @@
 """SchedulerOutput -> flat tensors -> forward -> sampled tokens. Owns the model, the KV
-tensors and the swap tensors; owns no scheduling state."""
+tensors, the swap tensors and its own copies of the running requests (engine/input_batch.py);
+owns no scheduling state."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, build_step_metadata
+from engine.attention import build_step_metadata
 from engine.config import EngineConfig
+from engine.input_batch import InputBatch
+from engine.kv_cache import blocks_for
 from engine.models.llama import LlamaForFlatBatch
 from engine.sampler import Sampler
-from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from lora.layers import LoraSlots
-from lora.ops import LoraBatchMetadata, build_lora_metadata, resolve_backend
+from lora.ops import build_lora_metadata, resolve_backend
 
 
 @dataclass
@@ -66,15 +69,29 @@ class ModelRunner:
             for _ in range(s.num_layers)
         ] if self.num_swap_blocks else []
         self.sampler = Sampler(config.seed, device)
+        # A table never holds more blocks than the cache, nor than the model's context.
+        max_blocks = min(self.num_blocks,
+                         blocks_for(s.max_position_embeddings, config.block_size))
+        self.batch = InputBatch(config.max_num_seqs, max_blocks, config.max_num_batched_tokens,
+                                config.block_size, device)
         self.lora_slots = (LoraSlots(model.model.layers, s.lora_targets(), config.max_loras,
                                      config.max_lora_rank, dtype, device)
                            if config.max_loras else None)
+
+    def abandon(self, sched: SchedulerOutput) -> None:
+        """A step that is not run (nothing to do) or failed (the scheduler rolls its
+        requests back to recompute): forget every request it ended, preempted or scheduled,
+        whether or not execute() got to apply it. Those that run again come back whole."""
+        self.sampler.release(sched.finished_request_ids)
+        self.batch.forget(sched.finished_request_ids + sched.preempted_request_ids
+                          + [c.request_id for c in sched.chunks])
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
         self.sampler.release(sched.finished_request_ids)
         t0 = time.perf_counter()
+        self.batch.apply(sched)
         self._swap(sched)
         for slot, adapter in sched.lora_loads:
             assert self.lora_slots is not None
@@ -82,54 +99,28 @@ class ModelRunner:
         if not sched.chunks:
             return out
         chunks = sorted(sched.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
-        input_ids, positions, meta, sample_rows, lora = self._prepare(chunks)
+        inputs = self.batch.prepare(chunks)
+        meta = build_step_metadata(inputs.decodes, inputs.prefills, self.block_size,
+                                   self.layer_windows, self.device,
+                                   cascade=self.cascade_attention)
+        # The runs and rest layout serve only the torch path's fused op.
+        lora = build_lora_metadata(
+            inputs.token_slots, self.device,
+            find_runs=resolve_backend("auto", self.device) == "torch") if inputs.has_lora else None
         t1 = self._sync_time()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
-        logits = self.model.compute_logits(hidden[sample_rows])
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, lora)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
         t2 = self._sync_time()
-        sampled_chunks = [c for c in chunks if c.sample]
-        ids = [c.request_id for c in sampled_chunks]
-        tokens, logprobs = self.sampler.sample(
-            logits, ids, [c.sampling_params for c in sampled_chunks])
+        ids = [c.request_id for c in chunks if c.sample]
+        tokens, logprobs = self.sampler.sample(logits, ids, self.batch.sampling_params(ids))
         for request_id, token, lp in zip(ids, tokens, logprobs, strict=True):
+            self.batch.append_sampled(request_id, token)
             out.sampled[request_id] = token
             if lp is not None:
                 out.logprobs[request_id] = lp
         t3 = time.perf_counter()
         out.prepare_seconds, out.forward_seconds, out.sample_seconds = t1 - t0, t2 - t1, t3 - t2
         return out
-
-    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[
-            torch.Tensor, torch.Tensor, dict[int | None, AttentionMetadata], torch.Tensor,
-            LoraBatchMetadata | None]:
-        token_ids: list[int] = []
-        token_slots: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        decodes: list[tuple[list[int], int]] = []
-        prefills: list[tuple[list[int], int, int]] = []
-        for c in chunks:
-            token_ids.extend(c.token_ids)
-            token_slots.extend([c.lora_slot] * c.num_tokens)
-            positions.extend(range(c.start_pos, c.context_len))
-            if c.sample:
-                sample_rows.append(len(token_ids) - 1)
-            if c.num_tokens == 1:
-                decodes.append((c.block_table, c.context_len))
-            else:
-                prefills.append((c.block_table, c.start_pos, c.num_tokens))
-        meta = build_step_metadata(decodes, prefills, self.block_size, self.layer_windows,
-                                   self.device, cascade=self.cascade_attention)
-        return (
-            torch.tensor(token_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            meta,
-            torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
-            # The runs and rest layout serve only the torch path's fused op.
-            build_lora_metadata(token_slots, self.device,
-                                find_runs=resolve_backend("auto", self.device) == "torch")
-            if any(s >= 0 for s in token_slots) else None,
-        )
 
     def _swap(self, sched: SchedulerOutput) -> None:
         # Swap-outs first: their device blocks may be reused by this very step.

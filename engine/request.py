@@ -24,7 +24,6 @@ class RequestTiming:
     """Wall-clock times of one request (time.monotonic seconds)."""
 
     arrival: float
-    first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
     inter_token_latencies: list[float] = field(default_factory=list)
@@ -79,17 +78,6 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def max_num_tokens(self) -> int:
-        """The most tokens this request can ever hold in the KV cache."""
-        return self.num_prompt_tokens + self.sampling_params.max_tokens
-
-    def token_ids_slice(self, start: int, end: int) -> list[int]:
-        n_prompt = len(self.prompt_token_ids)
-        if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -21,10 +21,12 @@ from collections.abc import Callable, Iterable
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, blocks_for, pool_of
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from engine.scheduler_output import NewRequest, ScheduledChunk, SchedulerOutput
 from lora.manager import LoraManager
 
 QueueKey = tuple[int, int]
+Scheduled = dict[str, tuple[Request, int]]
+"""This step's work so far: request id -> (request, tokens to run)."""
 
 
 class Scheduler:
@@ -47,6 +49,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_since_last_step: list[str] = []
+        # What the runner holds: for each running request, how many blocks of its table it
+        # was sent. A request not in here is sent whole (NewRequest); one that stops running
+        # (preempted, finished, rolled back) leaves it, and the runner forgets it too.
+        self._runner_blocks: dict[str, int] = {}
         # Never preempted again in the step that brought them back (their swap-in copy
         # would race the swap-out copy of the same device blocks).
         self._swapped_in_this_step: set[str] = set()
@@ -62,12 +68,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- queue management
     def add(self, request: Request) -> None:
-        if not self.kv.can_ever_fit(request.max_num_tokens, pool_of(request)):
-            raise ValueError(
-                f"request {request.request_id!r} needs up to {request.max_num_tokens} tokens "
-                f"of KV cache, more than the whole cache (or its pool "
-                f"{pool_of(request)!r}) can hold"
-            )
+        """Queue a request; the engine checked that it fits the cache (LLMEngine.validate)."""
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=self._queue_key)
@@ -98,7 +99,7 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledChunk] = {}
+        scheduled: Scheduled = {}
         self._swapped_in_this_step.clear()
         if self._starving_lora is not None and not any(
                 r.lora_name == self._starving_lora for r in self.waiting):
@@ -108,12 +109,11 @@ class Scheduler:
         if not out.preempted_request_ids:
             budget = self._schedule_swapped(out, scheduled, budget)
             self._schedule_waiting(out, scheduled, budget)
-        out.chunks = list(scheduled.values())
+        out.chunks = [self._chunk(request, n, out) for request, n in scheduled.values()]
         return out
 
-    def _schedule_running(
-        self, out: SchedulerOutput, scheduled: dict[str, ScheduledChunk], budget: int
-    ) -> int:
+    def _schedule_running(self, out: SchedulerOutput, scheduled: Scheduled, budget: int
+                          ) -> int:
         for request in list(self.running):
             if budget == 0:
                 break
@@ -131,13 +131,12 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = self._chunk(request, n)
+                scheduled[request.request_id] = (request, n)
                 budget -= n
         return budget
 
-    def _schedule_swapped(
-        self, out: SchedulerOutput, scheduled: dict[str, ScheduledChunk], budget: int
-    ) -> int:
+    def _schedule_swapped(self, out: SchedulerOutput, scheduled: Scheduled, budget: int
+                          ) -> int:
         for request in [r for r in self.swapped if self._eligible(r)]:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -153,13 +152,12 @@ class Scheduler:
             allocated = self.kv.allocate_slots(request, n)
             assert allocated, "checked free blocks above"
             self._run(request)
-            scheduled[request.request_id] = self._chunk(request, n)
+            scheduled[request.request_id] = (request, n)
             budget -= n
         return budget
 
-    def _schedule_waiting(
-        self, out: SchedulerOutput, scheduled: dict[str, ScheduledChunk], budget: int
-    ) -> int:
+    def _schedule_waiting(self, out: SchedulerOutput, scheduled: Scheduled, budget: int
+                          ) -> int:
         for request in self._admission_order():
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -185,7 +183,7 @@ class Scheduler:
             request.num_computed_tokens = start
             self.kv.note_admitted(request, start)
             self._run(request)
-            scheduled[request.request_id] = self._chunk(request, n)
+            scheduled[request.request_id] = (request, n)
             budget -= n
         return budget
 
@@ -216,7 +214,7 @@ class Scheduler:
         n: int,
         hit: list[int],
         out: SchedulerOutput,
-        scheduled: dict[str, ScheduledChunk],
+        scheduled: Scheduled,
     ) -> int | None:
         """Blocks for a waiting request; under the priority policy strictly lower-priority
         running requests are preempted to make room. Returns the budget the victims' chunks
@@ -282,34 +280,35 @@ class Scheduler:
         end = (start + limit) // bs * bs
         return max(0, end - start)
 
-    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, n: int, out: SchedulerOutput) -> ScheduledChunk:
+        """The step's delta for one request: the whole request (out.new_requests) if the
+        runner does not hold it, and the blocks its table gained since it was last sent."""
+        request_id = request.request_id
+        table = self.kv.block_table(request_id)
+        sent = self._runner_blocks.get(request_id)
+        if sent is None:
+            out.new_requests.append(NewRequest(request_id, request.all_token_ids,
+                                               request.sampling_params, request.lora_slot))
+            sent = 0
+        self._runner_blocks[request_id] = len(table)
         start = request.num_computed_tokens
-        if request.timing.first_scheduled is None:
-            request.timing.first_scheduled = time.monotonic()
-        return ScheduledChunk(
-            request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, start + n),
-            start_pos=start,
-            block_table=list(self.kv.block_table(request.request_id)),
-            sample=start + n == request.num_tokens,
-            sampling_params=request.sampling_params,
-            lora_slot=request.lora_slot,
-        )
+        return ScheduledChunk(request_id=request_id, start_pos=start, num_tokens=n,
+                              new_block_ids=table[sent:],
+                              sample=start + n == request.num_tokens)
 
     def _pick_victim(self, candidates: Iterable[Request]) -> Request:
         # Largest queue key = lowest priority, then newest.
         return max(candidates, key=self._queue_key)
 
-    def _preempt(
-        self, victim: Request, out: SchedulerOutput, scheduled: dict[str, ScheduledChunk]
-    ) -> int:
+    def _preempt(self, victim: Request, out: SchedulerOutput, scheduled: Scheduled) -> int:
         """Preempt victim; returns the budget its already-scheduled chunk gave back."""
         self.running.remove(victim)
+        self._runner_blocks.pop(victim.request_id, None)
         self._drop_lora_slot(victim)
         self.num_preemptions += 1
         victim.num_preemptions += 1
         out.preempted_request_ids.append(victim.request_id)
-        refunded = scheduled.pop(victim.request_id).num_tokens if (
+        refunded = scheduled.pop(victim.request_id)[1] if (
             victim.request_id in scheduled) else 0
         # No swap-out in a step that swaps in: a CPU block freed by a swap-in could be
         # reused by the swap-out, and the runner copies out before it copies in.
@@ -343,6 +342,7 @@ class Scheduler:
             queue.remove(request)
         self._drop_lora_slot(request)
         self.kv.free(request.request_id)
+        self._runner_blocks.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
@@ -362,6 +362,7 @@ class Scheduler:
              else self.swapped).remove(request)
             self._drop_lora_slot(request)
             self.kv.free(request_id)
+            self._runner_blocks.pop(request_id, None)
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
             bisect.insort(self.waiting, request, key=self._queue_key)

@@ -1,4 +1,5 @@
-"""Hit-rate tracking and the "auto" switch that turns prefix caching off when it does not pay."""
+"""The "auto" switch that turns prefix caching off when it does not pay, from a rolling hit
+rate over long prompts. The lookup counters themselves live in prefix_cache.pools."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ class AdaptiveConfig:
 
 
 class HitRateTracker:
-    """Lookup counters plus a rolling window of (query tokens, hit tokens) on long prompts,
-    which drives the auto switch."""
+    """A rolling window of (query tokens, hit tokens) on long prompts, which drives the auto
+    switch."""
 
     def __init__(self, mode: PrefixCachingMode, config: AdaptiveConfig | None = None) -> None:
         if mode not in ("on", "off", "auto"):
@@ -41,9 +42,6 @@ class HitRateTracker:
         self.mode = mode
         self.config = config or AdaptiveConfig()
         self.enabled = mode != "off"
-        self.queries = 0
-        self.query_tokens = 0
-        self.hit_tokens = 0
         self.num_switches = 0
         self._window: deque[tuple[int, int]] = deque(maxlen=self.config.window)
         self._since_off = 0
@@ -53,15 +51,8 @@ class HitRateTracker:
         queried = sum(q for q, _ in self._window)
         return sum(h for _, h in self._window) / queried if queried else 0.0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
     def record(self, query_tokens: int, hit_tokens: int) -> None:
         """One lookup (made only while enabled)."""
-        self.queries += 1
-        self.query_tokens += query_tokens
-        self.hit_tokens += hit_tokens
         if query_tokens >= self.config.long_prompt_tokens:
             self._window.append((query_tokens, hit_tokens))
             self._decide()

@@ -13,10 +13,10 @@ num_free == num_blocks, of which num_cached still hold reusable KV.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from prefix_cache.pools import BASE_POOL, PoolAccounting
 
@@ -32,7 +32,7 @@ class PrefixUpdate:
     removed: list[int]
 
 
-class BlockCache(ABC):
+class BlockCache(Protocol):
     """A block pool whose freed blocks keep their KV reusable under a content hash.
 
     Contract (callers: the KV manager, from the engine's one step thread; no locking):
@@ -46,43 +46,57 @@ class BlockCache(ABC):
       last, outlives the suffixes that hang off it.
     - insert() registers a block whose KV is complete; if the hash is already cached by
       another block the call is a no-op (returns False) and the caller keeps its own copy.
+    - every count (used, cached, evictions, per pool) is kept in ``pools``, nowhere else.
+    - publish() reports the sparse hashes added and removed since a cursor (see PrefixUpdate).
     """
 
     num_blocks: int
+    pools: PoolAccounting
 
-    @abstractmethod
     def match(self, hashes: Sequence[int]) -> list[int]:
         """Block ids of the longest prefix of ``hashes`` that is cached."""
+        ...
 
-    @abstractmethod
     def acquire(self, block_ids: Sequence[int]) -> None: ...
 
-    @abstractmethod
     def allocate(self, n: int, pool: str = BASE_POOL) -> list[int]:
         """n fresh blocks owned by ``pool`` (see prefix_cache.pools)."""
+        ...
 
-    @abstractmethod
     def release(self, block_ids: Sequence[int]) -> None: ...
 
-    @abstractmethod
     def insert(self, block_id: int, block_hash: int, block_index: int) -> bool:
         """Cache a computed full block; block_index is its position in the request's chain."""
+        ...
 
     @property
-    @abstractmethod
     def num_free(self) -> int: ...
 
     @property
-    @abstractmethod
     def num_cached(self) -> int: ...
 
-    @abstractmethod
     def ref_count(self, block_id: int) -> int: ...
 
+    def publish(self, cursor: int = 0) -> PrefixUpdate: ...
 
-class HashBlockCache(BlockCache):
+
+@dataclass(slots=True)
+class Block:
+    """One block id's bookkeeping (its KV lives in the model runner's tensors)."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    """Set while the block's KV is cached under this hash (in use or free)."""
+    chain_index: int = 0
+    """Position of the block in the chain of the request that cached it."""
+    pool: str = BASE_POOL
+    """Owner of the block since its last allocation (prefix_cache.pools)."""
+
+
+class HashBlockCache:
     """BlockCache with a flat hash -> block dict (vLLM-style); a radix tree could stand
-    beside it behind the same ABC.
+    beside it behind the same protocol.
 
     The free queue is an OrderedDict used as a doubly linked list: allocation pops the head,
     release appends to the tail, and a cache hit on a free block removes it from the middle,
@@ -94,14 +108,10 @@ class HashBlockCache(BlockCache):
                  pools: PoolAccounting | None = None) -> None:
         self.num_blocks = num_blocks
         self.pools = pools or PoolAccounting(num_blocks)
-        self._pool_of: list[str] = [BASE_POOL] * num_blocks
+        self._blocks = [Block(i) for i in range(num_blocks)]
         self._cached_free: dict[str, OrderedDict[int, None]] = {}
-        self._ref = [0] * num_blocks
-        self._hash_of: list[int | None] = [None] * num_blocks
-        self._index_of = [0] * num_blocks
         self._block_of: dict[int, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.num_evictions = 0
         # Sparse publication log for the router: every publish_every-th chain block.
         self.publish_every = publish_every
         self._log: deque[tuple[int, bool, int]] = deque(maxlen=log_size)
@@ -116,7 +126,7 @@ class HashBlockCache(BlockCache):
         return len(self._block_of)
 
     def ref_count(self, block_id: int) -> int:
-        return self._ref[block_id]
+        return self._blocks[block_id].ref_count
 
     def match(self, hashes: Sequence[int]) -> list[int]:
         blocks: list[int] = []
@@ -129,26 +139,26 @@ class HashBlockCache(BlockCache):
 
     def acquire(self, block_ids: Sequence[int]) -> None:
         for b in block_ids:
-            if self._ref[b] == 0:
+            block = self._blocks[b]
+            if block.ref_count == 0:
                 del self._free[b]
-                pool = self._pool_of[b]
-                if self._hash_of[b] is not None:
-                    del self._cached_free[pool][b]
-                    self.pools.cached[pool] -= 1
-                self.pools.used[pool] += 1
-            self._ref[b] += 1
+                if block.block_hash is not None:
+                    del self._cached_free[block.pool][b]
+                    self.pools.cached[block.pool] -= 1
+                self.pools.used[block.pool] += 1
+            block.ref_count += 1
 
     def allocate(self, n: int, pool: str = BASE_POOL) -> list[int]:
         assert n <= len(self._free), "caller must check num_free first"
-        blocks = []
+        ids = []
         for _ in range(n):
-            b = self._take_free_block()
-            self._evict(b)
-            self._ref[b] = 1
-            self._pool_of[b] = pool
+            block = self._blocks[self._take_free_block()]
+            self._evict(block)
+            block.ref_count = 1
+            block.pool = pool
             self.pools.used[pool] += 1
-            blocks.append(b)
-        return blocks
+            ids.append(block.block_id)
+        return ids
 
     def _take_free_block(self) -> int:
         """The global LRU head, unless some pool's cached blocks exceed its share: then
@@ -162,38 +172,37 @@ class HashBlockCache(BlockCache):
 
     def release(self, block_ids: Sequence[int]) -> None:
         for b in block_ids:
-            assert self._ref[b] > 0, f"block {b} released more often than acquired"
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
+            block = self._blocks[b]
+            assert block.ref_count > 0, f"block {b} released more often than acquired"
+            block.ref_count -= 1
+            if block.ref_count == 0:
                 self._free[b] = None
-                pool = self._pool_of[b]
-                self.pools.used[pool] -= 1
-                if self._hash_of[b] is not None:
-                    self.pools.cached[pool] += 1
-                    self._cached_free.setdefault(pool, OrderedDict())[b] = None
+                self.pools.used[block.pool] -= 1
+                if block.block_hash is not None:
+                    self.pools.cached[block.pool] += 1
+                    self._cached_free.setdefault(block.pool, OrderedDict())[b] = None
 
     def insert(self, block_id: int, block_hash: int, block_index: int) -> bool:
-        if block_hash in self._block_of or self._hash_of[block_id] is not None:
+        block = self._blocks[block_id]
+        if block_hash in self._block_of or block.block_hash is not None:
             return False
         self._block_of[block_hash] = block_id
-        self._hash_of[block_id] = block_hash
-        self._index_of[block_id] = block_index
+        block.block_hash = block_hash
+        block.chain_index = block_index
         self._record(True, block_hash, block_index)
         return True
 
-    def _evict(self, block_id: int) -> None:
+    def _evict(self, block: Block) -> None:
         """Drop the hash of a free block that is being reused."""
-        h = self._hash_of[block_id]
+        h = block.block_hash
         if h is None:
             return
-        pool = self._pool_of[block_id]
-        del self._cached_free[pool][block_id]
-        self.pools.cached[pool] -= 1
-        self.pools.evictions[pool] += 1
+        del self._cached_free[block.pool][block.block_id]
+        self.pools.cached[block.pool] -= 1
+        self.pools.evictions[block.pool] += 1
         del self._block_of[h]
-        self._hash_of[block_id] = None
-        self.num_evictions += 1
-        self._record(False, h, self._index_of[block_id])
+        block.block_hash = None
+        self._record(False, h, block.chain_index)
 
     # ------------------------------------------------------------------ publication
     def _record(self, added: bool, block_hash: int, block_index: int) -> None:
@@ -206,7 +215,7 @@ class HashBlockCache(BlockCache):
         oldest = self._log[0][0] if self._log else self._log_seq + 1
         if cursor == 0 or cursor + 1 < oldest:
             current = [h for h, b in self._block_of.items()
-                       if (self._index_of[b] + 1) % self.publish_every == 0]
+                       if (self._blocks[b].chain_index + 1) % self.publish_every == 0]
             return PrefixUpdate(self._log_seq, True, current, [])
         last_state: dict[int, bool] = {}  # a hash may come and go several times
         for seq, was_added, h in self._log:

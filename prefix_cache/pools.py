@@ -1,5 +1,9 @@
 """Per-adapter KV pools: one shared block pool, accounted per owner (adapter or base).
 
+This is the one place the cache's counters live: blocks used and cached, evictions and
+prefix lookups (queries, query and hit tokens) per pool; global figures are sums over pools
+(engine/metrics.py PrefixCacheStats).
+
 Every block in use or cached belongs to the pool of the request that allocated it; blocks
 are never shared across pools (their hashes differ by adapter identity). Each pool has:
 
@@ -23,7 +27,10 @@ class PoolStats:
 
     used_blocks: int
     cached_blocks: int
+    """Free blocks that still hold reusable KV (evictable)."""
     evictions: int
+    queries: int
+    """Prefix lookups (one per admitted request while caching is on)."""
     query_tokens: int
     hit_tokens: int
     floor_blocks: int
@@ -47,6 +54,7 @@ class PoolAccounting:
         self.used: Counter[str] = Counter()
         self.cached: Counter[str] = Counter()
         self.evictions: Counter[str] = Counter()
+        self.queries: Counter[str] = Counter()
         self.query_tokens: Counter[str] = Counter()
         self.hit_tokens: Counter[str] = Counter()
 
@@ -79,11 +87,17 @@ class PoolAccounting:
                 best, best_excess = pool, excess
         return best
 
+    def record_lookup(self, pool: str, query_tokens: int, hit_tokens: int) -> None:
+        """One prefix lookup of a newly admitted request of ``pool``."""
+        self.queries[pool] += 1
+        self.query_tokens[pool] += query_tokens
+        self.hit_tokens[pool] += hit_tokens
+
     def stats(self) -> dict[str, PoolStats]:
         names = set(self.used) | set(self.cached) | set(self.query_tokens) | set(self._limits)
         return {
             name: PoolStats(used_blocks=self.used[name], cached_blocks=self.cached[name],
-                            evictions=self.evictions[name],
+                            evictions=self.evictions[name], queries=self.queries[name],
                             query_tokens=self.query_tokens[name],
                             hit_tokens=self.hit_tokens[name], floor_blocks=self.floor(name),
                             cap_blocks=self.cap(name))

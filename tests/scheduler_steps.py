@@ -4,8 +4,12 @@ scheduler tests. Every chunk that samples is fed the fixed TOKEN."""
 from __future__ import annotations
 
 from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
 
 from engine.config import EngineConfig
+from engine.input_batch import InputBatch
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -40,14 +44,53 @@ def chunks_of(out: SchedulerOutput) -> list[Chunk]:
     return [(c.request_id, c.start_pos, c.num_tokens) for c in out.chunks]
 
 
-def tables_of(out: SchedulerOutput) -> dict[str, list[int]]:
-    return {c.request_id: list(c.block_table) for c in out.chunks}
+_runner_copies: WeakKeyDictionary[Scheduler, InputBatch] = WeakKeyDictionary()
+
+
+def runner_copy(sched: Scheduler) -> InputBatch:
+    """The copies of sched's running requests that a model runner would hold, kept by the
+    runner's own InputBatch from the scheduler's outputs (see feed_runner)."""
+    if sched not in _runner_copies:
+        cfg = sched.config
+        _runner_copies[sched] = InputBatch(cfg.max_num_seqs, sched.kv.num_blocks,
+                                           cfg.max_num_batched_tokens, cfg.block_size,
+                                           torch.device("cpu"))
+    return _runner_copies[sched]
+
+
+def feed_runner(sched: Scheduler, out: SchedulerOutput) -> None:
+    """Apply a step's output to the runner copy as the runner does, sampling TOKEN."""
+    copy = runner_copy(sched)
+    copy.apply(out)
+    copy.prepare(sorted(out.chunks, key=lambda c: c.num_tokens != 1))
+    for c in out.chunks:
+        if c.sample:
+            copy.append_sampled(c.request_id, TOKEN)
+
+
+def assert_runner_in_sync(sched: Scheduler) -> None:
+    """Every running request's runner copy has the scheduler's tokens and block table."""
+    copies = runner_copy(sched)
+    for request in sched.running:
+        request_id = request.request_id
+        assert copies.requests[request_id].token_ids == request.all_token_ids, request_id
+        assert copies.block_table(request_id).tolist() == sched.kv.block_table(request_id), (
+            request_id)
+
+
+def tables_of(sched: Scheduler, out: SchedulerOutput) -> dict[str, list[int]]:
+    """The block table of each request of a step that step() ran, as the runner saw it."""
+    copies = runner_copy(sched)
+    return {c.request_id: copies.block_table(c.request_id).tolist() for c in out.chunks}
 
 
 def step(sched: Scheduler) -> SchedulerOutput:
-    """One engine step without a model: schedule, then report TOKEN for each sampling chunk."""
+    """One engine step without a model: schedule, feed the runner copy, then report TOKEN
+    for each sampling chunk; checks that the runner copy stays in sync."""
     out = sched.schedule()
+    feed_runner(sched, out)
     sched.update(out, {c.request_id: TOKEN for c in out.chunks if c.sample})
+    assert_runner_in_sync(sched)
     return out
 
 

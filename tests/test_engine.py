@@ -80,9 +80,10 @@ def test_bad_sampling_params(kwargs: dict[str, float], match: str) -> None:
 
 
 def test_request_larger_than_cache_is_refused(tiny_model_dir: Path) -> None:
-    small = LLMEngine.from_model(str(tiny_model_dir), num_kv_blocks=4)
+    small = LLMEngine.from_model(str(tiny_model_dir), num_kv_blocks=4)  # 64 tokens
     with pytest.raises(ValueError, match="exceeds the whole KV cache"):
-        small.add_request("big", list(range(5, 70)), SamplingParams(max_tokens=1))
+        small.add_request("big", list(range(5, 69)), SamplingParams(max_tokens=1))
+    small.add_request("fits", list(range(5, 68)), SamplingParams(max_tokens=1))
 
 
 def test_unknown_model_dir_and_unsupported_type(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -44,6 +44,8 @@ def _run(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParam
                 done[out.request_id] = out
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert engine.isolation.suspects == []
+    engine.step()  # hands the runner the last finished ids: it must then hold nothing
+    assert engine.runner.batch.requests == {}
     return done
 
 
@@ -80,6 +82,25 @@ def test_a_failing_request_fails_alone(tiny_model_dir: Path, reference: dict[str
     for request_id, tokens in reference.items():
         assert done[request_id].error is None
         assert done[request_id].token_ids == tokens
+
+
+def test_a_failure_inside_the_runner_leaves_its_copies_consistent(
+        tiny_model_dir: Path, reference: dict[str, list[int]]) -> None:
+    """The failure comes after the runner took the step's deltas (new requests, grown block
+    tables) and ran the forward: the rolled-back requests come back whole and finish with
+    the tokens they would have had."""
+    engine = _engine(tiny_model_dir)
+    sample = engine.runner.sampler.sample
+
+    def failing_sample(logits: Any, request_ids: list[str], params: Any) -> Any:
+        if "bad" in request_ids:
+            raise RuntimeError("injected failure in sampling")
+        return sample(logits, request_ids, params)
+
+    engine.runner.sampler.sample = failing_sample  # type: ignore[method-assign]
+    done = _run(engine, {**PROMPTS, "bad": list(range(10, 90))})
+    assert done["bad"].error == STEP_FAILED_MESSAGE
+    assert {r: done[r].token_ids for r in reference} == reference
 
 
 def test_a_failure_everywhere_fails_every_request_and_the_engine_goes_on(

@@ -42,11 +42,9 @@ def test_swap_block_pool_hands_out_ids_in_order_and_reuses_freed_ids_fifo() -> N
     assert pool.num_free == 1
 
 
-def test_can_ever_fit_compares_whole_cache_in_blocks() -> None:
+def test_capacity_is_the_whole_cache_in_whole_blocks() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    assert kv.can_ever_fit(0)
-    assert kv.can_ever_fit(16)
-    assert not kv.can_ever_fit(17)
+    assert kv.max_tokens_per_request() == 16
 
 
 def test_allocate_slots_grows_table_with_fresh_ids_in_order() -> None:

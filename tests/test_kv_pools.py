@@ -30,7 +30,7 @@ def test_floor_reserves_blocks_for_its_pool() -> None:
     ad = make_request("a", 16, lora="ad")
     assert kv.allocate_slots(ad, 16)  # the floor is still there for "ad"
     assert kv.pools.used == {"base": 4, "ad": 4}
-    assert not kv.can_ever_fit(20) and kv.can_ever_fit(20, "ad")
+    assert kv.max_tokens_per_request() < 20 <= kv.max_tokens_per_request("ad")
 
 
 def test_cap_bounds_a_pool() -> None:
@@ -40,7 +40,7 @@ def test_cap_bounds_a_pool() -> None:
     b = make_request("b", 4, lora="ad")
     assert kv.pool_at_cap(b, 4) and not kv.allocate_slots(b, 4)
     assert kv.allocate_slots(make_request("base", 16), 16)  # others are not capped
-    assert not kv.can_ever_fit(12, "ad")
+    assert kv.max_tokens_per_request("ad") < 12
 
 
 def test_over_share_pool_is_evicted_first() -> None:

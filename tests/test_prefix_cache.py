@@ -93,10 +93,10 @@ def test_eviction_order_is_lru_with_suffix_first() -> None:
     assert cache.num_free == 6 and cache.num_cached == 5
     # Free queue now: 5 (never used), 2, 1, 0, 4, 3. Allocation takes from the head.
     assert cache.allocate(2) == [5, 2]
-    assert cache.num_evictions == 1 and cache.match([100, 101, 102]) == [0, 1]
+    assert cache.pools.evictions.total() == 1 and cache.match([100, 101, 102]) == [0, 1]
     assert cache.allocate(3) == [1, 0, 4]
     assert cache.match([100]) == [] and cache.match([200]) == [3]
-    assert cache.num_evictions == 4
+    assert cache.pools.evictions.total() == 4
 
 
 def test_hit_on_free_block_removes_it_from_the_middle_of_the_queue() -> None:
@@ -211,7 +211,7 @@ def test_shared_prefix_in_flight_is_computed_once() -> None:
     # The document's 10 full blocks are cached now: second computes only its last block.
     assert _step(sched) == [("second", 40, 1)]
     assert not sched.has_unfinished()
-    assert sched.kv.tracker.hit_tokens == 40
+    assert sched.kv.pools.stats()["base"].hit_tokens == 40
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 

@@ -12,10 +12,13 @@ from tests.scheduler_steps import (
     TOKEN,
     assert_all_free,
     assert_queues_empty,
+    assert_runner_in_sync,
     chunks_of,
+    feed_runner,
     make_request,
     make_scheduler,
     run_to_completion,
+    runner_copy,
     step,
     tables_of,
 )
@@ -30,15 +33,16 @@ def test_budget_split_cuts_second_prompt_on_block_boundary() -> None:
     out = step(sched)  # 40 + 16 = 56 <= 64 < 40 + 32
     assert chunks_of(out) == [("a", 0, 40), ("b", 0, 16)]
     assert [c.sample for c in out.chunks] == [True, False]
-    assert tables_of(out) == {"a": [0, 1, 2], "b": [3]}
+    assert tables_of(sched, out) == {"a": [0, 1, 2], "b": [3]}
     assert out.num_batched_tokens == 56
 
     out = step(sched)  # a decodes, b finishes its prompt
     assert chunks_of(out) == [("a", 40, 1), ("b", 16, 34)]
     assert [c.sample for c in out.chunks] == [True, True]
-    assert tables_of(out) == {"a": [0, 1, 2], "b": [3, 4, 5, 6]}
-    assert out.chunks[0].token_ids == [TOKEN]
-    assert out.chunks[1].token_ids == list(range(16, 50))
+    assert tables_of(sched, out) == {"a": [0, 1, 2], "b": [3, 4, 5, 6]}
+    # Both are known to the runner by now: a decode and a chunk are deltas without tokens.
+    assert out.new_requests == [] and [c.new_block_ids for c in out.chunks] == [[], [4, 5, 6]]
+    assert runner_copy(sched).requests["a"].token_ids == list(range(40)) + [TOKEN, TOKEN]
 
     out = step(sched)
     assert out.finished_request_ids == ["a"]
@@ -84,12 +88,16 @@ def test_random_workload_keeps_chunks_block_aligned_and_within_limits(
                 assert c.context_len % bs == 0
             if c.num_tokens > 1:
                 assert c.num_tokens <= threshold
-            assert len(c.block_table) == blocks_for(c.context_len, bs)
+        feed_runner(sched, out)  # asserts every chunk is covered by the runner's table
+        for c in out.chunks:
+            assert len(runner_copy(sched).block_table(c.request_id)) == blocks_for(
+                c.context_len, bs)
         owned = [b for r in sched.running for b in kv.block_table(r.request_id)]
         assert len(owned) == len(set(owned))
         assert len(owned) + kv.num_free_blocks == kv.num_blocks
 
         sched.update(out, {c.request_id: TOKEN for c in out.chunks if c.sample})
+        assert_runner_in_sync(sched)
     assert_queues_empty(sched)
     assert_all_free(kv)
 

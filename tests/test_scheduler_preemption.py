@@ -37,7 +37,7 @@ def test_fcfs_preempts_newest_running_request_by_recompute() -> None:
     out = step(sched)
     assert out.preempted_request_ids == ["c"]
     assert chunks_of(out) == [("a", 4, 1), ("b", 4, 1)]
-    assert tables_of(out) == {"a": [0, 3], "b": [1, 2]}
+    assert tables_of(sched, out) == {"a": [0, 3], "b": [1, 2]}
     assert out.blocks_to_swap_out == []
     assert sched.num_preemptions == 1
     assert_recomputed(sched, "c")
@@ -55,7 +55,7 @@ def test_priority_preempts_lowest_priority_running_request() -> None:
     out = step(sched)
     assert out.preempted_request_ids == ["b"]
     assert chunks_of(out) == [("a", 4, 1), ("c", 4, 1)]
-    assert tables_of(out) == {"a": [0, 3], "c": [1, 2]}
+    assert tables_of(sched, out) == {"a": [0, 3], "c": [1, 2]}
     assert_recomputed(sched, "b")
 
     run_to_completion(sched)
@@ -84,13 +84,13 @@ def test_victim_already_scheduled_this_step_loses_its_chunk() -> None:
     sched.add(make_request("low", 4, max_tokens=8, seq=0, priority=0))
     step(sched)
     sched.add(make_request("high", 4, max_tokens=8, seq=1, priority=1))
-    assert tables_of(step(sched)) == {"low": [0, 1], "high": [2]}
+    assert tables_of(sched, step(sched)) == {"low": [0, 1], "high": [2]}
 
     out = step(sched)  # low decodes at 5 (no new block), high at 4 needs one
     assert out.preempted_request_ids == ["low"]
     assert chunks_of(out) == [("high", 4, 1)]
     assert out.num_batched_tokens == 1
-    assert tables_of(out) == {"high": [2, 1]}  # low released [1, 0], last block first
+    assert tables_of(sched, out) == {"high": [2, 1]}  # low released [1, 0], last block first
     low = sched.requests["low"]
     assert (low.status, low.num_computed_tokens, low.num_tokens) == (RequestStatus.WAITING, 0, 6)
     run_to_completion(sched)
@@ -137,7 +137,7 @@ def test_higher_priority_waiting_request_preempts_lower_priority_running() -> No
     out = step(sched)
     assert out.preempted_request_ids == ["low"]
     assert chunks_of(out) == [("high", 0, 8)]
-    assert tables_of(out) == {"high": [3, 2]}  # low released last block first
+    assert tables_of(sched, out) == {"high": [3, 2]}  # low released last block first
     low = sched.requests["low"]
     assert (low.status, low.num_computed_tokens) == (RequestStatus.WAITING, 0)
     assert [r.request_id for r in sched.waiting] == ["low"]

@@ -30,8 +30,8 @@ def swap_scenario(num_swap_blocks: int) -> Scheduler:
     )
     sched.add(make_request("a", 8, max_tokens=12, seq=0))
     sched.add(make_request("b", 8, max_tokens=8, seq=1))
-    assert tables_of(step(sched)) == {"a": [0, 1], "b": [2, 3]}
-    assert tables_of(step(sched)) == {"a": [0, 1, 4], "b": [2, 3, 5]}
+    assert tables_of(sched, step(sched)) == {"a": [0, 1], "b": [2, 3]}
+    assert tables_of(sched, step(sched)) == {"a": [0, 1, 4], "b": [2, 3, 5]}
     for _ in range(3):
         step(sched)
     assert sched.kv.num_free_blocks == 0
@@ -46,7 +46,7 @@ def test_swap_out_and_back_in_keeps_progress_and_pairs_exact_blocks() -> None:
     assert out.preempted_request_ids == ["b"]
     assert out.blocks_to_swap_out == [(2, 0), (3, 1), (5, 2)]
     assert chunks_of(out) == [("a", 12, 1)]
-    assert tables_of(out) == {"a": [0, 1, 4, 5]}  # b's blocks were released as 5, 3, 2
+    assert tables_of(sched, out) == {"a": [0, 1, 4, 5]}  # b's blocks were released as 5, 3, 2
     b = sched.requests["b"]
     assert sched.swapped == [b]
     assert (b.status, b.num_computed_tokens, b.num_tokens) == (RequestStatus.SWAPPED, 12, 13)
@@ -57,7 +57,7 @@ def test_swap_out_and_back_in_keeps_progress_and_pairs_exact_blocks() -> None:
     for i in range(6):
         out = step(sched)
         assert chunks_of(out) == [("a", 13 + i, 1)]
-        assert tables_of(out) == {"a": [0, 1, 4, 5] if i < 3 else [0, 1, 4, 5, 3]}
+        assert tables_of(sched, out) == {"a": [0, 1, 4, 5] if i < 3 else [0, 1, 4, 5, 3]}
         assert out.blocks_to_swap_in == []
         assert sched.swapped == [b]
 
@@ -66,7 +66,7 @@ def test_swap_out_and_back_in_keeps_progress_and_pairs_exact_blocks() -> None:
     # Free queue: 2, then a's blocks last first (3, 5, 4, 1, 0).
     assert out.blocks_to_swap_in == [(0, 2), (1, 3), (2, 5)]  # (cpu, device)
     assert chunks_of(out) == [("b", 12, 1)]
-    assert tables_of(out) == {"b": [2, 3, 5, 4]}
+    assert tables_of(sched, out) == {"b": [2, 3, 5, 4]}
     assert b.status is RequestStatus.RUNNING
     assert b.num_preemptions == 1
     assert kv.swap_pool.num_free == 4
@@ -92,14 +92,11 @@ def test_swap_falls_back_to_recompute_when_swap_space_is_short() -> None:
     assert_all_free(sched.kv)
 
 
-# ------------------------------------------------------------------------------ rejection
-def test_request_larger_than_whole_cache_is_rejected() -> None:
+# ------------------------------------------------------------------------ the whole cache
+def test_request_filling_the_whole_cache_runs() -> None:
+    # Larger requests are refused before they reach the scheduler (LLMEngine.validate).
     sched = make_scheduler(4, block_size=4, max_num_batched_tokens=64)  # 16 tokens in all
-    with pytest.raises(ValueError, match="more than the whole cache"):
-        sched.add(make_request("big", 12, max_tokens=5))
-    assert_queues_empty(sched)
-    assert not sched.has_unfinished()
-
+    assert sched.kv.max_tokens_per_request() == 16
     sched.add(make_request("fits", 12, max_tokens=4))  # exactly 16 tokens
     assert [r.request_id for r in sched.waiting] == ["fits"]
     run_to_completion(sched)
