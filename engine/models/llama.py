@@ -6,9 +6,11 @@ fixes at construction which window's attention metadata and which rope table it 
 models whose layers differ (Gemma, engine/models/gemma.py, built from these parts) cost the
 others nothing.
 
-Parameter names equal the Hugging Face checkpoint's, so a checkpoint loads with a plain
-load_state_dict. Every forward takes T tokens of any number of requests at once; only
-attention needs to know where one request ends (AttentionMetadata).
+Parameter names equal the Hugging Face checkpoint's, except the merged projections: q/k/v
+(``self_attn.qkv_proj``) and gate/up (``mlp.gate_up_proj``) are one GEMM each, whose weights
+the loader concatenates from the checkpoint's tensors (engine/models/loader.py). Every
+forward takes T tokens of any number of requests at once; only attention needs to know
+where one request ends (AttentionMetadata).
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q [T, H, D] and k [T, Hkv, D] with cos, sin [T, 1, D]."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, cast back before the weight (as transformers does)."""
 
@@ -68,10 +76,13 @@ class Attention(nn.Module):
         self.rope = shape.layer_rope[layer]
         self.softcap = shape.attn_softcap
         h = shape.hidden_size
-        self.q_proj = LoraLinear(h, self.num_heads * self.head_dim, bias=shape.qkv_bias)
-        self.k_proj = LoraLinear(h, self.num_kv_heads * self.head_dim, bias=shape.qkv_bias)
-        self.v_proj = LoraLinear(h, self.num_kv_heads * self.head_dim, bias=shape.qkv_bias)
-        self.o_proj = LoraLinear(self.num_heads * self.head_dim, h, bias=shape.o_bias)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v in one GEMM; checkpoints and adapters still name them apart (the
+        # loader concatenates their weights, LoraLinear keeps one adapter slice each).
+        self.qkv_proj = LoraLinear(h, (("q_proj", self.q_size), ("k_proj", self.kv_size),
+                                       ("v_proj", self.kv_size)), bias=shape.qkv_bias)
+        self.o_proj = LoraLinear(self.q_size, (("o_proj", h),), bias=shape.o_bias)
         # Qwen3, Gemma 3: RMSNorm over each head's head_dim features, one weight for all heads.
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
@@ -90,16 +101,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         cos, sin = ropes[self.rope]
-        q = self.q_proj(x, lora).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x, lora).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, lora).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x, lora).split((self.q_size, self.kv_size, self.kv_size), -1)
+        q = q.view(t, self.num_heads, self.head_dim)  # views into the [T, q + 2 kv] output
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # before rope, as Qwen3 does
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = apply_rope(q, k, cos, sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metas[self.sliding_window],
                               self.scale, self.softcap)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim), lora)
+        return self.o_proj(out.reshape(t, self.q_size), lora)
 
 
 class MLP(nn.Module):
@@ -108,14 +119,14 @@ class MLP(nn.Module):
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         h, i, b = shape.hidden_size, shape.intermediate_size, shape.mlp_bias
-        self.gate_proj = LoraLinear(h, i, bias=b)
-        self.up_proj = LoraLinear(h, i, bias=b)
-        self.down_proj = LoraLinear(i, h, bias=b)
+        # gate and up in one GEMM (merged like q/k/v in Attention).
+        self.gate_up_proj = LoraLinear(h, (("gate_proj", i), ("up_proj", i)), bias=b)
+        self.down_proj = LoraLinear(i, (("down_proj", h),), bias=b)
         self.act = _ACTIVATIONS[shape.hidden_act]
 
     def forward(self, x: torch.Tensor, lora: LoraBatchMetadata | None) -> torch.Tensor:
-        gated = self.act(self.gate_proj(x, lora)) * self.up_proj(x, lora)
-        return self.down_proj(gated, lora)
+        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up, lora)
 
 
 class DecoderLayer(nn.Module):

@@ -9,12 +9,14 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from engine.models.gemma import GemmaForFlatBatch
 from engine.models.llama import LlamaForFlatBatch
 from engine.models.rope import rope_tables
 from engine.models.shape import ModelShape, check_architecture
+from lora.layers import LoraLinear
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,6 +75,24 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+def checkpoint_layout(model: nn.Module) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Per parameter of the model, the checkpoint tensors it is made of and their shapes:
+    itself, or for a merged projection (LoraLinear with several parts: q/k/v, gate/up) its
+    parts' tensors under their own names, concatenated along dim 0 in this order."""
+    modules = dict(model.named_modules())
+    layout: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, param in model.named_parameters():
+        owner_name, _, attr = name.rpartition(".")
+        owner = modules[owner_name]
+        if isinstance(owner, LoraLinear) and len(owner.parts) > 1:
+            parent = owner_name.rpartition(".")[0]
+            layout[name] = [(f"{parent}.{part}.{attr}", (width, *param.shape[1:]))
+                            for part, width in zip(owner.parts, owner.slices, strict=True)]
+        else:
+            layout[name] = [(name, tuple(param.shape))]
+    return layout
+
+
 def load_model(
     model_dir: str, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int,
@@ -86,19 +106,22 @@ def load_model(
     state: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(Path(model_dir)):
         state.update(load_file(str(file), device="cpu"))
-    expected = {name for name, _ in model.named_parameters()}
     if shape.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state.get("model.embed_tokens.weight", torch.empty(0))
-    state = {k: v for k, v in state.items() if k in expected}
-    missing = expected - state.keys()
+    layout = checkpoint_layout(model)
+    missing = sorted(key for parts in layout.values() for key, _ in parts if key not in state)
     if missing:
-        raise ValueError(f"checkpoint in {model_dir!r} lacks weights: {sorted(missing)[:5]}")
-    for name, param in model.named_parameters():
-        if tuple(state[name].shape) != tuple(param.shape):
-            raise ValueError(f"weight {name} has shape {tuple(state[name].shape)}, the config "
-                             f"implies {tuple(param.shape)}")
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
+        raise ValueError(f"checkpoint in {model_dir!r} lacks weights: {missing[:5]}")
+    for parts in layout.values():
+        for key, expected in parts:
+            if tuple(state[key].shape) != expected:
+                raise ValueError(f"weight {key} has shape {tuple(state[key].shape)}, the "
+                                 f"config implies {expected}")
+    params = {name: state[parts[0][0]] if len(parts) == 1
+              else torch.cat([state.pop(key) for key, _ in parts])
+              for name, parts in layout.items()}
+    params = {k: v.to(device=device, dtype=dtype) for k, v in params.items()}
+    model.load_state_dict(params, strict=True, assign=True)
     model.rope_cos = cos.to(device)
     model.rope_sin = sin.to(device)
     return model.eval().requires_grad_(False)

@@ -4,6 +4,7 @@
     t = shrink(x, lora_a, meta)                        # t[r]  = x[r] @ lora_a[slot(r)].T
     expand(t, lora_b, meta, y)                         # y[r] += t[r] @ lora_b[slot(r)].T
     add_lora(x, lora_a, lora_b, meta, y)               # both (the torch path fuses them)
+    add_lora(x, lora_a, lora_b, meta, y, slices=(Oq, Ok, Ov))   # a merged projection
 
 Two backends with the same semantics: "triton" (lora.ops.sgmv_triton, one launch per op)
 and "torch" (lora.ops.sgmv_reference, one matmul per distinct slot). With backend="auto",
@@ -15,13 +16,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from functools import cache
 from typing import Literal, get_args
 
 import torch
 
 from lora.ops.metadata import HostSegment, LoraBatchMetadata, build_lora_metadata
-from lora.ops.sgmv_reference import add_lora_reference, expand_reference, shrink_reference
+from lora.ops.sgmv_reference import (
+    add_lora_reference,
+    expand_reference,
+    shrink_reference,
+    slice_plan,
+)
 
 Backend = Literal["auto", "torch", "triton"]
 BACKEND_ENV = "LORAGATE_LORA_BACKEND"
@@ -39,6 +46,7 @@ __all__ = [
     "resolve_backend",
     "shrink",
     "shrink_reference",
+    "slice_plan",
     "triton_available",
 ]
 
@@ -95,13 +103,21 @@ def expand(t: torch.Tensor, lora_b: torch.Tensor, meta: LoraBatchMetadata, y: to
 
 
 def add_lora(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             meta: LoraBatchMetadata, y: torch.Tensor, *, backend: Backend = "auto") -> None:
+             meta: LoraBatchMetadata, y: torch.Tensor, *, slices: Sequence[int] | None = None,
+             backend: Backend = "auto") -> None:
     """y[r, :] += (x[r, :] @ lora_a[slot(r)].T) @ lora_b[slot(r)].T in place for every LoRA
     token r: shrink then expand (Triton: the two kernels; torch: one fused pass).
 
     x [T, H_in], lora_a [num_slots, R, H_in], lora_b [num_slots, H_out, R], y [T, H_out].
+    slices: the output widths of a merged projection's sub-projections (q/k/v, gate/up),
+    each with its own adapter: lora_a [num_slots, n*R, H_in] stacks their A's, lora_b their
+    B's along H_out, and each sub-projection's delta lands in its own columns of y (one
+    shrink, one expand per sub-projection; see add_lora_reference).
     """
     if resolve_backend(backend, x.device) == "triton":
-        expand(shrink(x, lora_a, meta, backend="triton"), lora_b, meta, y, backend="triton")
+        plan = slice_plan(slices, lora_a, lora_b)
+        t = shrink(x, lora_a, meta, backend="triton")                      # [T, n*R]
+        for ranks, cols in plan:
+            expand(t[:, ranks], lora_b[:, cols], meta, y[:, cols], backend="triton")
         return
-    add_lora_reference(x, lora_a, lora_b, meta, y)
+    add_lora_reference(x, lora_a, lora_b, meta, y, slices)

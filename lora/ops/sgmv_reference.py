@@ -17,6 +17,8 @@ gathered once and added back once per projection.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from lora.ops.metadata import LoraBatchMetadata, check_expand_args, check_shrink_args
@@ -92,7 +94,8 @@ def expand_reference(t: torch.Tensor, lora_b: torch.Tensor, meta: LoraBatchMetad
 
 
 def add_lora_reference(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                       meta: LoraBatchMetadata, y: torch.Tensor) -> None:
+                       meta: LoraBatchMetadata, y: torch.Tensor,
+                       slices: Sequence[int] | None = None) -> None:
     """Shrink then expand in one pass, the intermediate never scattered to flat rows.
 
     Semantics: for every LoRA token r of slot s, y[r, :] += (x[r, :] @ lora_a[s].T) @
@@ -101,15 +104,25 @@ def add_lora_reference(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tens
     the other rows (decodes) are gathered once, multiplied per slot (or in one grouped batched
     matmul) and scatter-added once: a mixed decode + prefill step over many adapters costs a
     few ops per projection instead of several per slot.
-    Shapes: x [T, H_in], lora_a [num_slots, R, H_in], lora_b [num_slots, H_out, R],
-    y [T, H_out]. Dtypes: float32, float16 or bfloat16, all the same.
+
+    slices (a merged projection, e.g. q/k/v in one GEMM): the output widths (O_0, ..., O_n-1)
+    of its n sub-projections, each with its own adapter. lora_a stacks their A's along the
+    rank (rows i*R .. (i+1)*R - 1 are sub-projection i's), lora_b their B's along the output
+    (rows c_i = O_0 + ... + O_i-1 .. c_i + O_i - 1); then per sub-projection i
+        y[r, c_i : c_i + O_i] += (x[r, :] @ lora_a[s, iR : (i+1)R].T) @ lora_b[s, c_i : c_i + O_i].T
+    with one shrink for all of them. None: one projection (n = 1).
+    Shapes: x [T, H_in], lora_a [num_slots, n*R, H_in], lora_b [num_slots, H_out, R],
+    y [T, H_out], H_out = sum(slices). Dtypes: float32, float16 or bfloat16, all the same.
     """
     check_shrink_args(x, lora_a, meta, None)
+    plan = slice_plan(slices, lora_a, lora_b)
     # The intermediate t [T, R] is never made; a broadcast stand-in carries its shape.
-    check_expand_args(x.new_zeros(1, 1).expand(x.shape[0], lora_a.shape[1]), lora_b, meta, y)
+    check_expand_args(x.new_zeros(1, 1).expand(x.shape[0], lora_b.shape[2]), lora_b, meta, y)
     for run in meta.in_place_runs:
         rows = slice(run.row_start, run.row_start + run.length)
-        y[rows].addmm_(x[rows] @ lora_a[run.slot].t(), lora_b[run.slot].t())
+        t = x[rows] @ lora_a[run.slot].t()                                 # [L, n*R]
+        for ranks, cols in plan:
+            y[rows, cols].addmm_(t[:, ranks], lora_b[run.slot, cols].t())
     rest = meta if meta.rest is None else meta.rest
     if not rest.num_segments:
         return
@@ -118,15 +131,43 @@ def add_lora_reference(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tens
         s, length = rest.num_segments, rest.max_seg_len
         x_pad = _padded(x, rest).view(s, length, x.shape[1])              # [S, L, H_in]
         t_pad = torch.bmm(x_pad, lora_a.index_select(0, rest.seg_slots).transpose(1, 2))
-        y_pad = torch.bmm(t_pad, lora_b.index_select(0, rest.seg_slots).transpose(1, 2))
+        b = lora_b.index_select(0, rest.seg_slots).transpose(1, 2)         # [S, R, H_out]
+        if len(plan) == 1:
+            y_pad = torch.bmm(t_pad, b)                                     # [S, L, H_out]
+        else:
+            y_pad = torch.cat([torch.bmm(t_pad[:, :, ranks], b[:, :, cols])
+                               for ranks, cols in plan], dim=2)
         y.index_add_(0, ids, y_pad.view(s * length, -1).index_select(0, rest.padded_valid))
         return
     x_rows = x.index_select(0, ids)                                        # [N, H_in]
     delta = y.new_empty(ids.numel(), y.shape[1])                           # [N, H_out]
     for seg in rest.host_segments:
         rows = slice(seg.start, seg.start + seg.length)
-        torch.mm(x_rows[rows] @ lora_a[seg.slot].t(), lora_b[seg.slot].t(), out=delta[rows])
+        t = x_rows[rows] @ lora_a[seg.slot].t()                            # [len, n*R]
+        if len(plan) == 1:
+            torch.mm(t, lora_b[seg.slot].t(), out=delta[rows])
+        else:
+            for ranks, cols in plan:
+                delta[rows, cols] = t[:, ranks] @ lora_b[seg.slot, cols].t()
     y.index_add_(0, ids, delta)
+
+
+def slice_plan(slices: Sequence[int] | None, lora_a: torch.Tensor,
+               lora_b: torch.Tensor) -> list[tuple[slice, slice]]:
+    """(rank columns of t, output columns of y) per sub-projection of a merged projection
+    (see add_lora_reference); raises ValueError when the buffers do not fit the slices."""
+    out_width, rank = lora_b.shape[1], lora_b.shape[-1]
+    widths = [out_width] if slices is None else list(slices)
+    if (not widths or any(w < 1 for w in widths) or sum(widths) != out_width
+            or lora_a.shape[1] != len(widths) * rank):
+        raise ValueError(f"slices {widths} do not fit lora_a {list(lora_a.shape)} and lora_b "
+                         f"{list(lora_b.shape)}: need sum(slices) == H_out and "
+                         f"lora_a rows == len(slices) * R")
+    plan, start = [], 0
+    for i, width in enumerate(widths):
+        plan.append((slice(i * rank, (i + 1) * rank), slice(start, start + width)))
+        start += width
+    return plan
 
 
 GROUPED_MIN_SEGMENTS = 3

@@ -129,3 +129,27 @@ def check_add(add_fn: AddFn, token_slots: list[int], dtype: torch.dtype, device:
     tol = 2 * TOL[dtype]
     torch.testing.assert_close(y.float().cpu(), y_ref, rtol=tol, atol=tol)
     assert torch.equal(y.cpu()[no_lora], tensors["y0"].cpu()[no_lora])  # untouched
+
+
+SLICES = (40, 24, 24)
+"""Output widths of a merged test projection (q/k/v-like: one wide part, two narrow)."""
+
+
+def check_add_sliced(add_fn: AddFn, token_slots: list[int], dtype: torch.dtype, device: str,
+                     slices: tuple[int, ...] = SLICES) -> None:
+    """The fused op on a merged projection (add_fn(x, A_stacked, B_stacked, meta, y,
+    slices)) against the oracle run per sub-projection, each with its own A and B."""
+    parts = [make_tensors(len(token_slots), H_IN, width, RANK, dtype, device, seed=i)
+             for i, width in enumerate(slices)]
+    x = parts[0]["x"]
+    meta = build_lora_metadata(token_slots, device)
+    lora_a = torch.cat([p["lora_a"] for p in parts], dim=1)         # [slots, n*R, H_in]
+    lora_b = torch.cat([p["lora_b"] for p in parts], dim=1)         # [slots, H_out, R]
+    y0 = torch.cat([p["y0"] for p in parts], dim=1)
+    y_ref = torch.cat([oracle({**p, "x": x}, token_slots)[1] for p in parts], dim=1)
+    y = y0.clone()
+    add_fn(x, lora_a, lora_b, meta, y, slices)
+    tol = 2 * TOL[dtype]
+    torch.testing.assert_close(y.float().cpu(), y_ref, rtol=tol, atol=tol)
+    no_lora = torch.tensor([s < 0 for s in token_slots], dtype=torch.bool)
+    assert torch.equal(y.cpu()[no_lora], y0.cpu()[no_lora])        # untouched

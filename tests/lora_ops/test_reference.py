@@ -30,6 +30,7 @@ from tests.lora_ops.oracle import (
     RANK,
     TOKEN_COUNTS,
     check_add,
+    check_add_sliced,
     check_ops,
     make_tensors,
     make_token_slots,
@@ -132,6 +133,37 @@ def test_fused_reference_on_a_mixed_step(grouped: bool, monkeypatch: pytest.Monk
     check_add(add_lora_reference, slots, torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("popularity", ["identical", "zipf", "with_none"])
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "per_segment"])
+def test_merged_projection_matches_oracle_per_part(
+        popularity: str, num_tokens: int, layout: str, grouped: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v-like merged projection: one shrink with the stacked A's, each part's delta in
+    its own output columns, equal to three separate projections."""
+    from lora.ops import sgmv_reference
+
+    monkeypatch.setattr(sgmv_reference, "GROUPED_MIN_SEGMENTS", 1 if grouped else 10**9)
+    check_add_sliced(add_lora_reference, make_token_slots(popularity, num_tokens, layout),
+                     torch.float32, "cpu")
+
+
+def test_merged_projection_on_a_mixed_step() -> None:
+    slots = [i % 6 for i in range(30)] + [-1] * 3 + [2] * 40 + [5] * 17 + [4] * 5
+    check_add_sliced(add_lora_reference, slots, torch.float32, "cpu")
+    check_add_sliced(add_lora_reference, slots, torch.bfloat16, "cpu", slices=(64, 24))
+
+
+@pytest.mark.parametrize("slices", [(40, 20), (90,)])
+def test_merged_projection_rejects_slices_that_do_not_fit(slices: tuple[int, ...]) -> None:
+    tensors = make_tensors(4, H_IN, 88, RANK, torch.float32, "cpu")
+    a = torch.cat([tensors["lora_a"]] * 2, dim=1)
+    with pytest.raises(ValueError, match="do not fit"):
+        add_lora_reference(tensors["x"], a, tensors["lora_b"], build_lora_metadata(
+            [0] * 4, "cpu"), tensors["y0"], slices)
+
+
 def test_metadata_lists_long_runs_and_the_rest() -> None:
     # Rows 0-19: slot 2 (one run, in place); 20: slot 0; 21-23: slot 1; 24: slot 2 again.
     meta = build_lora_metadata([2] * 20 + [0, 1, 1, 1, 2], "cpu")
@@ -203,3 +235,10 @@ def test_dispatcher_matches_oracle(request: pytest.FixtureRequest,
     check_ops(shrink_fn, expand_fn, make_token_slots("zipf", 133, "decode"), torch.float32,
               "cpu")
     check_add(add_fn, make_token_slots("zipf", 133, "prefill"), torch.float32, "cpu")
+
+    def add_sliced_fn(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                      meta: LoraBatchMetadata, y: torch.Tensor, slices: tuple[int, ...]) -> None:
+        add_lora(x, lora_a, lora_b, meta, y, slices=slices, backend=chosen)
+
+    check_add_sliced(add_sliced_fn, make_token_slots("with_none", 133, "prefill"),
+                     torch.float32, "cpu")

@@ -163,7 +163,7 @@ def test_lora_disabled_refuses_adapter_requests(tiny_model_dir: Path) -> None:
     # No slot buffers at all: the base model runs exactly as without LoRA support.
     assert engine.runner.lora_slots is None
     layer = engine.runner.model.model.layers[0]
-    assert isinstance(layer, DecoderLayer) and layer.self_attn.q_proj.lora_a is None
+    assert isinstance(layer, DecoderLayer) and layer.self_attn.qkv_proj.lora_a is None
 
 
 def test_capped_adapter_pool_preempts_its_own_requests_first(
