@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import AutoTokenizer
 
-from engine.http_errors import ApiError, install_error_handlers
+from engine.http.errors import ApiError, install_error_handlers
 from gateway.access_log import AccessLog
 from gateway.admin_api import build_admin_router
 from gateway.auth import StateView

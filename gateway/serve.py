@@ -33,11 +33,11 @@ from fastapi import FastAPI
 
 from engine.adapter_roots import ROOTS_ENV
 from engine.config import EngineConfig
-from engine.draining_server import DrainingServer
-from engine.http_auth import TOKEN_ENV
+from engine.config_args import field_default
+from engine.http.auth import TOKEN_ENV
+from engine.http.draining import DrainingServer
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.config_args import field_default
 from gateway.engine_supervisor import EngineSupervisor
 from gateway.http_protocol import guarded_protocol
 
@@ -106,7 +106,7 @@ def start_engines(config: EngineConfig, count: int, log_dir: Path,
     for index in range(count):
         port = free_port()
         log_path = log_dir / f"engine-{index}.log"
-        command = [sys.executable, "-m", "gateway.cli", "engine", "--model", config.model,
+        command = [sys.executable, "-m", "engine.http", "--model", config.model,
                    "--host", "127.0.0.1", "--port", str(port),
                    "--instance-id", f"engine-{index}", *engine_flags(config)]
         for name, path in adapters.items():

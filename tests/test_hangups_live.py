@@ -167,6 +167,6 @@ def _engine_children(pid: int) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and b"engine" in cmdline:
+        if ppid == pid and b"engine.http" in cmdline:
             children.append(int(entry.name))
     return sorted(children)
