@@ -58,8 +58,8 @@ never sent: one request's error text must not reach another tenant)."""
 TIMED_OUT_MESSAGE = "the request passed its deadline"
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped; no request can be served."""
+class EngineDeadError(EngineUnavailable):
+    """The engine thread has stopped; no request or command can be served."""
 
 
 class EngineInternalError(RuntimeError):
@@ -92,6 +92,7 @@ class AsyncEngine:
                  on_output: Callable[[RequestOutput], None] | None = None,
                  instance_id: str = "engine-0") -> None:
         self.engine = engine
+        self.config = engine.config
         self.on_fatal = on_fatal
         """Called on the engine thread if the loop dies (never, unless there is a bug)."""
         self.fatal_error: BaseException | None = None
@@ -108,6 +109,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopping = False
+        self._ended = False
+        """The loop has ended: commands fail at once (nothing would ever run them)."""
         self._stats = engine.stats()
         self.last_adapters: list[AdapterInfo] = engine.list_loras()
         """Adapters as of the last command that read them (for metrics scrapes)."""
@@ -134,8 +137,6 @@ class AsyncEngine:
             stream = await self._admit(admitted)
         except ValueError as exc:
             raise EngineRejected(str(exc), None, 400) from None
-        except EngineDeadError as exc:
-            raise EngineUnavailable(str(exc)) from None
         chunks = self._chunks(admitted.request_id, stream, request.deadline)
         return ChunkStream(chunks, lambda: self._drop(admitted.request_id))
 
@@ -356,6 +357,9 @@ class AsyncEngine:
     def _enqueue(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
+            if self._ended:
+                done.set_exception(EngineDeadError("the engine thread is not running"))
+                return done
             self._commands.append((fn, done))
         self._wakeup.set()
         return done
@@ -375,6 +379,12 @@ class AsyncEngine:
             if self.on_fatal is not None:
                 self.on_fatal(exc)
         finally:
+            with self._lock:
+                self._ended = True
+                commands, self._commands = self._commands, []
+            for _, done in commands:
+                if done.set_running_or_notify_cancel():
+                    done.set_exception(EngineDeadError("the engine thread is not running"))
             self._fail_streams(EngineDeadError("engine shut down"))
 
     def _iterate(self) -> None:

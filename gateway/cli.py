@@ -86,7 +86,8 @@ def _serve(args: argparse.Namespace) -> int:
                          f"--allow-unauthenticated")
     try:
         serve(gateway_config, engine_config, args.instances, args.engine, model, adapters,
-              roots, watch_adapter_dir=adapter_dir if trainer is not None else None)
+              roots, watch_adapter_dir=adapter_dir if trainer is not None else None,
+              engine_process=args.engine_process)
     finally:
         if trainer is not None and trainer.poll() is None:
             trainer.terminate()  # the next start trains what is still missing
@@ -105,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser(
         "serve", help="start engine instances and the OpenAI-compatible gateway",
-        description="Start --instances local engine processes (or attach to --engine URLs) "
-                    "and the gateway in front of them. Without --model, the default model "
+        description="Start --instances local engines (one: in this process; more: one "
+                    "process each) or attach to --engine URLs, and the gateway in front of "
+                    "them. Without --model, the default model "
                     "SmolLM2-135M-Instruct is fetched and converted once into "
                     "$LORAGATE_HOME/models (~/.cache/loragate/models). Adapters in the "
                     "model directory's adapters/ folder are registered unless --lora or "
@@ -115,9 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local Hugging Face model directory (default: SmolLM2-135M-"
                             "Instruct, see `loragate fetch-default-model`)")
     serve.add_argument("--instances", type=int, default=1,
-                       help="local engine processes to start (default 1; 0 with --redis-url: "
-                            "serve the engines registered there by `loragate engine "
-                            "--register-redis-url`)")
+                       help="local engine instances (default 1: in the gateway's process; "
+                            "more: one process each; 0 with --redis-url: serve the engines "
+                            "registered there by `loragate engine --register-redis-url`)")
+    serve.add_argument("--engine-process", action="store_true",
+                       help="run a single local instance in its own process too (HTTP "
+                            "between gateway and engine, restarted by a supervisor when it "
+                            "exits) instead of in the gateway's process")
     serve.add_argument("--engine", action="append", default=[], metavar="URL",
                        help="attach to a running `loragate engine` instead (repeatable)")
     engine_cli.add_adapter_args(serve)

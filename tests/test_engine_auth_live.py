@@ -168,9 +168,9 @@ def _tar(directory: Path) -> bytes:
 def test_engines_started_by_serve_require_a_token_given_through_the_environment(
         tiny_model_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path) -> None:
     uploads = tmp_path / "uploads"
-    gateway = start_gateway(tiny_model_dir, [], tmp_path, "--instances", "1", "--admin-key",
-                            ADMIN, "--adapter-upload-dir", str(uploads),
-                            "--served-model-name", "base")
+    gateway = start_gateway(tiny_model_dir, [], tmp_path, "--instances", "1",
+                            "--engine-process", "--admin-key", ADMIN, "--adapter-upload-dir",
+                            str(uploads), "--served-model-name", "base")
     try:
         gateway.wait_ready()
         (engine_url,) = instances(gateway.url, ADMIN)

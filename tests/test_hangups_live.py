@@ -132,7 +132,7 @@ def test_resets_mid_request_under_load_leave_the_engine_serving(
 def test_serve_restarts_an_engine_that_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     serve = _spawn(["serve", "--model", str(tiny_model_dir), "--port", str(port),
-                    "--poll-interval-s", "0.2", "--num-kv-blocks", "64"],
+                    "--poll-interval-s", "0.2", "--num-kv-blocks", "64", "--engine-process"],
                    tmp_path / "serve.log", port)
     try:
         serve.wait_ready()

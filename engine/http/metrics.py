@@ -151,7 +151,7 @@ class EngineMetricsRegistry:
     @classmethod
     def of(cls, engine: AsyncEngine) -> EngineMetricsRegistry:
         return cls(EngineCollector(engine.stats, lambda: engine.last_adapters,
-                                   engine.engine.config.max_loras))
+                                   engine.config.max_loras))
 
     def observe(self, out: RequestOutput) -> None:
         """Latencies of one output: TTFT with a request's first, the gaps of its new
