@@ -1,6 +1,7 @@
 """Serving benchmarks (gateway overhead, routing), each measured side by side in one run.
 
     python -m benchmarks.gateway_bench --model DIR [--quick] [--part overhead|routing|all]
+        [--gateway-mode process|inprocess]
 
 1. Gateway overhead: one engine process; a workload of short prompts and 16 output tokens
    split in two halves, one sent straight to the engine's /generate and the other through
@@ -11,6 +12,11 @@
    figure noisy by a few ms; so first, half the requests are also sent one at a time (direct
    and through the gateway alternately), which measures the gateway's own added TTFT without
    the step cadence. Prefix caching is off so repeats cost the same.
+   ``--gateway-mode inprocess`` measures the default `loragate serve` instead: the gateway
+   drives an engine in its own process (no HTTP hop to it), while the direct half goes to a
+   separate engine process of the same configuration. The one-at-a-time figure is the
+   comparable one there; side by side, the two engines share the machine's cores but not
+   their queues.
 2. Routing: the RAG workload (Zipf documents) spread over 8 adapters, served by 2 engine
    instances behind the gateway with round-robin routing and with our scoring router (fresh
    engines for each, so caches start cold), plus 1 instance for reference; reports
@@ -152,7 +158,10 @@ def overhead(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     results: dict[str, list[BenchResult]] = {"direct": [], "gateway": []}
     try:
         wait_ready(engines, 300)
-        gateway = start_gateway(args.model, [engines[0].url], {}, log_dir)
+        if args.gateway_mode == "inprocess":  # its own engine, in the gateway's process
+            gateway = start_gateway(args.model, [], {}, log_dir, "--prefix-caching", "off")
+        else:
+            gateway = start_gateway(args.model, [engines[0].url], {}, log_dir)
         half_rate = args.overhead_rate / 2
         direct = BenchConfig(engines[0].url, "engine", rate=half_rate, seed=2)
         routed = BenchConfig(gateway.url, "openai", rate=half_rate, seed=3)
@@ -178,7 +187,8 @@ def overhead(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     print(f"gateway added TTFT p50 {added['ttft_p50_ms']:.2f} ms under load (target <= 5), "
           f"p99 {added['ttft_p99_ms']:.2f} ms; E2E p50 {added['e2e_p50_ms']:.2f} ms; one "
           f"request at a time {added_alone:.2f} ms", flush=True)
-    return {"requests": num, "rate": args.overhead_rate, "pooled": pooled,
+    return {"mode": args.gateway_mode, "requests": num, "rate": args.overhead_rate,
+            "pooled": pooled,
             "runs": {name: [_summary(r) for r in runs] for name, runs in results.items()},
             "added_ms": added,
             "one_at_a_time": {"requests": len(alone["direct"]), "ttft_p50_ms": alone_p50,
@@ -288,6 +298,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--overhead-requests", type=int, default=200,
                         help="overhead part: requests side by side (half of them are also "
                              "sent one at a time first)")
+    parser.add_argument("--gateway-mode", choices=("process", "inprocess"), default="process",
+                        help="overhead part: the gateway attached to the engine process "
+                             "(process), or serving its own engine in its process (inprocess)")
     parser.add_argument("--rag-requests", type=int, default=120)
     parser.add_argument("--rag-rate", type=float, default=1.0)
     parser.add_argument("--max-loras", type=int, default=4)

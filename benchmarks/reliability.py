@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             victim.process.send_signal(signal.SIGKILL)
 
         def restart() -> None:
-            command = [sys.executable, "-m", "gateway.cli", "engine", "--model", args.model,
+            command = [sys.executable, "-m", "engine.http", "--model", args.model,
                        "--port", str(port), "--max-num-seqs", "32"]
             victim.process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                               stderr=subprocess.STDOUT)

@@ -13,10 +13,12 @@ whether it exists or not.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 ROOTS_ENV = "LORAGATE_ADAPTER_ROOTS"
 """os.pathsep-separated roots, read when no --adapter-root flag is given."""
 
@@ -64,3 +66,32 @@ class AdapterRoots:
         if resolved not in self:
             raise AdapterPathRefused(OUTSIDE)
         return resolved
+
+
+def parse_adapters(specs: Sequence[str], adapter_dir: str | None) -> dict[str, str]:
+    """--lora NAME=PATH (repeatable) and --adapter-dir DIR (each PEFT directory inside is an
+    adapter named after it) -> name -> absolute path. Under DIR, a link that leads outside
+    it (the directory or one of its PEFT files) is skipped with a warning: whoever can write
+    into DIR must not make the server read files elsewhere."""
+    adapters: dict[str, str] = {}
+    if adapter_dir:
+        root = Path(adapter_dir)
+        if not root.is_dir():
+            raise ValueError(f"--adapter-dir {adapter_dir!r} is not a directory")
+        real_root = root.resolve()
+        for child in sorted(root.iterdir()):
+            # Hidden directories are partial (an adapter still being written or unpacked).
+            if child.name.startswith(".") or not (child / "adapter_config.json").is_file():
+                continue
+            real = child.resolve()
+            files = (real, real / "adapter_config.json", real / "adapter_model.safetensors")
+            if not all(f.resolve().is_relative_to(real_root) for f in files):
+                log.warning("--adapter-dir: skipping %s: it links outside %s", child, real_root)
+                continue
+            adapters[child.name] = str(real)
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora expects NAME=PATH, got {spec!r}")
+        adapters[name] = str(Path(path).resolve())
+    return adapters

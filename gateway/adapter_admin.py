@@ -36,10 +36,10 @@ from typing import Any
 
 from fastapi import Request
 
-from engine.http_errors import ApiError
+from engine.http.errors import ApiError
 from engine.models.shape import ModelShape
+from engine.protocol import EngineClient, EngineRejected, EngineUnavailable, LoadedAdapter
 from gateway.adapter_upload import extract_archive, remove_tree
-from gateway.engine_client import EngineRejected, EngineUnavailable
 from gateway.instances import Instance
 from gateway.service import Gateway
 from gateway.tenancy import AdapterRecord
@@ -213,15 +213,15 @@ def adapter_status(gw: Gateway, record: AdapterRecord) -> dict[str, Any]:
     instances = {}
     for instance in gw.pool.instances.values():
         state = instance.adapters.get(record.name)
-        pool = instance.kv_pools.get(record.name, {})
+        pool = instance.kv_pools.get(record.name)
         instances[instance.instance_id] = {
             "registered": state is not None, "resident": bool(state and state.slot is not None),
             "digest": state.digest if state else None,
             "pinned": bool(state and state.pinned),
             "running_requests": state.running_requests if state else 0,
-            "kv_used_blocks": pool.get("used_blocks", 0),
-            "kv_cached_blocks": pool.get("cached_blocks", 0),
-            "prefix_hit_rate": pool.get("hit_rate", 0.0)}
+            "kv_used_blocks": pool.used_blocks if pool else 0,
+            "kv_cached_blocks": pool.cached_blocks if pool else 0,
+            "prefix_hit_rate": pool.hit_rate if pool else 0.0}
     usage = gw.usage.get(record.name, (0, 0))
     return {"name": record.name, "path": record.path, "owner": record.owner,
             "shared_with": list(record.shared_with), "digest": record.digest,
@@ -230,11 +230,10 @@ def adapter_status(gw: Gateway, record: AdapterRecord) -> dict[str, Any]:
             "requests_served": usage[0], "tokens_served": usage[1], "instances": instances}
 
 
-async def load_checked(client: Any, record: AdapterRecord) -> dict[str, Any]:
+async def load_checked(client: EngineClient, record: AdapterRecord) -> LoadedAdapter:
     """Load the record on one engine; refused unless the engine read the registered content
     (the files at its path changed since it was validated)."""
-    info: dict[str, Any] = await client.load_adapter(record.name, record.path)
-    if record.digest is not None and info.get("digest") != record.digest:
-        raise EngineRejected(409, {"error": {"message": "its files changed on disk since it "
-                                                        "was registered"}})
+    info = await client.load_adapter(record.name, record.path)
+    if record.digest is not None and info.digest != record.digest:
+        raise EngineRejected("its files changed on disk since it was registered", None, 409)
     return info

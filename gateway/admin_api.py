@@ -28,9 +28,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.http_errors import ApiError
+from engine.http.errors import ApiError
 from engine.models.loader import load_hf_config
 from engine.models.shape import ModelShape
+from engine.protocol import EngineClient
 from gateway import adapter_admin as lifecycle
 from gateway.adapter_upload import remove_tree
 from gateway.admin_common import NAME_PATTERN, AdminGateway, on_instances, owner_uid
@@ -201,9 +202,9 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
                   gw: AdminGateway) -> dict[str, Any]:
         record = await _get_live_adapter(gw, name)
 
-        async def pin_on(client: Any) -> Any:
+        async def pin_on(client: EngineClient) -> None:
             await lifecycle.load_checked(client, record)
-            return await client.pin_adapter(name, body.pinned)
+            await client.pin_adapter(name, body.pinned)
 
         return {"name": name, "instances": await on_instances(gw, body.instance, pin_on)}
 

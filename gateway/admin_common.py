@@ -3,14 +3,14 @@ running an action on the engine instances."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from engine.http_errors import ApiError
+from engine.http.errors import ApiError
+from engine.protocol import EngineClient, EngineRejected, EngineUnavailable
 from gateway.auth import require_admin
-from gateway.engine_client import EngineRejected, EngineUnavailable
 from gateway.service import Gateway
 from gateway.tenancy import Tenant
 
@@ -45,7 +45,7 @@ async def owner_uid(gw: Gateway, owner: str | None) -> str:
 
 
 async def on_instances(gw: Gateway, instance_id: str | None,
-                        action: Callable[[Any], Any]) -> dict[str, str]:
+                        action: Callable[[EngineClient], Awaitable[Any]]) -> dict[str, str]:
     targets = [i for i in gw.pool.healthy() if instance_id in (None, i.instance_id)]
     if instance_id is not None and not targets:
         raise ApiError(404, f"instance {instance_id!r} is not a healthy instance")

@@ -23,7 +23,8 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.http_errors import ApiError
+from engine.http.errors import ApiError
+from engine.protocol import EngineClient
 from gateway import adapter_admin as lifecycle
 from gateway.admin_common import NAME_PATTERN, AdminGateway, get_tenant, on_instances
 from gateway.service import Gateway
@@ -139,8 +140,8 @@ def _tenant(**fields: Any) -> Tenant:
         raise ApiError(400, str(exc)) from None
 
 
-async def _unload(name: str, client: Any) -> Any:
-    return await client.unload_adapter(name)
+async def _unload(name: str, client: EngineClient) -> None:
+    await client.unload_adapter(name)
 
 
 async def _get_key(gw: Gateway, tenant_id: str, key_id: str) -> ApiKey:

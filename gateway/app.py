@@ -2,7 +2,8 @@
 
     GET  /health        200 while at least one instance is ready and the gateway is not
                         draining, else 503
-    GET  /metrics       Prometheus (gateway series); the admin key or the metrics token
+    GET  /metrics       Prometheus (gateway series, and an in-process engine's); the admin
+                        key or the metrics token
     GET  /instances     what the router sees of every instance (debugging, benchmarks); the
                         admin key
     /v1/...             see gateway/openai_api.py
@@ -27,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import AutoTokenizer
 
-from engine.http_errors import ApiError, install_error_handlers
+from engine.http.errors import ApiError, install_error_handlers
 from gateway.access_log import AccessLog
 from gateway.admin_api import build_admin_router
 from gateway.auth import StateView
@@ -37,6 +38,7 @@ from gateway.docs_ui import install_docs
 from gateway.exposure import instance_tag, operator_endpoints_open, require_operator
 from gateway.guard import Guard
 from gateway.instances import InstancePool
+from gateway.local_engine import LocalEngine
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import build_router
 from gateway.ratelimit import RateLimiter
@@ -63,14 +65,16 @@ def body_limit(path: str) -> int:
 
 def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
                adapters: dict[str, str] | None = None, base_model: str | None = None,
-               watch_adapter_dir: str | None = None) -> FastAPI:
-    """A gateway over engine servers at engine_urls; adapters (name -> PEFT dir as the
+               watch_adapter_dir: str | None = None, local: LocalEngine | None = None
+               ) -> FastAPI:
+    """A gateway over engine servers at engine_urls and/or the engine in this process
+    (``local``: its metrics join the gateway's /metrics); adapters (name -> PEFT dir as the
     engines see it) are registered on every instance as it comes up. watch_adapter_dir: a
     directory where the demo adapters appear while serving (gateway/demo_adapters.py)."""
-    if not engine_urls and not config.redis_url:
+    if not engine_urls and local is None and not config.redis_url:
         raise ValueError("the gateway needs at least one engine URL, or --redis-url to "
                          "discover engines that register there")
-    if not engine_urls and not config.engine_token:
+    if not engine_urls and local is None and not config.engine_token:
         raise ValueError("discovering engines through the Redis registry needs --engine-token "
                          "(the engines' token, which signs their registrations)")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -97,7 +101,8 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         async with aiohttp.ClientSession(connector=connector) as http:
             pool = InstancePool(engine_urls, http, config.eject_after_failures,
                                 {n: a.path for n, a in view.snapshot.adapters.items()},
-                                config.routed_prefix_ttl_s, config.engine_token)
+                                config.routed_prefix_ttl_s, config.engine_token,
+                                local={local.instance_id: local} if local else None)
             view.listeners.append(lambda snap: setattr(
                 pool, "adapter_paths", {n: a.path for n, a in snap.adapters.items()}))
             pool_holder["pool"] = pool
@@ -169,7 +174,10 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     async def prometheus(request: Request) -> Response:
         if config.metrics_token or not open_mode():
             require_operator(request, config.admin_key, config.metrics_token)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        body = generate_latest(metrics.registry)
+        if local is not None:  # the engine in this process: its series as an engine's
+            body += generate_latest(local.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/instances")
     async def instances(request: Request) -> list[dict[str, Any]]:

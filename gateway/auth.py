@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from engine.http_errors import ApiError
+from engine.http.errors import ApiError
 from gateway.store import Snapshot, StateStore, StoreUnavailable
 from gateway.tenancy import AdapterRecord, Tenant, hash_key
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.http_auth import check_token
+from engine.http.auth import check_token
 
 RoutingPolicyName = Literal["score", "round_robin"]
 StoreFailurePolicy = Literal["open", "closed"]

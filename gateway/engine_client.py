@@ -1,6 +1,7 @@
-"""HTTP client of one engine server (see engine/server.py for the API).
+"""HTTP client of one engine server (engine/http/server.py): an EngineClient
+(engine/protocol.py) whose requests and chunks travel as JSON.
 
-Failures are sorted by what the gateway may do next:
+Failures are sorted by what the gateway may do next (the protocol's errors):
 - EngineUnavailable: the engine could not take the request (connection refused or reset
   before a response, 5xx, draining). Nothing was generated, so another instance may serve it.
 - EngineRejected: the engine refused the request itself (4xx): the client's fault, the same
@@ -22,30 +23,18 @@ from typing import Any
 
 import aiohttp
 
+from engine.protocol import (
+    ChunkStream,
+    EngineRejected,
+    EngineState,
+    EngineStreamBroken,
+    EngineUnavailable,
+    GenerateRequest,
+    LoadedAdapter,
+    StreamChunk,
+)
+
 log = logging.getLogger(__name__)
-ACCEPTED: dict[str, Any] = {"accepted": True}
-"""Yielded once by EngineClient.generate() when the engine took the request (HTTP 200),
-before any token: failures up to here leave nothing sent anywhere."""
-
-
-class EngineUnavailable(Exception):
-    """The request never started on this engine; safe to retry elsewhere."""
-
-
-class EngineStreamBroken(Exception):
-    """The engine's stream ended without a final chunk."""
-
-
-class EngineRejected(Exception):
-    """The engine answered 4xx; ``status`` and ``body`` (OpenAI error schema) say why."""
-
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
-        error = body.get("error") if isinstance(body, dict) else None
-        message = error.get("message") if isinstance(error, dict) else str(body)
-        super().__init__(message)
-        self.status = status
-        self.body = body
-        self.message = str(message)
 
 
 @dataclass(frozen=True)
@@ -57,7 +46,7 @@ class ClientTimeouts:
     control: float = 10.0
 
 
-class EngineClient:
+class HttpEngineClient:
     """Talks to one engine server at base_url over a shared aiohttp.ClientSession (aiohttp
     rather than httpx on this hot path: its C HTTP parser costs a fraction per request and
     per streamed line). With a token (the engines' --engine-token), every call carries
@@ -74,35 +63,39 @@ class EngineClient:
                                               connect=self._timeouts.connect)
         self._stream = aiohttp.ClientTimeout(total=None, connect=self._timeouts.connect)
 
-    async def generate(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        """Yield ACCEPTED, then the engine's stream chunks. Closing the generator early
+    async def open(self, request: GenerateRequest) -> ChunkStream:
+        """POST /generate; returns once the engine answered 200. Closing the stream early
         closes the connection, which makes the engine abort the request."""
         try:
             response = await self._http.post(self.base_url + "/generate",
-                                             json={**body, "stream": True},
+                                             json={**request.to_json(), "stream": True},
                                              timeout=self._stream, headers=self._headers)
         except (aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
+        if response.status >= 400:
+            try:
+                self._raise_for(response.status, await _json_or_text(response), "/generate")
+            finally:
+                response.release()
+        return ChunkStream(self._chunks(response), response.close)
+
+    async def _chunks(self, response: aiohttp.ClientResponse
+                      ) -> AsyncGenerator[StreamChunk, None]:
         finished = False
         try:
-            if response.status >= 400:
-                body_json = await _json_or_text(response)
-                if response.status >= 500 or response.status == 401:
-                    self._token_refused(response.status)
-                    raise EngineUnavailable(f"{self.base_url}: HTTP {response.status}")
-                raise EngineRejected(response.status, body_json)
-            yield ACCEPTED
             try:
                 async for line in response.content:
                     if not line.strip():
                         continue
-                    chunk = json.loads(line)
-                    finished = bool(chunk.get("finished"))
+                    chunk = StreamChunk.from_json(json.loads(line))
+                    finished = chunk.finished
                     yield chunk
                     if finished:
                         return
             except (aiohttp.ClientError, OSError) as exc:
                 raise EngineStreamBroken(f"{self.base_url}: stream broke: {exc}") from exc
+            except (ValueError, KeyError, TypeError) as exc:
+                raise EngineStreamBroken(f"{self.base_url}: not a stream chunk: {exc}") from exc
             raise EngineStreamBroken(f"{self.base_url}: stream ended before the request "
                                      f"finished")
         finally:
@@ -111,32 +104,39 @@ class EngineClient:
             else:
                 response.close()  # cut it: the engine sees the disconnect and aborts
 
-    async def abort(self, request_id: str) -> None:
-        """Best effort: the engine may be gone, or the request already finished."""
+    async def abort(self, request_id: str) -> bool:
+        """Best effort: False when the engine is gone or did not know the request."""
         with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
             async with self._http.post(self.base_url + "/abort",
                                        json={"request_id": request_id},
                                        timeout=self._control,
                                        headers=self._headers) as response:
-                await response.read()
+                body = await _json_or_text(response)
+                return bool(body.get("aborted"))
+        return False
 
-    async def state(self, cursor: int = 0) -> dict[str, Any]:
-        result: dict[str, Any] = await self._send("GET", "/state", params={"cursor": cursor},
-                                                  rejected_is_unavailable=True)
-        return result
+    async def state(self, cursor: int = 0) -> EngineState:
+        payload = await self._send("GET", "/state", params={"cursor": cursor},
+                                   rejected_is_unavailable=True)
+        try:
+            return EngineState.from_json(payload)
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            raise EngineUnavailable(f"{self.base_url}/state: malformed answer: {exc!r}"
+                                    ) from None
 
-    async def load_adapter(self, name: str, path: str) -> dict[str, Any]:
-        return await self._send("POST", "/adapters", {"name": name, "path": path})
+    async def load_adapter(self, name: str, path: str) -> LoadedAdapter:
+        return LoadedAdapter.from_json(
+            await self._send("POST", "/adapters", {"name": name, "path": path}))
 
-    async def unload_adapter(self, name: str) -> dict[str, Any]:
-        return await self._send("DELETE", f"/adapters/{name}")
+    async def unload_adapter(self, name: str) -> None:
+        await self._send("DELETE", f"/adapters/{name}")
 
-    async def pin_adapter(self, name: str, pinned: bool) -> dict[str, Any]:
-        return await self._send("POST", f"/adapters/{name}/pin", {"pinned": pinned})
+    async def pin_adapter(self, name: str, pinned: bool) -> None:
+        await self._send("POST", f"/adapters/{name}/pin", {"pinned": pinned})
 
     async def _send(self, method: str, path: str, body: dict[str, Any] | None = None,
                     params: dict[str, Any] | None = None,
-                    rejected_is_unavailable: bool = False) -> Any:
+                    rejected_is_unavailable: bool = False) -> dict[str, Any]:
         try:
             async with self._http.request(method, self.base_url + path, json=body,
                                           params=params, timeout=self._control,
@@ -145,12 +145,21 @@ class EngineClient:
                 status = response.status
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise EngineUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
-        self._token_refused(status)
-        if status >= 500 or status == 401 or (status >= 400 and rejected_is_unavailable):
+        if status >= 400 and rejected_is_unavailable:
+            self._token_refused(status)
             raise EngineUnavailable(f"{self.base_url}{path}: HTTP {status}")
-        if status >= 400:
-            raise EngineRejected(status, payload)
+        self._raise_for(status, payload, path)
         return payload
+
+    def _raise_for(self, status: int, payload: dict[str, Any], path: str) -> None:
+        """EngineUnavailable for 5xx and 401, EngineRejected for other 4xx."""
+        if status < 400:
+            return
+        self._token_refused(status)
+        if status >= 500 or status == 401:
+            raise EngineUnavailable(f"{self.base_url}{path}: HTTP {status}")
+        error = payload.get("error")
+        raise EngineRejected.from_json(error if isinstance(error, dict) else {}, status)
 
     def _token_refused(self, status: int) -> None:
         if status == 401 and not self._token_refused_logged:

@@ -24,8 +24,8 @@ import hmac
 
 from fastapi import Request
 
-from engine.http_auth import is_loopback
-from engine.http_errors import ApiError
+from engine.http.auth import is_loopback
+from engine.http.errors import ApiError
 from gateway.auth import bearer
 
 TAG_SALT = b"loragate-instance-tag"

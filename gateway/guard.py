@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.http_errors import ApiError, error_body
+from engine.http.errors import ApiError, error_body
 from gateway.exposure import host_allowed
 
 BYTES_PER_EXTRA_SECOND = 1 << 20

@@ -25,7 +25,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from engine.http_errors import error_body
+from engine.http.errors import error_body
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):

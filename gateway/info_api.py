@@ -19,7 +19,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedTokenizerBase
 
-from engine.http_errors import ApiError
+from engine.http.errors import ApiError
 from gateway.caller import Caller
 from gateway.openai_protocol import (
     MAX_MODEL_NAME,

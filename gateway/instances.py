@@ -1,7 +1,9 @@
 """The engine instances a gateway routes to: health, ejection, state and the prefix index.
 
-A background task polls every instance's /state (one call carries health, load, resident
-adapters and the prefix hashes published since the last poll). An instance that fails
+A background task polls every instance's state (one call carries health, load, resident
+adapters and the prefix hashes published since the last poll: engine/protocol.py
+EngineState). An instance is any EngineClient: an engine server over HTTP, or the engine in
+this process (gateway/local_engine.py). An instance that fails
 ``eject_after`` polls in a row, or whose connection fails under a request, is ejected: it
 gets no traffic and its prefix entries are dropped, until a poll succeeds again. When an
 instance comes (back) up, every adapter the gateway knows is registered on it, so any
@@ -14,26 +16,21 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 
-from gateway.engine_client import EngineClient, EngineRejected, EngineUnavailable
-from prefix_cache.cache import PrefixUpdate
+from engine.protocol import (
+    EngineClient,
+    EngineRejected,
+    EngineState,
+    EngineUnavailable,
+    PoolSummary,
+)
+from gateway.engine_client import HttpEngineClient
+from lora.manager import AdapterInfo
 from prefix_cache.index import PrefixIndex
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class AdapterState:
-    """One adapter as an engine reported it in /state."""
-
-    name: str
-    digest: str
-    slot: int | None
-    pinned: bool
-    running_requests: int
 
 
 @dataclass
@@ -60,9 +57,9 @@ class Instance:
     block_size: int = 16
     publish_every: int = 4
     prefix_hit_rate: float = 0.0
-    adapters: dict[str, AdapterState] = field(default_factory=dict)
-    kv_pools: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per pool (adapter name or "base"): used_blocks, cached_blocks, evictions, hit_rate."""
+    adapters: dict[str, AdapterInfo] = field(default_factory=dict)
+    kv_pools: dict[str, PoolSummary] = field(default_factory=dict)
+    """Per pool (adapter name or "base")."""
     last_ok: float = 0.0
 
     @property
@@ -81,10 +78,14 @@ class InstancePool:
 
     def __init__(self, urls: list[str], http: aiohttp.ClientSession, eject_after: int = 2,
                  adapters: dict[str, str] | None = None, routed_prefix_ttl_s: float = 20.0,
-                 engine_token: str | None = None) -> None:
+                 engine_token: str | None = None,
+                 local: dict[str, EngineClient] | None = None) -> None:
         self._http = http
         self._engine_token = engine_token
-        self.instances: dict[str, Instance] = {}
+        self.instances: dict[str, Instance] = {
+            instance_id: Instance(instance_id, client)
+            for instance_id, client in (local or {}).items()}
+        """By instance id: an engine server's URL, or a local engine's name."""
         for url in urls:
             self.add_instance(url)
         self.eject_after = eject_after
@@ -100,8 +101,8 @@ class InstancePool:
         """Start tracking an engine (healthy after its first successful poll)."""
         url = url.rstrip("/")
         if url not in self.instances:
-            self.instances[url] = Instance(url, EngineClient(url, self._http,
-                                                             token=self._engine_token))
+            self.instances[url] = Instance(url, HttpEngineClient(url, self._http,
+                                                                 token=self._engine_token))
         return self.instances[url]
 
     def remove_instance(self, url: str) -> None:
@@ -143,7 +144,7 @@ class InstancePool:
     async def _poll_one(self, instance: Instance) -> None:
         try:
             state = await instance.client.state(self._cursors.get(instance.instance_id, 0))
-        except (EngineUnavailable, ValueError) as exc:
+        except EngineUnavailable as exc:
             instance.consecutive_failures += 1
             if instance.consecutive_failures >= self.eject_after and instance.healthy:
                 log.warning("ejecting %s after %d failed polls: %s", instance.instance_id,
@@ -160,35 +161,26 @@ class InstancePool:
         instance.consecutive_failures = 0
         instance.last_ok = time.monotonic()
 
-    def _apply_state(self, instance: Instance, state: dict[str, Any]) -> None:
-        instance.draining = bool(state["draining"])
-        instance.num_running = int(state["num_running"])
-        instance.num_waiting = int(state["num_waiting"])
-        total = int(state["kv_blocks_total"]) or 1
-        instance.kv_usage = int(state["kv_blocks_used"]) / total
-        instance.max_loras = int(state["max_loras"])
-        instance.max_lora_rank = int(state.get("max_lora_rank", 0))
-        instance.max_num_seqs = int(state["max_num_seqs"])
-        instance.max_model_len = int(state["max_model_len"])
-        instance.max_request_tokens = int(state.get("max_request_tokens",
-                                                    instance.max_model_len))
-        instance.block_size = int(state["block_size"])
-        instance.publish_every = int(state["publish_every"])
-        instance.prefix_hit_rate = float(state.get("prefix_hit_rate", 0.0))
-        instance.kv_pools = dict(state.get("kv_pools", {}))
-        instance.adapters = {
-            a["name"]: AdapterState(a["name"], a["digest"], a["slot"], a["pinned"],
-                                    a["running_requests"])
-            for a in state["adapters"]}
+    def _apply_state(self, instance: Instance, state: EngineState) -> None:
+        instance.draining = state.draining
+        instance.num_running = state.num_running
+        instance.num_waiting = state.num_waiting
+        instance.kv_usage = state.kv_blocks_used / (state.kv_blocks_total or 1)
+        instance.max_loras = state.max_loras
+        instance.max_lora_rank = state.max_lora_rank
+        instance.max_num_seqs = state.max_num_seqs
+        instance.max_model_len = state.max_model_len
+        instance.max_request_tokens = state.max_request_tokens
+        instance.block_size = state.block_size
+        instance.publish_every = state.publish_every
+        instance.prefix_hit_rate = state.prefix_hit_rate
+        instance.kv_pools = state.kv_pools
+        instance.adapters = {a.name: a for a in state.adapters}
         if self.index is None:
             self.index = PrefixIndex(instance.block_size, instance.publish_every,
                                      self.routed_prefix_ttl_s)
-        prefix = state["prefix"]
-        self.index.apply(instance.instance_id, PrefixUpdate(
-            cursor=int(prefix["cursor"]), full=bool(prefix["full"]),
-            added=[int(h, 16) for h in prefix["added"]],
-            removed=[int(h, 16) for h in prefix["removed"]]))
-        self._cursors[instance.instance_id] = int(prefix["cursor"])
+        self.index.apply(instance.instance_id, state.prefix)
+        self._cursors[instance.instance_id] = state.prefix.cursor
 
     def _forget(self, instance: Instance) -> None:
         """Drop what a dead instance had published: a restarted engine starts empty."""

@@ -16,27 +16,29 @@ token reservation, then dispatch (service).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerBase
 
-from engine.http_errors import ApiError
+from engine.http.errors import ApiError
+from engine.protocol import GenerateRequest
+from engine.sampling_params import SamplingParams
 from gateway.access_log import AccessRecord, record_of
 from gateway.auth import Principal
 from gateway.caller import Caller
 from gateway.config import GatewayConfig
-from gateway.engine_client import ACCEPTED
 from gateway.exposure import instance_tag
 from gateway.info_api import build_info_router
 from gateway.openai_format import Endpoint, ResponseFormatter
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.openai_stream import ClosingStream, collect, next_or_disconnect, sse
 from gateway.prompts import PromptEncoder
-from gateway.service import Claim, Gateway, Job, Outcome
+from gateway.service import Claim, Gateway, Job, Outcome, new_request_id
 
 
 def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokenizerBase
@@ -105,7 +107,7 @@ async def _serve(gateway: Gateway, req: _Call,
 
         def fill(record: AccessRecord) -> None:
             if job is not None:
-                record.prompt_tokens = fmt.prompt_tokens or len(job.prompt_token_ids)
+                record.prompt_tokens = fmt.prompt_tokens or len(job.request.prompt_token_ids)
                 record.completion_tokens = fmt.completion_tokens
                 record.first_token_at = job.first_token_at
         access.finish = fill
@@ -119,7 +121,8 @@ async def _serve(gateway: Gateway, req: _Call,
         context = gateway.context_length()
         prompt_ids = await encode(context)
         job = _job(gateway, claim, req, adapter, prompt_ids, context)
-        await gateway.limiter.reserve(claim.ticket, len(prompt_ids) + job.params["max_tokens"])
+        await gateway.limiter.reserve(claim.ticket,
+                                      len(prompt_ids) + job.request.params.max_tokens)
         return await _respond(gateway, job, req, fmt)
     except BaseException as exc:
         gateway.settle(claim, 0, _outcome(exc))
@@ -158,18 +161,22 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
                        f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} "
                        f"in the prompt, {max_tokens} for the completion)",
                        code="context_length_exceeded", param=req.max_tokens_param)
-    params: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "temperature": 1.0 if body.temperature is None else body.temperature,
-        "top_p": 1.0 if body.top_p is None else body.top_p,
-        "top_k": max(0, body.top_k or 0),  # -1 (vLLM's "off") is the engine's 0
-        "seed": body.seed, "stop": body.stop_list(),
-        "ignore_eos": body.ignore_eos, "logprobs": req.logprobs,
-    }
-    return Job(prompt_token_ids=prompt_ids, params=params, adapter=adapter,
-               cache_salt=gateway.cache_salt(req.principal, body.cache_salt),
-               priority=gateway.priority(req.principal, body.priority), endpoint=req.endpoint,
-               claim=claim)
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(0, body.top_k or 0),  # -1 (vLLM's "off") is the engine's 0
+            seed=body.seed, stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos,
+            logprobs=req.logprobs)
+    except ValueError as exc:  # the edge bounds every field; this is the engine's own check
+        raise ApiError(400, str(exc)) from None
+    request = GenerateRequest(
+        new_request_id(), prompt_ids, params, adapter,
+        gateway.cache_salt(req.principal, body.cache_salt),
+        gateway.priority(req.principal, body.priority),
+        deadline=time.time() + gateway.config.request_timeout_s)
+    return Job(request, req.endpoint, claim)
 
 
 async def _respond(gateway: Gateway, job: Job, req: _Call, fmt: ResponseFormatter
@@ -177,9 +184,7 @@ async def _respond(gateway: Gateway, job: Job, req: _Call, fmt: ResponseFormatte
     """Dispatch; errors before the engine took the job propagate to _serve. From then on
     the response settles the claim as served: a whole response here, a stream when it ends
     (ClosingStream)."""
-    stream = gateway.stream(job)
-    first = await next_or_disconnect(req.http, anext(stream))
-    assert first is ACCEPTED
+    stream = await next_or_disconnect(req.http, gateway.open(job))
     headers = _route_headers(job, gateway.config)
 
     def settle() -> None:

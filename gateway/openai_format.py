@@ -1,4 +1,4 @@
-"""Engine stream chunks -> OpenAI response objects (completion, chat, their stream chunks).
+"""Engine StreamChunks -> OpenAI response objects (completion, chat, their stream chunks).
 
 One formatter per request: it accumulates text, token ids, logprobs and the finish reason as
 chunks arrive, emits stream events on the way, and builds the final object at the end.
@@ -12,6 +12,8 @@ import uuid
 from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
+
+from engine.protocol import StreamChunk
 
 Endpoint = Literal["completions", "chat"]
 # Engine finish reasons -> OpenAI's ("abort" and "error" never reach a successful response).
@@ -51,21 +53,19 @@ class ResponseFormatter:
         self._text_offset = 0  # text_offset of the next streamed token (completions)
 
     # ------------------------------------------------------------- accumulation
-    def add(self, chunk: dict[str, Any]) -> tuple[list[tuple[int, dict[int, float]]], str]:
+    def add(self, chunk: StreamChunk) -> tuple[list[tuple[int, dict[int, float]]], str]:
         """Take one engine chunk; returns its logprob entries and text."""
-        ids = [int(t) for t in chunk.get("delta_token_ids") or []]
+        ids = chunk.delta_token_ids
         self.token_ids.extend(ids)
-        text = chunk.get("delta_text") or ""
+        text = chunk.delta_text
         self.text.append(text)
-        entries: list[tuple[int, dict[int, float]]] = []
-        for token_id, step in zip(ids, chunk.get("logprobs") or [], strict=False):
-            entries.append((token_id, {int(k): finite_logprob(float(v))
-                                       for k, v in step.items()}))
+        entries = [(token_id, {k: finite_logprob(v) for k, v in step.items()})
+                   for token_id, step in zip(ids, chunk.logprobs or [], strict=False)]
         self.logprob_entries.extend(entries)
-        self.prompt_tokens = int(chunk.get("prompt_tokens") or self.prompt_tokens)
-        self.completion_tokens = int(chunk.get("completion_tokens") or self.completion_tokens)
-        if chunk.get("finished"):
-            self.finish_reason = _FINISH.get(chunk.get("finish_reason") or "stop", "stop")
+        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = chunk.completion_tokens or self.completion_tokens
+        if chunk.finish_reason is not None:
+            self.finish_reason = _FINISH.get(chunk.finish_reason, "stop")
         return entries, text
 
     def usage(self) -> dict[str, int]:
@@ -131,11 +131,10 @@ class ResponseFormatter:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage()}
 
-    def stream_events(self, chunk: dict[str, Any], include_usage: bool
-                      ) -> list[dict[str, Any]]:
+    def stream_events(self, chunk: StreamChunk, include_usage: bool) -> list[dict[str, Any]]:
         """The SSE payloads for one engine chunk (none when it carries nothing)."""
         entries, text = self.add(chunk)
-        finish = self.finish_reason if chunk.get("finished") else None
+        finish = self.finish_reason if chunk.finished else None
         if not text and not entries and finish is None and self._role_sent:
             return []
         # Offsets count token strings, as in final(), so both report the same logprobs

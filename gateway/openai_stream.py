@@ -1,7 +1,8 @@
 """Relaying a dispatched job's engine chunks to its client: one whole response, or SSE
 events ending with ``data: [DONE]`` (an engine failure after the stream started is an
-``error`` event carrying only this request's own error). Every float sent is finite, as JSON
-requires.
+``error`` event carrying only this request's own error; a whole response that ends in one
+gets the status of its code, engine/protocol.py ERROR_STATUS). Every float sent is finite, as
+JSON requires.
 """
 
 from __future__ import annotations
@@ -17,14 +18,12 @@ from fastapi import Request
 from fastapi.sse import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.http_errors import ApiError
+from engine.http.errors import ApiError
+from engine.protocol import ChunkStream, EngineError, StreamChunk
 from gateway.openai_format import ResponseFormatter
 from gateway.service import Gateway, Job
 
 DISCONNECT_POLL_S = 0.25
-ERROR_STATUS = {"timeout": 504, "unavailable": 503, "overloaded": 429}
-"""HTTP status of a non-streamed response whose stream ended in an error chunk, by code
-(default 500)."""
 
 
 class ClosingStream(EventSourceResponse):
@@ -33,11 +32,10 @@ class ClosingStream(EventSourceResponse):
     leave them suspended (engine request running, claim held) until garbage collection,
     and a response that never started would never settle."""
 
-    def __init__(self, events: AsyncGenerator[bytes, None],
-                 stream: AsyncGenerator[dict[str, Any], None], settle: Callable[[], None],
-                 headers: dict[str, str]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], stream: ChunkStream,
+                 settle: Callable[[], None], headers: dict[str, str]) -> None:
         super().__init__(events, headers=headers)
-        self._generators = (events, stream)
+        self._closers = (events.aclose, stream.aclose)
         self._settle = settle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -45,8 +43,8 @@ class ClosingStream(EventSourceResponse):
             await super().__call__(scope, receive, send)
         finally:
             try:
-                for generator in self._generators:
-                    await generator.aclose()
+                for close in self._closers:
+                    await close()
             finally:
                 self._settle()
 
@@ -70,35 +68,33 @@ async def next_or_disconnect(request: Request, awaitable: Any) -> Any:
             task.cancel()
 
 
-async def collect(gateway: Gateway, job: Job, stream: AsyncGenerator[dict[str, Any], None],
-                   fmt: ResponseFormatter) -> dict[str, Any]:
+async def collect(gateway: Gateway, job: Job, stream: ChunkStream, fmt: ResponseFormatter
+                  ) -> dict[str, Any]:
     async with contextlib.aclosing(stream):
         timer = _Timer(gateway, job)
         async for chunk in stream:
             timer.tick(chunk)
-            if chunk.get("error"):
-                error = _own_error(chunk["error"])
-                code = error["code"]
-                status = ERROR_STATUS.get(code, 500)
-                raise ApiError(status, error["message"], code=code, headers=(
-                    {"Retry-After": str(gateway.config.retry_after_s)} if status in (429, 503)
-                    else None))
+            if chunk.error is not None:
+                error = chunk.error
+                raise ApiError(error.status, error.message, code=error.code, headers=(
+                    {"Retry-After": str(gateway.config.retry_after_s)}
+                    if error.status in (429, 503) else None))
             fmt.add(chunk)
         timer.done()
     return fmt.final()
 
 
-async def sse(gateway: Gateway, job: Job, stream: AsyncGenerator[dict[str, Any], None],
-               fmt: ResponseFormatter, include_usage: bool) -> AsyncGenerator[bytes, None]:
+async def sse(gateway: Gateway, job: Job, stream: ChunkStream, fmt: ResponseFormatter,
+              include_usage: bool) -> AsyncGenerator[bytes, None]:
     status = "200"
     try:
         async with contextlib.aclosing(stream):
             timer = _Timer(gateway, job)
             async for chunk in stream:
                 timer.tick(chunk)
-                if chunk.get("error"):
+                if chunk.error is not None:
                     status = "500"
-                    yield _event({"error": _own_error(chunk["error"])})
+                    yield _event({"error": _own_error(chunk.error)})
                     break
                 for event in fmt.stream_events(chunk, include_usage):
                     yield _event(event)
@@ -116,12 +112,11 @@ async def sse(gateway: Gateway, job: Job, stream: AsyncGenerator[dict[str, Any],
                                         job.instance_id or "none").inc()
 
 
-def _own_error(error: dict[str, Any]) -> dict[str, str]:
+def _own_error(error: EngineError) -> dict[str, str]:
     """The error event of this request's stream: its own message, type and code only (the
     fields OpenAI's schema has; nothing else an engine chunk might carry is passed on)."""
-    return {"message": str(error.get("message") or "the request failed"),
-            "type": str(error.get("type") or "server_error"),
-            "code": str(error.get("code") or "engine_error")}
+    return {"message": error.message, "type": error.type,
+            "code": error.code or "engine_error"}
 
 
 def _event(payload: dict[str, Any]) -> bytes:
@@ -140,8 +135,8 @@ class _Timer:
         self.arrival = job.arrival
         self.last: float | None = None
 
-    def tick(self, chunk: dict[str, Any]) -> None:
-        if not chunk.get("delta_token_ids"):
+    def tick(self, chunk: StreamChunk) -> None:
+        if not chunk.delta_token_ids:
             return
         now = time.monotonic()
         if self.last is None:

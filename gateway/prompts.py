@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import jinja2
 from transformers import PreTrainedTokenizerBase
 
-from engine.http_errors import ApiError
+from engine.http.errors import ApiError
 
 CHARS_PER_TOKEN = 16
 """A generous bound on characters per token (BPE tokens of real text average about 4): a

@@ -33,7 +33,7 @@ from typing import Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter
 
-from engine.http_errors import ApiError
+from engine.http.errors import ApiError
 from gateway import sliding_window as sw
 from gateway.auth import Principal
 from gateway.store import Admission, MemoryStore, StateStore, StoreUnavailable

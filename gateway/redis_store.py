@@ -38,6 +38,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, WatchError
 
+from engine.http.registry import REGISTRY_KEY, register
 from gateway import sliding_window as sw
 from gateway.redact import redact_text, redact_url
 from gateway.store import Admission, Snapshot, StoreUnavailable
@@ -289,10 +290,10 @@ class RedisStore:
 
     # ---------------------------------------------------------------- engines
     async def register_engine(self, url: str, ttl_s: float) -> None:
-        await self._call(self._redis.zadd(self._k("engines"), {url: time.time() + ttl_s}))
+        await self._call(register(self._redis, self._k(REGISTRY_KEY), url, ttl_s))
 
     async def engines(self) -> list[str]:
-        key = self._k("engines")
+        key = self._k(REGISTRY_KEY)
         now = time.time()
         await self._call(self._redis.zremrangebyscore(key, "-inf", now))
         return sorted(await self._call(self._redis.zrangebyscore(key, now, "+inf")))

@@ -1,12 +1,15 @@
-"""`loragate serve`: local engine processes + the gateway in this process.
+"""`loragate serve`: the gateway in this process, and its local engines.
 
-Engines are child processes (`loragate engine` on free loopback ports) so a crash in one
-never takes the gateway or the others down. Shutdown order on SIGTERM/SIGINT: the gateway
-drains (stops admitting, finishes in-flight streams), then the engines are sent SIGTERM and
-drain in turn; an engine still alive after the drain timeout is killed.
+One local instance (the default) runs in this process (gateway/local_engine.py): the
+gateway drives its AsyncEngine directly, without an HTTP hop. Several (``--instances N``),
+or one with ``engine_process`` (`--engine-process`), are child processes (`loragate engine`
+on free loopback ports) so a crash in one never takes the gateway or the others down; a
+supervisor restarts them. Shutdown order on SIGTERM/SIGINT: the gateway drains (stops
+admitting, finishes in-flight streams), then the engines are sent SIGTERM and drain in turn;
+an engine still alive after the drain timeout is killed.
 
-Local engines always require an engine token: the configured one, or one made up per run.
-It reaches them through the environment (argv is visible to every user in `ps`).
+Engine processes always require an engine token: the configured one, or one made up per
+run. It reaches them through the environment (argv is visible to every user in `ps`).
 """
 
 from __future__ import annotations
@@ -31,15 +34,16 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from engine.adapter_roots import ROOTS_ENV
+from engine.adapter_roots import ROOTS_ENV, AdapterRoots
 from engine.config import EngineConfig
-from engine.draining_server import DrainingServer
-from engine.http_auth import TOKEN_ENV
+from engine.config_args import field_default
+from engine.http.auth import TOKEN_ENV
+from engine.http.draining import DrainingServer
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.config_args import field_default
 from gateway.engine_supervisor import EngineSupervisor
 from gateway.http_protocol import guarded_protocol
+from gateway.local_engine import LocalEngine
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +110,7 @@ def start_engines(config: EngineConfig, count: int, log_dir: Path,
     for index in range(count):
         port = free_port()
         log_path = log_dir / f"engine-{index}.log"
-        command = [sys.executable, "-m", "gateway.cli", "engine", "--model", config.model,
+        command = [sys.executable, "-m", "engine.http", "--model", config.model,
                    "--host", "127.0.0.1", "--port", str(port),
                    "--instance-id", f"engine-{index}", *engine_flags(config)]
         for name, path in adapters.items():
@@ -186,10 +190,11 @@ def stop_engines(engines: list[EngineProcess], timeout_s: float) -> None:
 
 def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
                 adapters: dict[str, str], banner: str | None = None,
-                watch_adapter_dir: str | None = None) -> None:
+                watch_adapter_dir: str | None = None, local: LocalEngine | None = None
+                ) -> None:
     """Serve the gateway until SIGTERM/SIGINT, then drain."""
     app = create_app(config, engine_urls, tokenizer_dir, adapters,
-                     watch_adapter_dir=watch_adapter_dir)
+                     watch_adapter_dir=watch_adapter_dir, local=local)
     server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
         timeout_graceful_shutdown=int(config.drain_timeout_s),
@@ -220,17 +225,25 @@ def start_drain(app: FastAPI, timeout_s: float) -> None:
 
 def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, instances: int,
           engine_urls: list[str], tokenizer_dir: str, adapters: dict[str, str],
-          adapter_roots: Sequence[str] = (), watch_adapter_dir: str | None = None) -> None:
+          adapter_roots: Sequence[str] = (), watch_adapter_dir: str | None = None,
+          engine_process: bool = False) -> None:
     """Start local engines (unless engine_urls are given, or instances is 0: then engines
-    come from the Redis registry) and the gateway in front. Local engines get the gateway's
-    engine token (a fresh random one when it has none) and adapter_roots."""
+    come from the Redis registry) and the gateway in front: one in this process unless
+    engine_process, else engine processes, which get the gateway's engine token (a fresh
+    random one when it has none). Local engines load adapters only from adapter_roots (and
+    the directories of ``adapters``)."""
     check_port_free(gateway_config.host, gateway_config.port)
     engines: list[EngineProcess] = []
     log_dir = Path(tempfile.mkdtemp(prefix="loragate-engines-"))
     supervisor: EngineSupervisor | None = None
+    local: LocalEngine | None = None
     clean = False
     try:
-        if not engine_urls and instances > 0:
+        if not engine_urls and instances == 1 and not engine_process:
+            assert engine_config is not None
+            local = start_local_engine(engine_config, adapters, adapter_roots,
+                                       gateway_config.served_model_name)
+        elif not engine_urls and instances > 0:
             assert engine_config is not None
             print(f"starting {instances} engine instance(s) on {engine_config.model} "
                   f"(logs in {log_dir})", flush=True)
@@ -244,9 +257,11 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
             supervisor.start()
         run_gateway(gateway_config, engine_urls, tokenizer_dir, adapters,
                     banner=ready_banner(gateway_config, tokenizer_dir, adapters),
-                    watch_adapter_dir=watch_adapter_dir)
+                    watch_adapter_dir=watch_adapter_dir, local=local)
         clean = True
     finally:
+        if local is not None:
+            local.shutdown()
         if supervisor is not None:
             supervisor.stop()  # before the engines: their exits now are no crash
             clean = clean and not any(supervisor.restarts(e) for e in engines)
@@ -255,6 +270,23 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
                   f"{gateway_config.drain_timeout_s:g}s)", flush=True)
         stop_engines(engines, gateway_config.drain_timeout_s)
         keep_logs(log_dir, engines, clean)
+
+
+def start_local_engine(config: EngineConfig, adapters: dict[str, str],
+                       adapter_roots: Sequence[str], model_name: str | None) -> LocalEngine:
+    """The engine of a single local instance, in this process (loads the model and warms
+    up); RuntimeError, with the reason, when it cannot be built."""
+    print(f"starting the engine in this process on {config.model}", flush=True)
+    start = time.monotonic()
+    roots = AdapterRoots([*adapter_roots, *adapters.values()])
+    try:
+        local = LocalEngine(config, roots, model_name=model_name)
+    except Exception as exc:
+        log.debug("the engine could not start", exc_info=True)
+        raise RuntimeError(f"the engine could not start: {type(exc).__name__}: {exc}"
+                           ) from None
+    print(f"engine ready after {time.monotonic() - start:.0f}s", flush=True)
+    return local
 
 
 def keep_logs(log_dir: Path, engines: list[EngineProcess], clean: bool) -> None:

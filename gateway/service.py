@@ -3,6 +3,8 @@ retry before the first token, time out, abort on disconnect, count.
 
 Every request ends in exactly one of: a finished stream, an ApiError raised before anything
 was sent (the route turns it into a 4xx/5xx), or a final error chunk in the stream.
+Instances are EngineClients (engine/protocol.py): the engine in this process or engine
+servers over HTTP, driven the same way.
 """
 
 from __future__ import annotations
@@ -12,26 +14,30 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import Request
 
-from engine.http_errors import ApiError
-from gateway.auth import Principal, StateView, authenticate
-from gateway.config import GatewayConfig
-from gateway.engine_client import (
-    ACCEPTED,
+from engine.http.errors import ApiError
+from engine.protocol import (
+    ChunkStream,
+    EngineError,
     EngineRejected,
     EngineStreamBroken,
     EngineUnavailable,
+    GenerateRequest,
+    StreamChunk,
 )
-from gateway.instances import AdapterState, Instance, InstancePool
+from gateway.auth import Principal, StateView, authenticate
+from gateway.config import GatewayConfig
+from gateway.instances import Instance, InstancePool
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter, Ticket
 from gateway.router import Candidate, Router, RoutingDecision
 from gateway.tenancy import derive_cache_salt
+from lora.manager import AdapterInfo
 from prefix_cache.hashing import request_extra_keys
 
 log = logging.getLogger(__name__)
@@ -55,23 +61,31 @@ class Claim:
     settled: bool = False
 
 
+def new_request_id() -> str:
+    return f"gw-{uuid.uuid4().hex}"
+
+
 @dataclass
 class Job:
-    """One generation as the gateway dispatches it."""
+    """One generation as the gateway dispatches it: the engine request and what the gateway
+    keeps about it."""
 
-    prompt_token_ids: list[int]
-    params: dict[str, Any]
-    adapter: str | None
-    cache_salt: str | None
-    priority: int
+    request: GenerateRequest
     endpoint: str
     claim: Claim
-    request_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex}")
     arrival: float = field(default_factory=time.monotonic)
     instance_id: str | None = None
     decision: RoutingDecision | None = None
     first_token_at: float | None = None
     """time.monotonic() when the first token reached the gateway (the access log's TTFT)."""
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def adapter(self) -> str | None:
+        return self.request.adapter
 
 
 class Gateway:
@@ -87,7 +101,7 @@ class Gateway:
         self.base_model = base_model
         self.view = view
         self.limiter = limiter
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
         self.usage: dict[str, tuple[int, int]] = {}
         """Per adapter ("base" for none): requests and tokens served by this gateway."""
 
@@ -171,6 +185,7 @@ class Gateway:
         try:
             info = await instance.client.load_adapter(adapter, record.path)
         except EngineRejected as exc:
+            # The engine's reason may name paths: logged, not sent to the tenant.
             log.error("instance %s refused adapter %s: %s", instance.instance_id, adapter,
                       exc.message)
             if exc.status == 409:
@@ -180,8 +195,9 @@ class Gateway:
                                ) from None
             raise ApiError(500, f"adapter {adapter!r} could not be loaded on an engine",
                            code="adapter_load_failed") from None
-        digest = str(info["digest"])
-        instance.adapters[adapter] = AdapterState(adapter, digest, None, False, 0)
+        digest = info.digest
+        instance.adapters[adapter] = AdapterInfo(adapter, record.path, digest, info.rank,
+                                                 True, None, False, 0)
         if record.digest is not None and digest != record.digest:
             log.error("adapter %s on %s: the files at %s changed since it was registered",
                       adapter, instance.instance_id, record.path)
@@ -223,8 +239,9 @@ class Gateway:
             if digest is None:
                 return None
             lora = (job.adapter, digest)
-        return index.request_chain(job.prompt_token_ids,
-                                   request_extra_keys(lora=lora, cache_salt=job.cache_salt))
+        return index.request_chain(job.request.prompt_token_ids,
+                                   request_extra_keys(lora=lora,
+                                                      cache_salt=job.request.cache_salt))
 
     def _candidates(self, job: Job, instances: list[Instance],
                     chain: list[tuple[int, int]] | None) -> list[Candidate]:
@@ -244,7 +261,7 @@ class Gateway:
             raise self._no_instance()
         chain = self._prefix_chain(job)
         decision = self.router.choose(self._candidates(job, instances, chain), job.adapter,
-                                      len(job.prompt_token_ids))
+                                      len(job.request.prompt_token_ids))
         if decision is None:
             raise ApiError(429, "every engine instance is at its admission limit; retry "
                            "later", code="overloaded",
@@ -258,100 +275,113 @@ class Gateway:
         return self.pool.instances[decision.instance_id]
 
     # --------------------------------------------------------------- dispatch
-    async def stream(self, job: Job) -> AsyncGenerator[dict[str, Any], None]:
-        """Yield ACCEPTED once an instance took the job, then the engine's chunks. Raises
-        ApiError before ACCEPTED; after it, failures end the stream with an error chunk."""
+    async def open(self, job: Job) -> ChunkStream:
+        """Send the job to an instance that takes it (ApiError when none does: nothing was
+        generated anywhere) and return its chunks. From then on a failure before the first
+        token retries elsewhere, and any other failure is a final error chunk."""
         tried: set[str] = set()
-        deadline = job.arrival + self.config.request_timeout_s
-        accepted = False  # ACCEPTED went to the caller (once, whatever the attempt)
-        for _ in range(self.config.max_attempts):
-            try:
-                instance = self._route(job, tried)
-            except ApiError as exc:  # a retry found no instance left
-                if not accepted:
-                    raise
-                yield _error_chunk(job, exc.message, code=exc.code or "unavailable")
-                return
+        instance, stream = await self._dispatch(job, tried)
+        self.metrics.queue_time.observe(time.monotonic() - job.arrival)
+
+        def never_read() -> None:
+            instance.in_flight -= 1
+            self._later(stream.aclose())
+
+        return ChunkStream(self._relay(job, tried, instance, stream), never_read)
+
+    async def _dispatch(self, job: Job, tried: set[str]) -> tuple[Instance, ChunkStream]:
+        """Route and open until an instance accepts (its in_flight counts the job)."""
+        while len(tried) < self.config.max_attempts:
+            instance = self._route(job, tried)
             tried.add(instance.instance_id)
             job.instance_id = instance.instance_id
-            if job.adapter is not None:
-                try:
-                    await self.ensure_adapter(instance, job.adapter)
-                except EngineUnavailable as exc:
-                    self.pool.mark_failed(instance, str(exc))
-                    continue
-                except EngineRejected as exc:
-                    # The engine's reason may name paths: logged, not sent to the tenant.
-                    log.warning("%s: adapter %r failed to load on %s: %s", job.request_id,
-                                job.adapter, instance.instance_id, exc.message)
-                    raise ApiError(500, f"adapter {job.adapter!r} could not be loaded",
-                                   code="adapter_load_failed") from None
-            body = {"request_id": job.request_id, "prompt_token_ids": job.prompt_token_ids,
-                    "params": job.params, "lora": job.adapter, "cache_salt": job.cache_salt,
-                    "priority": job.priority}
-            tokens_sent = False
             instance.in_flight += 1
-            chunks = instance.client.generate(body)
             try:
-                while True:
-                    try:
+                if job.adapter is not None:
+                    await self.ensure_adapter(instance, job.adapter)
+                async with asyncio.timeout_at(self._deadline(job)):
+                    return instance, await instance.client.open(job.request)
+            except EngineUnavailable as exc:
+                instance.in_flight -= 1
+                self.pool.mark_failed(instance, str(exc))
+                self.metrics.retries.labels(type(exc).__name__).inc()
+                log.warning("retrying %s elsewhere: %s", job.request_id, exc)
+            except BaseException as exc:
+                instance.in_flight -= 1
+                if isinstance(exc, TimeoutError):
+                    self._later(instance.client.abort(job.request_id))
+                    raise ApiError(504, self._timeout_message(), code="timeout") from None
+                if isinstance(exc, EngineRejected):
+                    raise ApiError.of(exc) from None
+                raise
+        message = f"no engine instance could take the request after {len(tried)} attempt(s)"
+        raise ApiError(503, message, code="unavailable",
+                       headers={"Retry-After": str(self.config.retry_after_s)})
+
+    async def _relay(self, job: Job, tried: set[str], instance: Instance,
+                     stream: ChunkStream) -> AsyncGenerator[StreamChunk, None]:
+        """The chunks of an accepted job, retried elsewhere while none carried a token."""
+        tokens_sent = False
+        while True:
+            try:
+                async with contextlib.aclosing(stream):
+                    while True:
                         # A timeout scope around the await only (no task per chunk, unlike
                         # wait_for on 3.11); the loop clock is time.monotonic.
-                        async with asyncio.timeout_at(deadline):
-                            chunk = await anext(chunks)
-                    except StopAsyncIteration:
-                        return
-                    if chunk is ACCEPTED:
-                        if not accepted:
-                            accepted = True
-                            self.metrics.queue_time.observe(time.monotonic() - job.arrival)
-                            yield chunk
-                        continue
-                    tokens_sent = tokens_sent or bool(chunk.get("delta_token_ids"))
-                    if chunk.get("error"):
-                        log.warning("%s failed on %s: %s", job.request_id,
-                                    instance.instance_id, chunk["error"].get("message"))
-                    yield chunk
+                        async with asyncio.timeout_at(self._deadline(job)):
+                            chunk = await anext(stream)
+                        if chunk.error is not None:
+                            log.warning("%s failed on %s: %s", job.request_id,
+                                        instance.instance_id, chunk.error.message)
+                            if chunk.error.code == "timeout":  # the engine saw the deadline
+                                chunk = self._failed(job, self._timeout_message(), "timeout")
+                        tokens_sent = tokens_sent or bool(chunk.delta_token_ids)
+                        yield chunk
+                        if chunk.finished:
+                            return
+            except StopAsyncIteration:
+                return
             except (EngineUnavailable, EngineStreamBroken) as exc:
                 self.pool.mark_failed(instance, str(exc))
                 if tokens_sent:  # the detail (engine URL) is logged, not sent
                     log.warning("%s broke mid-response on %s: %s", job.request_id,
                                 instance.instance_id, exc)
-                    yield _error_chunk(job, "the engine instance failed mid-response")
+                    yield self._failed(job, "the engine instance failed mid-response")
                     return
                 self.metrics.retries.labels(type(exc).__name__).inc()
                 log.warning("retrying %s elsewhere: %s", job.request_id, exc)
-                continue
-            except EngineRejected as exc:
-                if accepted:
-                    yield _error_chunk(job, exc.message)
-                    return
-                raise ApiError(exc.status, exc.message, code=_error_field(exc, "code"),
-                               param=_error_field(exc, "param")) from None
             except TimeoutError:
-                self._abort_later(instance, job.request_id)
-                message = f"request timed out after {self.config.request_timeout_s:g}s"
-                if not accepted:
-                    raise ApiError(504, message, code="timeout") from None
-                yield _error_chunk(job, message, code="timeout")
+                self._later(instance.client.abort(job.request_id))
+                yield self._failed(job, self._timeout_message(), "timeout")
                 return
             except (asyncio.CancelledError, GeneratorExit):
-                # Client gone: the closed connection already aborts on the engine; the
-                # explicit abort covers a connection that lingers in the pool.
-                self._abort_later(instance, job.request_id)
+                # Client gone: closing the stream already aborts on the engine; the explicit
+                # abort covers an HTTP connection that lingers in the pool.
+                self._later(instance.client.abort(job.request_id))
                 raise
             finally:
                 instance.in_flight -= 1
-                with contextlib.suppress(Exception):
-                    await chunks.aclose()
-        message = f"no engine instance could take the request after {len(tried)} attempt(s)"
-        if not accepted:
-            raise ApiError(503, message, code="unavailable",
-                           headers={"Retry-After": str(self.config.retry_after_s)})
-        yield _error_chunk(job, message, code="unavailable")
+            try:
+                instance, stream = await self._dispatch(job, tried)
+            except ApiError as exc:
+                yield self._failed(job, exc.message, exc.code or "unavailable")
+                return
 
-    def _abort_later(self, instance: Instance, request_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(instance.client.abort(request_id))
+    def _deadline(self, job: Job) -> float:
+        return job.arrival + self.config.request_timeout_s
+
+    def _timeout_message(self) -> str:
+        return f"request timed out after {self.config.request_timeout_s:g}s"
+
+    def _failed(self, job: Job, message: str, code: str = "engine_error") -> StreamChunk:
+        """A final chunk with an error (logged: the client is told only in its stream)."""
+        log.warning("%s failed: %s (%s)", job.request_id, message, code)
+        return StreamChunk.failed(job.request_id, EngineError(message, code),
+                                  len(job.request.prompt_token_ids))
+
+    def _later(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run best-effort cleanup (an abort, closing a stream) in the background."""
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -362,22 +392,3 @@ def tier_share(principal: Principal) -> float:
     if principal.tenant is None or principal.tenant.priority > 0:
         return 1.0
     return 0.9 if principal.tenant.priority == 0 else 0.75
-
-
-def _error_field(exc: EngineRejected, name: str) -> str | None:
-    """A string field of the engine's error body (its code, the param it blames)."""
-    error = exc.body.get("error") if isinstance(exc.body, dict) else None
-    value = error.get(name) if isinstance(error, dict) else None
-    return value if isinstance(value, str) else None
-
-
-def _error_chunk(job: Job, message: str, code: str = "engine_error") -> dict[str, Any]:
-    """A final chunk with ``error`` (logged: the client is told only in its stream); its
-    code sets a non-streamed response's status (openai_stream.ERROR_STATUS)."""
-    log.warning("%s failed: %s (%s)", job.request_id, message, code)
-    kind = {"timeout": "timeout_error", "unavailable": "service_unavailable",
-            "overloaded": "rate_limit_error"}.get(code, "server_error")
-    return {"request_id": job.request_id, "delta_text": "", "delta_token_ids": [],
-            "finished": True, "finish_reason": "error", "logprobs": None,
-            "prompt_tokens": len(job.prompt_token_ids), "completion_tokens": 0,
-            "error": {"message": message, "type": kind, "code": code}}

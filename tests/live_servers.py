@@ -1,7 +1,8 @@
 """Real engine and gateway processes on loopback ports, for tests of the HTTP layers.
 
-Each server is a `python -m gateway.cli ...` child process, exactly as `loragate serve`
-starts engines; ready means its /health answered 200. stop() sends SIGTERM (a graceful
+Each server is a child process: engines `python -m engine.http ...`, exactly as `loragate
+serve` starts them, gateways `python -m gateway.cli serve ...`; ready means its /health
+answered 200. stop() sends SIGTERM (a graceful
 drain) and kills after a timeout; kill() is the crash the fault tests need.
 """
 
@@ -70,8 +71,9 @@ class LiveServer:
 
 def _spawn(args: list[str], log_path: Path, port: int) -> LiveServer:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    module = ["engine.http", *args[1:]] if args[0] == "engine" else ["gateway.cli", *args]
     with open(log_path, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], stdout=out,
+        process = subprocess.Popen([sys.executable, "-m", *module], stdout=out,
                                    stderr=subprocess.STDOUT, env=env)
     return LiveServer(f"http://127.0.0.1:{port}", process, log_path, args)
 

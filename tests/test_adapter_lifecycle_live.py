@@ -381,7 +381,7 @@ def test_engine_starts_without_the_bad_or_outside_adapters_of_its_adapter_dir(
 
 def test_parse_adapters_skips_links_that_lead_outside_the_dir(
         tiny_adapters: dict[str, Path], tmp_path: Path) -> None:
-    from gateway.cli import parse_adapters
+    from engine.adapter_roots import parse_adapters
 
     adapter_dir = tmp_path / "adapters"
     adapter_dir.mkdir()

@@ -7,8 +7,8 @@ import asyncio
 import shutil
 from pathlib import Path
 
+from engine.adapter_roots import parse_adapters
 from gateway.auth import StateView
-from gateway.cli import parse_adapters
 from gateway.demo_adapters import (
     RECIPE_FILE,
     complete_adapters,

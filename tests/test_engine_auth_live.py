@@ -16,8 +16,10 @@ import aiohttp
 import httpx
 import pytest
 
+from engine.protocol import EngineUnavailable, GenerateRequest
+from engine.sampling_params import SamplingParams
 from gateway.config import GatewayConfig
-from gateway.engine_client import EngineClient, EngineUnavailable
+from gateway.engine_client import HttpEngineClient
 from tests.live_http import instances, poll
 from tests.live_servers import LiveServer, start_engine, start_gateway
 
@@ -107,26 +109,29 @@ def test_the_engine_client_sends_the_token_on_every_call(guarded: Guarded,
                                                          tiny_adapters: dict[str, Path]) -> None:
     async def scenario() -> None:
         async with aiohttp.ClientSession() as http:
-            client = EngineClient(guarded.engine.url, http, token=TOKEN)
-            assert (await client.state())["instance_id"] == f"engine-{_port(guarded)}"
-            assert (await client.load_adapter("copy", str(tiny_adapters["a1"])))["rank"] == 8
-            assert await client.pin_adapter("copy", True) == {"name": "copy", "pinned": True}
+            client = HttpEngineClient(guarded.engine.url, http, token=TOKEN)
+            assert (await client.state()).instance_id == f"engine-{_port(guarded)}"
+            assert (await client.load_adapter("copy", str(tiny_adapters["a1"]))).rank == 8
+            await client.pin_adapter("copy", True)
+            assert (await client.state()).adapters[-1].pinned
             # A long request, aborted through the client: the stream ends as aborted.
-            stream = client.generate({"prompt": "hi", "request_id": "to-abort", "lora": "copy",
-                                      "params": {"max_tokens": 900, "ignore_eos": True}})
+            request = GenerateRequest("to-abort", [5, 6, 7], SamplingParams(
+                max_tokens=900, ignore_eos=True), adapter="copy")
+            stream = await client.open(request)
             chunks = [await anext(stream), await anext(stream)]
-            await client.abort("to-abort")
+            assert await client.abort("to-abort")
             async for chunk in stream:
                 chunks.append(chunk)
-            assert chunks[-1]["finish_reason"] == "abort"
-            assert await client.pin_adapter("copy", False) == {"name": "copy", "pinned": False}
-            assert (await client.unload_adapter("copy"))["status"] == "unloaded"
+            assert chunks[-1].finish_reason == "abort"
+            await client.pin_adapter("copy", False)
+            await client.unload_adapter("copy")
+            assert "copy" not in {a.name for a in (await client.state()).adapters}
 
-            anonymous = EngineClient(guarded.engine.url, http)
+            anonymous = HttpEngineClient(guarded.engine.url, http)
             with pytest.raises(EngineUnavailable, match="HTTP 401"):
                 await anonymous.state()
             with pytest.raises(EngineUnavailable, match="HTTP 401"):
-                await anext(anonymous.generate({"prompt": "hi"}))
+                await anonymous.open(request)
 
     asyncio.run(scenario())
     wait_idle(guarded.engine.url)
@@ -163,9 +168,9 @@ def _tar(directory: Path) -> bytes:
 def test_engines_started_by_serve_require_a_token_given_through_the_environment(
         tiny_model_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path) -> None:
     uploads = tmp_path / "uploads"
-    gateway = start_gateway(tiny_model_dir, [], tmp_path, "--instances", "1", "--admin-key",
-                            ADMIN, "--adapter-upload-dir", str(uploads),
-                            "--served-model-name", "base")
+    gateway = start_gateway(tiny_model_dir, [], tmp_path, "--instances", "1",
+                            "--engine-process", "--admin-key", ADMIN, "--adapter-upload-dir",
+                            str(uploads), "--served-model-name", "base")
     try:
         gateway.wait_ready()
         (engine_url,) = instances(gateway.url, ADMIN)

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import redis
 
+from engine.http.registry import signed_entry, verified_url
 from gateway.exposure import instance_tag
-from gateway.registry import signed_entry, verified_url
 from tests.live_http import instances, metric, poll
 from tests.live_servers import start_engine, start_gateway
 from tests.redis_server import private_redis

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from engine.config_args import add_config_args, build_config
 from gateway.config import GatewayConfig
-from gateway.config_args import add_config_args, build_config
 from gateway.exposure import host_allowed, instance_tag
 from gateway.guard import Guard
 

@@ -20,6 +20,7 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import STEP_FAILED_MESSAGE, LLMEngine
+from engine.protocol import EngineUnavailable
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerOutput
@@ -233,4 +234,7 @@ def test_a_dead_loop_calls_on_fatal_and_ends_every_stream(tiny_model_dir: Path) 
     assert type(error).__name__ == "EngineDeadError"
     assert not engine.is_alive()
     assert len(deaths) == 1 and engine.fatal_error is deaths[0]
+    # A command sent now fails at once: nothing is left to run it, and nobody may hang.
+    with pytest.raises(EngineUnavailable, match="engine thread is not running"):
+        asyncio.run(engine.state())
     engine.shutdown()  # returns at once: the thread is gone

@@ -132,8 +132,10 @@ def test_docs_need_no_network(tiny_model_dir: Path, engine: LiveServer,
 
 
 def serve_command(model: Path, port: int, *extra: str) -> list[str]:
+    """`loragate serve` with its one engine in a process of its own (--engine-process)."""
     return [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model), "--port",
-            str(port), "--instances", "1", "--num-kv-blocks", "64", *extra]
+            str(port), "--instances", "1", "--engine-process", "--num-kv-blocks", "64",
+            *extra]
 
 
 def serve_env(tmp: Path) -> dict[str, str]:
@@ -185,12 +187,19 @@ def test_engine_logs_are_removed_after_a_clean_exit(tiny_model_dir: Path,
     assert list(tmp.iterdir()) == [], output
 
 
-def test_engine_logs_are_kept_and_shown_when_an_engine_fails(tiny_model_dir: Path,
-                                                             tmp_path: Path) -> None:
+@pytest.fixture
+def broken_model(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    """The tiny model with weights that do not load."""
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_model_dir, broken, ignore=shutil.ignore_patterns("adapters"))
     for weights in broken.glob("*.safetensors"):
         weights.write_bytes(b"not a safetensors file")
+    return broken
+
+
+def test_engine_logs_are_kept_and_shown_when_an_engine_fails(broken_model: Path,
+                                                             tmp_path: Path) -> None:
+    broken = broken_model
     tmp = tmp_path / "tmp"
     done = subprocess.run(serve_command(broken, free_port()), capture_output=True, text=True,
                           timeout=180, env=serve_env(tmp))
@@ -198,6 +207,16 @@ def test_engine_logs_are_kept_and_shown_when_an_engine_fails(tiny_model_dir: Pat
     kept = list(tmp.iterdir())
     assert len(kept) == 1 and (kept[0] / "engine-0.log").is_file()
     assert f"engine logs kept in {kept[0]}" in done.stderr
+
+
+def test_an_in_process_engine_that_cannot_start_fails_serve_clearly(
+        broken_model: Path, tmp_path: Path) -> None:
+    command = [c for c in serve_command(broken_model, free_port()) if c != "--engine-process"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                          env=serve_env(tmp_path / "tmp"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("loragate: error: the engine could not start: "), done.stderr
+    assert list((tmp_path / "tmp").iterdir()) == []  # no engine log directory left behind
 
 
 def test_wait_ready_says_which_engines_are_still_loading(

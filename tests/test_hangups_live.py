@@ -132,7 +132,7 @@ def test_resets_mid_request_under_load_leave_the_engine_serving(
 def test_serve_restarts_an_engine_that_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     serve = _spawn(["serve", "--model", str(tiny_model_dir), "--port", str(port),
-                    "--poll-interval-s", "0.2", "--num-kv-blocks", "64"],
+                    "--poll-interval-s", "0.2", "--num-kv-blocks", "64", "--engine-process"],
                    tmp_path / "serve.log", port)
     try:
         serve.wait_ready()
@@ -167,6 +167,6 @@ def _engine_children(pid: int) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and b"engine" in cmdline:
+        if ppid == pid and b"engine.http" in cmdline:
             children.append(int(entry.name))
     return sorted(children)

@@ -11,16 +11,17 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from engine.protocol import StreamChunk
 from gateway.openai_format import LOGPROB_FLOOR, Endpoint, ResponseFormatter
 
 
-def _chunk(tokenizer: Any) -> dict[str, Any]:
+def _chunk(tokenizer: Any) -> StreamChunk:
     """Two tokens (a, b), each with two alternatives, all decoding to distinct strings."""
     a, b, c, d, e, f = tokenizer.convert_tokens_to_ids(list("abcdef"))
-    return {"delta_token_ids": [a, b], "delta_text": "ab", "finished": True,
-            "finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 2,
-            "logprobs": [{a: float("-inf"), c: float("nan"), d: -1.5},
-                         {b: -0.25, e: float("inf"), f: float("-inf")}]}
+    return StreamChunk("r", [a, b], "ab", prompt_tokens=3, completion_tokens=2,
+                       finish_reason="length",
+                       logprobs=[{a: float("-inf"), c: float("nan"), d: -1.5},
+                                 {b: -0.25, e: float("inf"), f: float("-inf")}])
 
 
 def _strict(payload: dict[str, Any]) -> Any:

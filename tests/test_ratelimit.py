@@ -13,7 +13,7 @@ from typing import TypeVar
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engine.http_errors import ApiError
+from engine.http.errors import ApiError
 from gateway.auth import Principal
 from gateway.ratelimit import FailurePolicy, RateLimiter, Ticket
 from gateway.redis_store import RedisStore

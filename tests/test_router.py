@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.config_args import add_config_args, build_config, field_docs, load_config_file
 from gateway.config import GatewayConfig
-from gateway.config_args import add_config_args, build_config, field_docs, load_config_file
 from gateway.router import Candidate, Router, RouterWeights
 
 

@@ -1,4 +1,4 @@
-"""The engine's own HTTP API (engine/server.py): state, published prefixes, adapters,
+"""The engine's own HTTP API (engine/http/server.py): state, published prefixes, adapters,
 health and metrics.
 
 Against the package's live engine (conftest.py).

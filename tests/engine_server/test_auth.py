@@ -1,5 +1,5 @@
 """Who may call an engine, and what it may be made to read: the engine token
-(engine/http_auth.py) and the adapter roots (engine/adapter_roots.py), against live engine
+(engine/http/auth.py) and the adapter roots (engine/adapter_roots.py), against live engine
 processes of their own (the package's shared engine runs without a token)."""
 
 from __future__ import annotations

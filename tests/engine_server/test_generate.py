@@ -1,4 +1,4 @@
-"""The engine's own HTTP API (engine/server.py): generate, bad input, abort and disconnects.
+"""The engine's own HTTP API (engine/http/server.py): generate, bad input, abort and disconnects.
 
 Against the package's live engine (conftest.py).
 """

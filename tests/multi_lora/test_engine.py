@@ -209,13 +209,13 @@ def test_offline_and_async_front_ends_take_adapters(tiny_model_dir: Path,
                                                   max_lora_rank=32))
     try:
         async def main() -> list[int]:
-            adapter = await engine.load_lora("ad3", str(adapters["ad3"]))
+            adapter = await engine.load_adapter("ad3", str(adapters["ad3"]))
             assert adapter.rank == 32
             with pytest.raises(ValueError, match="unknown adapter 'nope'"):
                 async for _ in engine.generate("same prompt", params, lora="nope"):
                     pass
             outs = [o async for o in engine.generate("same prompt", params, lora="ad3")]
-            infos = await engine.call(engine.engine.list_loras)
+            infos = await engine.adapters()
             assert [(i.name, i.running_requests) for i in infos] == [("ad3", 0)]
             return outs[-1].token_ids
 

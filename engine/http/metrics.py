@@ -2,8 +2,9 @@
 
 Gauges and counters are read from the engine's latest EngineStats at scrape time (a custom
 collector: the step loop never calls into prometheus_client); latency histograms are
-observed by the server as outputs stream out. Each server has its own registry, so several
-engines in one process (tests) never share series.
+observed on the event loop as outputs stream out (AsyncEngine.on_output). Each engine has
+its own registry, so several engines in one process (tests) never share series; the engine
+server exposes it on its /metrics, a gateway with an in-process engine on its own.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.async_engine import AsyncEngine
 from engine.metrics import EngineStats
+from engine.request import RequestOutput
 from lora.manager import AdapterInfo
 
 PREFIX = "loragate_"
@@ -130,7 +133,7 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 class EngineMetricsRegistry:
-    """The registry a server exposes: the collector plus its latency histograms."""
+    """The registry an engine exposes: the collector plus its latency histograms."""
 
     def __init__(self, collector: EngineCollector) -> None:
         self.registry = CollectorRegistry()
@@ -144,3 +147,26 @@ class EngineMetricsRegistry:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                              "Arrival to last token", buckets=_LATENCY_BUCKETS,
                              registry=self.registry)
+
+    @classmethod
+    def of(cls, engine: AsyncEngine) -> EngineMetricsRegistry:
+        return cls(EngineCollector(engine.stats, lambda: engine.last_adapters,
+                                   engine.config.max_loras))
+
+    def observe(self, out: RequestOutput) -> None:
+        """Latencies of one output: TTFT with a request's first, the gaps of its new
+        tokens, E2E with its last."""
+        timing = out.timing
+        new_tokens = len(out.delta_token_ids)
+        if timing is None or timing.first_token is None:
+            return
+        itl = timing.inter_token_latencies
+        if new_tokens and len(out.token_ids) == new_tokens:  # first output of the request
+            self.ttft.observe(timing.first_token - timing.arrival)
+            recent = itl
+        else:
+            recent = itl[-new_tokens:] if new_tokens else []
+        for gap in recent:
+            self.itl.observe(gap)
+        if out.finished and timing.last_token is not None:
+            self.e2e.observe(timing.last_token - timing.arrival)

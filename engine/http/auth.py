@@ -16,7 +16,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.http_errors import ApiError
+from engine.http.errors import ApiError
 
 OPEN_ROUTES = frozenset({("GET", "/health"), ("HEAD", "/health")})
 """(method, path) pairs served without the token: load balancers and `serve` probe these."""

@@ -1,5 +1,6 @@
-"""Request bodies of the engine's HTTP API (pydantic: only at this edge; SamplingParams
-validates the sampling fields again)."""
+"""Request bodies of the engine's HTTP API (pydantic: only at this edge). A /generate body
+becomes an engine/protocol.py GenerateRequest, whose SamplingParams validates the sampling
+fields again."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ class GenerateBody(BaseModel):
     lora: str | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
     priority: int = 0
+    deadline: float | None = None
+    """Unix time after which the engine stops working on the request."""
     stream: bool = True
 
 

@@ -27,6 +27,13 @@ T = TypeVar("T")
 ENV_PREFIX = "LORAGATE_"
 
 
+def local_path(text: str) -> str:
+    """A path flag made absolute once, as it is parsed: engines started from it, the
+    gateway's tokenizer and the adapters registered under it all name the same directory,
+    whatever their working directory (and `--model .` names the model, not ".")."""
+    return str(Path(text).expanduser().resolve())
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """The attribute docstrings (a string literal right after a field) of a dataclass."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))

@@ -3,7 +3,8 @@
 Every error any of our HTTP servers returns has the body
 ``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``,
 including FastAPI's own request-validation errors (400 here, not FastAPI's 422, as OpenAI
-does) and unexpected exceptions (500, "internal error": no exception name or text).
+does), engine errors (engine/protocol.py: their status and code) and unexpected exceptions
+(500, "internal error": no exception name or text).
 """
 
 from __future__ import annotations
@@ -16,13 +17,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-log = logging.getLogger(__name__)
+from engine.protocol import EngineError, error_type
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-          403: "permission_error", 404: "not_found_error", 408: "timeout_error",
-          409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          500: "server_error", 502: "server_error", 503: "service_unavailable",
-          504: "timeout_error"}
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -37,6 +34,12 @@ class ApiError(Exception):
         self.param = param
         self.headers = headers or {}
 
+    @classmethod
+    def of(cls, error: EngineError, headers: dict[str, str] | None = None) -> ApiError:
+        """The HTTP answer for an engine's error (its status, code and param)."""
+        return cls(error.status, error.message, code=error.code, param=error.param,
+                   headers=headers)
+
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, code=self.code, param=self.param)
 
@@ -46,8 +49,8 @@ class ApiError(Exception):
 
 def error_body(status: int, message: str, *, code: str | None = None,
                param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": message, "type": error_type(status), "param": param,
+                      "code": code}}
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -83,11 +86,16 @@ def _param(locs: list[tuple[str, ...]]) -> str | None:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Render ApiError, validation errors, HTTP errors and crashes in OpenAI's schema."""
+    """Render ApiError, EngineError, validation errors, HTTP errors and crashes in OpenAI's
+    schema."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        return ApiError.of(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,0 +1,138 @@
+"""`loragate engine`: one engine instance behind its HTTP API (engine/http/server.py).
+
+The engine's own entry point: ``python -m engine.http`` (what `loragate serve` starts for
+its engine processes) and the `engine` subcommand of `loragate` take the same flags. Every
+EngineConfig field is a flag, an environment variable LORAGATE_<NAME> or a key of the
+--config file; keys of the file that are no engine setting are left to the gateway (one file
+may serve both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config_args import add_config_args, build_config, load_config_file, local_path
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
+
+
+def engine_config(args: argparse.Namespace, file_values: dict[str, Any], model: str) -> Any:
+    """The EngineConfig of flags > env > file > defaults. Served engines schedule by
+    priority unless told otherwise: tenant tiers become request priorities, and with equal
+    priorities the order is the same as fcfs."""
+    from engine.config import EngineConfig
+
+    values = {"scheduling_policy": "priority", **file_values}
+    return build_config(EngineConfig, args, values, model=model)
+
+
+def engine_token(args: argparse.Namespace) -> str | None:
+    """--engine-token or --engine-token-file (not both), else LORAGATE_ENGINE_TOKEN, else
+    the config file's engine_token."""
+    from engine.http.auth import TOKEN_ENV, check_token, read_token_file
+
+    given = getattr(args, "engine_token", None)
+    if given is not None and args.engine_token_file:
+        raise ValueError("give either --engine-token or --engine-token-file, not both")
+    if args.engine_token_file:
+        return read_token_file(args.engine_token_file)
+    if given is None:
+        given = os.environ.get(TOKEN_ENV, load_config_file(args.config).get("engine_token"))
+    return check_token(None if given is None else str(given))
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.adapter_roots import parse_adapters, roots_from_env
+    from engine.http.auth import check_exposure
+
+    token = engine_token(args)
+    check_exposure(args.host, token)  # before the heavy imports: fail fast
+    if args.register_redis_url and token is None:
+        raise ValueError("--register-redis-url needs an engine token (--engine-token-file, "
+                         "--engine-token or LORAGATE_ENGINE_TOKEN): gateways only route to "
+                         "registrations signed with it")
+    from engine.http.server import serve
+
+    setup_logging()
+    config = engine_config(args, load_config_file(args.config), args.model)
+    # Flags win over the environment; --adapter-dir is a root as its adapters are trusted.
+    roots = [*(args.adapter_root or roots_from_env()), *filter(None, [args.adapter_dir])]
+    background = []
+    if args.register_redis_url:
+        from engine.http.registry import heartbeat, registry_client
+
+        assert token is not None
+        url = args.advertise_url or f"http://{args.host}:{args.port}"
+        client = registry_client(args.register_redis_url)
+        background.append(lambda: heartbeat(client, url, token))
+    serve(config, args.host, args.port, args.instance_id,
+          adapters=parse_adapters(args.lora, args.adapter_dir), background=background,
+          token=token, adapter_roots=roots)
+    return 0
+
+
+def add_adapter_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                        help="register a PEFT adapter directory under NAME (repeatable)")
+    parser.add_argument("--adapter-dir", default=None, metavar="DIR",
+                        help="register every PEFT directory inside DIR, named after it")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="TOML or YAML file of settings (keys are the flag names)")
+
+
+def add_engine_access_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine-token-file", default=None, metavar="FILE",
+                        help="read the engine token from FILE (surrounding whitespace "
+                             "stripped) instead of --engine-token")
+    parser.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
+                        help="directory that adapters registered through an engine's API "
+                             "(POST /adapters) must lie in (repeatable; env "
+                             "LORAGATE_ADAPTER_ROOTS, os.pathsep-separated); --adapter-dir, "
+                             "--lora and (serve) the upload directory count too")
+
+
+def add_arguments(engine: argparse.ArgumentParser) -> None:
+    """The flags of `loragate engine`."""
+    from engine.config import EngineConfig
+
+    engine.add_argument("--model", type=local_path, required=True,
+                        help="local Hugging Face model directory")
+    engine.add_argument("--host", default="127.0.0.1")
+    engine.add_argument("--port", type=int, default=8100)
+    engine.add_argument("--instance-id", default=None,
+                        help="name in metrics and routing logs (default HOST:PORT)")
+    engine.add_argument("--register-redis-url", default=None, metavar="URL",
+                        help="announce this engine in the gateways' Redis (a heartbeat with "
+                             "a TTL), so `loragate serve --redis-url URL` finds it")
+    engine.add_argument("--advertise-url", default=None, metavar="URL",
+                        help="the URL gateways reach this engine at (default http://HOST:PORT)")
+    engine.add_argument("--engine-token", default=None, metavar="TOKEN",
+                        help="shared secret every caller but GET /health must send as "
+                             "'Authorization: Bearer TOKEN' (required beyond loopback; env "
+                             "LORAGATE_ENGINE_TOKEN; visible in `ps`: prefer the env or a file)")
+    add_engine_access_args(engine)
+    add_adapter_args(engine)
+    add_config_args(engine, EngineConfig, skip=("model",), title="engine")
+    engine.set_defaults(func=run)
+
+
+HELP = "one engine instance behind its HTTP API"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="loragate engine", description=HELP)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, RuntimeError) as exc:
+        print(f"loragate: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,326 @@
+"""The engine protocol: what a gateway sends an engine and what comes back, typed once.
+
+One schema for both ways of reaching an engine: the in-process AsyncEngine and the engine's
+HTTP API (engine/http/server.py, whose bodies and NDJSON lines are these types' JSON). A
+gateway talks to either through ``EngineClient``:
+
+    stream = await client.open(GenerateRequest(...))   # raises before the first byte
+    async for chunk in stream: ...                     # StreamChunk until one is final
+
+``open`` raising means nothing was generated anywhere, so the request may be sent to
+another engine (EngineUnavailable) or passed back to its caller (EngineRejected); once it
+returned, a failure ends the stream with a chunk carrying an EngineError, or with
+EngineStreamBroken when the engine itself went away.
+
+Errors carry a code; ``ERROR_STATUS`` is the one table from codes to the HTTP status an
+error is answered with, and ``ERROR_TYPES`` from statuses to OpenAI's error types.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
+
+from engine.sampling_params import SamplingParams
+from lora.manager import AdapterInfo
+from prefix_cache.cache import PrefixUpdate
+
+ERROR_STATUS: dict[str, int] = {
+    "invalid_request": 400,
+    "not_found": 404,
+    "adapter_in_use": 409,
+    "overloaded": 429,
+    "engine_error": 500,
+    "adapter_load_failed": 500,
+    "stream_broken": 502,
+    "unavailable": 503,
+    "draining": 503,
+    "adapter_busy": 503,
+    "timeout": 504,
+}
+"""Error code -> HTTP status (the status of a response that ends in this error)."""
+
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 408: "timeout_error", 409: "conflict_error",
+    413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+    502: "server_error", 503: "service_unavailable", 504: "timeout_error"}
+"""HTTP status -> the ``type`` of OpenAI's error schema."""
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "invalid_request_error")
+
+
+class EngineError(Exception):
+    """A request's or a command's failure: a message safe to show its caller (no paths, no
+    exception names, nothing about other requests), a code and the status it maps to."""
+
+    def __init__(self, message: str, code: str | None = "engine_error",
+                 status: int | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.status = status or ERROR_STATUS.get(code or "", 500)
+        self.param = param
+
+    @property
+    def type(self) -> str:
+        return error_type(self.status)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"message": self.message, "type": self.type, "code": self.code,
+                "param": self.param, "status": self.status}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], status: int | None = None) -> EngineError:
+        """From a chunk's ``error`` or an HTTP error body's ``error`` (with its status)."""
+        code = data.get("code")
+        param = data.get("param")
+        given = data.get("status")
+        return cls(str(data.get("message") or "the request failed"),
+                   code if isinstance(code, str) else None,
+                   status or (given if isinstance(given, int) else None),
+                   param if isinstance(param, str) else None)
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not take the request or command (gone, draining, dead, a refused
+    engine token): nothing ran, so another instance may serve it."""
+
+    def __init__(self, message: str, code: str = "unavailable") -> None:
+        super().__init__(message, code)
+
+
+class EngineRejected(EngineError):
+    """The engine refused the request itself (4xx): the caller's fault, the same answer
+    anywhere, so it is passed on and never retried."""
+
+
+class EngineStreamBroken(EngineError):
+    """An accepted stream ended without a final chunk (the engine went away)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "stream_broken")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation: token ids in, chunks out. ``deadline`` (unix time, seconds) is when
+    the engine stops working on it: it is aborted and its stream ends with a timeout."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    deadline: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        params = {f.name: getattr(self.params, f.name) for f in fields(SamplingParams)
+                  if f.name != "n"}
+        return {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
+                "params": {**params, "stop": list(self.params.stop),
+                           "stop_token_ids": list(self.params.stop_token_ids)},
+                "lora": self.adapter, "cache_salt": self.cache_salt,
+                "priority": self.priority, "deadline": self.deadline}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GenerateRequest:
+        """From a validated engine HTTP body (engine/http/bodies.py); ValueError or
+        TypeError for sampling parameters SamplingParams refuses."""
+        deadline = data.get("deadline")
+        if deadline is not None and not math.isfinite(deadline):
+            raise ValueError(f"deadline must be a finite unix time, got {deadline!r}")
+        return cls(request_id=data["request_id"],
+                   prompt_token_ids=list(data["prompt_token_ids"]),
+                   params=SamplingParams(**data.get("params", {})),
+                   adapter=data.get("lora"), cache_salt=data.get("cache_salt"),
+                   priority=int(data.get("priority", 0)), deadline=deadline)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """What one request produced since its previous chunk; the last one has
+    ``finish_reason`` set ("stop", "length", "abort", or "error" with ``error``).
+
+    ``logprobs`` holds one {token id: logprob} map per new token (None unless asked for);
+    ``prompt_tokens`` / ``completion_tokens`` are the request's usage so far."""
+
+    request_id: str
+    delta_token_ids: list[int]
+    delta_text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    error: EngineError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def failed(cls, request_id: str, error: EngineError, prompt_tokens: int = 0,
+               completion_tokens: int = 0) -> StreamChunk:
+        """A final chunk that ends a request with an error."""
+        return cls(request_id, [], "", prompt_tokens, completion_tokens, "error", None, error)
+
+    def to_json(self) -> dict[str, Any]:
+        logprobs = None if self.logprobs is None else [
+            {str(token): value for token, value in step.items()} for step in self.logprobs]
+        return {"request_id": self.request_id, "delta_text": self.delta_text,
+                "delta_token_ids": self.delta_token_ids, "finished": self.finished,
+                "finish_reason": self.finish_reason, "logprobs": logprobs,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "error": None if self.error is None else self.error.to_json()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StreamChunk:
+        """From an NDJSON line of the engine's stream (KeyError / ValueError / TypeError
+        when it is not one)."""
+        logprobs = data.get("logprobs")
+        error = data.get("error")
+        finish = data.get("finish_reason")
+        if data.get("finished") and finish is None:
+            finish = "error" if error else "stop"
+        return cls(
+            str(data["request_id"]), [int(t) for t in data.get("delta_token_ids") or []],
+            str(data.get("delta_text") or ""), int(data.get("prompt_tokens") or 0),
+            int(data.get("completion_tokens") or 0), finish,
+            None if logprobs is None else [{int(k): float(v) for k, v in step.items()}
+                                           for step in logprobs],
+            None if not error else EngineError.from_json(error))
+
+
+class ChunkStream:
+    """The chunks of one admitted request, as ``open()`` returns them. Closing it before
+    the final chunk, whether or not a chunk was read, ends the request where it runs
+    (``cancel``; a started iterator does that itself when closed)."""
+
+    def __init__(self, chunks: AsyncGenerator[StreamChunk, None],
+                 cancel: Callable[[], None]) -> None:
+        self._chunks = chunks
+        self._cancel = cancel
+        self._started = False
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        self._started = True
+        return await anext(self._chunks)
+
+    async def aclose(self) -> None:
+        if not self._started:
+            self._started = True  # once
+            self._cancel()
+        await self._chunks.aclose()
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """An adapter an engine registered: its name, the digest of its weights, its rank."""
+
+    name: str
+    digest: str
+    rank: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "digest": self.digest, "rank": self.rank}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LoadedAdapter:
+        return cls(str(data["name"]), str(data["digest"]), int(data["rank"]))
+
+
+@dataclass(frozen=True)
+class PoolSummary:
+    """One KV pool (an adapter's, or "base") as /state reports it."""
+
+    used_blocks: int
+    cached_blocks: int
+    evictions: int
+    hit_rate: float
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """An engine's load, limits, adapters and the prefix hashes it published since a
+    cursor: everything a gateway routes by, in one answer."""
+
+    instance_id: str
+    model: str
+    draining: bool
+    in_flight: int
+    """Requests whose stream is open."""
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    max_loras: int
+    max_lora_rank: int
+    max_num_seqs: int
+    block_size: int
+    publish_every: int
+    max_model_len: int
+    max_request_tokens: int
+    """Prompt + output one request can hold (the context, or the KV capacity if smaller)."""
+    prefix_hit_rate: float
+    kv_pools: dict[str, PoolSummary]
+    adapters: list[AdapterInfo]
+    prefix: PrefixUpdate
+
+    def to_json(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["kv_pools"] = {name: vars(pool) for name, pool in self.kv_pools.items()}
+        data["adapters"] = [vars(a) for a in self.adapters]
+        p = self.prefix
+        data["prefix"] = {"cursor": p.cursor, "full": p.full,
+                          "added": [format(h, "x") for h in p.added],
+                          "removed": [format(h, "x") for h in p.removed]}
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EngineState:
+        """KeyError / ValueError / TypeError when a field is missing or malformed."""
+        values = {f.name: data[f.name] for f in fields(cls)}
+        values["kv_pools"] = {str(name): PoolSummary(**pool)
+                              for name, pool in data["kv_pools"].items()}
+        values["adapters"] = [AdapterInfo(**a) for a in data["adapters"]]
+        prefix = data["prefix"]
+        values["prefix"] = PrefixUpdate(
+            cursor=int(prefix["cursor"]), full=bool(prefix["full"]),
+            added=[int(h, 16) for h in prefix["added"]],
+            removed=[int(h, 16) for h in prefix["removed"]])
+        return cls(**values)
+
+
+class EngineClient(Protocol):
+    """One engine, as the gateway drives it: the in-process AsyncEngine or an engine
+    server over HTTP (gateway/engine_client.py). Every method raises EngineUnavailable when
+    the engine cannot be reached and EngineRejected when it refuses."""
+
+    async def open(self, request: GenerateRequest) -> ChunkStream:
+        """Admit the request; the chunks follow. Closing the iterator early aborts it."""
+        ...
+
+    async def abort(self, request_id: str) -> bool:
+        """End a request and free its blocks; False when the engine does not know it."""
+        ...
+
+    async def state(self, cursor: int = 0) -> EngineState: ...
+
+    async def load_adapter(self, name: str, path: str) -> LoadedAdapter:
+        """Validate and register a PEFT directory (replacing an idle adapter of that name
+        with other weights; EngineRejected code "adapter_in_use" while one runs)."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    async def pin_adapter(self, name: str, pinned: bool) -> None: ...

@@ -1,0 +1,163 @@
+"""`loragate serve` with one local instance runs its engine in the gateway's process: no
+engine process, the same OpenAI API, adapter admin, hang-ups that free the engine's blocks,
+and the engine's metrics on the gateway's /metrics."""
+
+from __future__ import annotations
+
+import io
+import signal
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.serve import free_port
+from tests.live_http import instances, metric, poll, sse_events
+from tests.live_servers import LiveServer, _spawn, running
+
+ADMIN = "lg-admin-inprocess-test"
+HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+
+
+@pytest.fixture(scope="module")
+def serve(tiny_model_dir: Path, tiny_adapters: dict[str, Path],
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    port = free_port()
+    server = _spawn(["serve", "--model", str(tiny_model_dir), "--port", str(port),
+                     "--poll-interval-s", "0.2", "--num-kv-blocks", "64", "--admin-key", ADMIN,
+                     "--lora", f"a0={tiny_adapters['a0']}"],
+                    tmp_path_factory.mktemp("inprocess") / "serve.log", port)
+    with running(server):
+        yield server
+
+
+def _body(model: str, max_tokens: int, stream: bool = False) -> dict[str, Any]:
+    return {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": stream}
+
+
+def _local(url: str) -> dict[str, Any]:
+    return instances(url, ADMIN)["local"]
+
+
+def _idle(url: str) -> bool:
+    local = _local(url)
+    return (local["in_flight"], local["num_running"], local["kv_usage"]) == (0, 0, 0.0)
+
+
+def test_one_instance_serves_in_the_gateways_process(serve: LiveServer,
+                                                     tiny_model_dir: Path) -> None:
+    assert list(instances(serve.url, ADMIN)) == ["local"]
+    assert _children(serve.process.pid) == []
+    for model in (tiny_model_dir.name, "a0"):
+        whole = httpx.post(serve.url + "/v1/completions", json=_body(model, 5),
+                           headers=HEADERS, timeout=60)
+        assert whole.status_code == 200, whole.text
+        assert whole.json()["usage"]["completion_tokens"] == 5
+        with httpx.stream("POST", serve.url + "/v1/completions", json=_body(model, 5, True),
+                          headers=HEADERS, timeout=60) as response:
+            events = list(sse_events(response))
+        assert events[-1] == "[DONE]"
+        text = "".join(e["choices"][0]["text"] for e in events[:-1])
+        assert text == whole.json()["choices"][0]["text"]
+    page = httpx.get(serve.url + "/metrics", headers=HEADERS).text
+    assert metric(page, "loragate_generation_tokens_total") >= 20  # the engine's series
+    assert metric(page, "loragate_time_to_first_token_seconds_count") >= 4
+    assert metric(page, "loragate_gateway_requests_total", status="200") >= 4
+
+
+def test_a_client_hanging_up_frees_the_engine(serve: LiveServer, tiny_model_dir: Path
+                                              ) -> None:
+    def generated() -> float:
+        page = httpx.get(serve.url + "/metrics", headers=HEADERS).text
+        return metric(page, "loragate_generation_tokens_total")
+
+    poll(lambda: _idle(serve.url), "the engine to be idle")
+    before = generated()
+    with httpx.stream("POST", serve.url + "/v1/completions",
+                      json=_body(tiny_model_dir.name, 1000, True), headers=HEADERS,
+                      timeout=60) as response:
+        events = sse_events(response)
+        assert next(events)["choices"][0]["finish_reason"] is None
+        assert _local(serve.url)["in_flight"] == 1
+    poll(lambda: _idle(serve.url), "the engine to end the abandoned request")
+    assert generated() - before < 1000
+
+
+def test_adapter_admin_reaches_the_in_process_engine(serve: LiveServer) -> None:
+    def adapter() -> dict[str, Any]:
+        return dict(_local(serve.url)["adapters"].get("a0", {}))
+
+    def post(action: str, **body: Any) -> dict[str, Any]:
+        response = httpx.post(f"{serve.url}/admin/adapters/a0/{action}", json=body,
+                              headers=HEADERS, timeout=30)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    assert post("pin", pinned=True) == {"name": "a0", "instances": {"local": "ok"}}
+    assert adapter()["pinned"] is True
+    post("pin", pinned=False)
+    assert post("unload") == {"name": "a0", "instances": {"local": "ok"}}
+    assert adapter() == {}
+    assert post("load")["instances"] == {"local": "ok"}
+    assert adapter()["digest"]
+
+
+def test_uploads_and_the_adapter_roots_hold_in_process(serve: LiveServer,
+                                                       tiny_adapters: dict[str, Path]) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        archive.add(tiny_adapters["a1"], arcname="a1")
+    upload = httpx.post(serve.url + "/admin/adapters/upload?name=up&public=true",
+                        content=buffer.getvalue(), headers=HEADERS, timeout=60)
+    assert upload.status_code == 201, upload.text
+    answer = httpx.post(serve.url + "/v1/completions", json=_body("up", 3), headers=HEADERS,
+                        timeout=60)
+    assert answer.status_code == 200, answer.text
+    # A path outside the roots (here: the tiny model's other adapter, not given to serve)
+    # is refused by the engine, as an engine process would refuse it.
+    outside = httpx.post(serve.url + "/admin/adapters", json={
+        "name": "outside", "path": str(tiny_adapters["a1"]), "public": True},
+        headers=HEADERS, timeout=60)
+    assert outside.status_code == 201, outside.text
+    refused = httpx.post(serve.url + "/v1/completions", json=_body("outside", 3),
+                         headers=HEADERS, timeout=60)
+    assert refused.status_code == 500
+    assert refused.json()["error"]["code"] == "adapter_load_failed"
+
+
+def test_sigterm_drains_and_exits_cleanly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    server = _spawn(["serve", "--model", str(tiny_model_dir), "--port", str(port),
+                     "--num-kv-blocks", "64"], tmp_path / "serve.log", port)
+    with running(server):
+        with httpx.stream("POST", server.url + "/v1/completions",
+                          json=_body(tiny_model_dir.name, 200, True), timeout=60) as response:
+            events = sse_events(response)
+            seen = [next(events)]
+            server.process.send_signal(signal.SIGTERM)
+            seen += list(events)
+        assert seen[-1] == "[DONE]"
+        finish = [e["choices"][0]["finish_reason"] for e in seen[:-1] if e["choices"]]
+        assert finish[-1] == "length"
+        assert server.process.wait(60) == 0
+    log = server.log()
+    assert "starting the engine in this process" in log and "engine ready after" in log
+    assert "stopping 1 engine instance" not in log  # there was no engine process
+
+
+def _children(pid: int) -> list[int]:
+    """Pids of the child processes of pid."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+    return children
