@@ -94,7 +94,6 @@ class InstancePool:
         filesystem)."""
         self.index: PrefixIndex | None = None
         self.routed_prefix_ttl_s = routed_prefix_ttl_s
-        self._cursors: dict[str, int] = {}
         self._registered: dict[str, set[str]] = {}
 
     def add_instance(self, url: str) -> Instance:
@@ -143,7 +142,8 @@ class InstancePool:
 
     async def _poll_one(self, instance: Instance) -> None:
         try:
-            state = await instance.client.state(self._cursors.get(instance.instance_id, 0))
+            cursor = self.index.cursor(instance.instance_id) if self.index else 0
+            state = await instance.client.state(cursor)
         except EngineUnavailable as exc:
             instance.consecutive_failures += 1
             if instance.consecutive_failures >= self.eject_after and instance.healthy:
@@ -179,12 +179,10 @@ class InstancePool:
         if self.index is None:
             self.index = PrefixIndex(instance.block_size, instance.publish_every,
                                      self.routed_prefix_ttl_s)
-        self.index.apply(instance.instance_id, state.prefix)
-        self._cursors[instance.instance_id] = state.prefix.cursor
+        self.index.apply(instance.instance_id, state.prefix)  # keeps the cursor too
 
     def _forget(self, instance: Instance) -> None:
         """Drop what a dead instance had published: a restarted engine starts empty."""
-        self._cursors.pop(instance.instance_id, None)
         if self.index is not None:
             self.index.remove_engine(instance.instance_id)
 
