@@ -79,7 +79,9 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
             task.cancel()
         engine.shutdown()
 
-    app = FastAPI(title="loragate engine", lifespan=lifespan)
+    # No /docs: Swagger UI would load from a CDN (blank offline), and this API is the
+    # gateway's, not a user's; /openapi.json still describes it.
+    app = FastAPI(title="loragate engine", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     if token is not None:
         app.add_middleware(TokenAuth, token=token)

@@ -210,3 +210,8 @@ def test_client_disconnect_mid_stream_frees_the_blocks(http: httpx.Client) -> No
     assert http.get("/health").json() == {"status": "ready", "in_flight": 0}
 
 
+
+
+def test_no_swagger_page_that_would_need_a_cdn(http: httpx.Client) -> None:
+    assert http.get("/docs").status_code == 404 and http.get("/redoc").status_code == 404
+    assert http.get("/openapi.json").json()["info"]["title"] == "loragate engine"
