@@ -81,7 +81,8 @@ class Result:
     breakdown_ms: dict[str, float] = field(default_factory=dict)
 
 
-def make_batches(model: LlamaForFlatBatch, adapters: int) -> tuple[list[Batch], int]:
+def make_batches(model: LlamaForFlatBatch, adapters: int,
+                 cascade: bool = True) -> tuple[list[Batch], int]:
     """The three batches, each on its own blocks; returns them and the blocks they need."""
     windows = tuple(dict.fromkeys(model.shape.layer_windows))
     gen = torch.Generator().manual_seed(0)
@@ -101,7 +102,7 @@ def make_batches(model: LlamaForFlatBatch, adapters: int) -> tuple[list[Batch], 
     batches.append(Batch(
         "decode", torch.randint(vocab, (32,), generator=gen),
         torch.tensor([c - 1 for c in ctxs]),
-        build_step_metadata(decodes, [], BLOCK_SIZE, windows, torch.device("cpu"), cascade=True),
+        build_step_metadata(decodes, [], BLOCK_SIZE, windows, torch.device("cpu"), cascade=cascade),
         torch.arange(32), build_lora_metadata(slots, "cpu") if adapters else None, 32))
     for name, start in (("prefill", 0), ("prefill-ctx", 512)):
         bt = blocks(start + 512)
@@ -109,7 +110,7 @@ def make_batches(model: LlamaForFlatBatch, adapters: int) -> tuple[list[Batch], 
             name, torch.randint(vocab, (512,), generator=gen),
             torch.arange(start, start + 512),
             build_step_metadata([], [(bt, start, 512)], BLOCK_SIZE, windows,
-                                torch.device("cpu"), cascade=True),
+                                torch.device("cpu"), cascade=cascade),
             torch.tensor([511]), build_lora_metadata([0] * 512, "cpu") if adapters else None,
             512))
     return batches, next_block
@@ -219,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adapters", type=int, default=0)
     parser.add_argument("--only", default="", help="comma-separated batch names")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-cascade", action="store_true",
+                        help="reference paged attention (EngineConfig.cascade_attention=False)")
     parser.add_argument("--no-prepack", action="store_true",
                         help="plain F.linear GEMMs (EngineConfig.prepack_weights=False)")
     parser.add_argument("--json", default="")
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     extra = ({"prepack_weights": not args.no_prepack}
              if "prepack_weights" in inspect.signature(load_model).parameters else {})
     model = load_model(args.model, config, torch.float32, torch.device("cpu"), 4096, **extra)
-    batches, num_blocks = make_batches(model, args.adapters)
+    batches, num_blocks = make_batches(model, args.adapters, cascade=not args.no_cascade)
     if args.only:
         batches = [b for b in batches if b.name in args.only.split(",")]
     s = model.shape
