@@ -1,7 +1,9 @@
 """The engine's model forward on a real checkpoint, timed and broken down by op kind.
 
     python -m benchmarks.forward_profile [--model DIR] [--threads 2] [--repeats 20]
-                                         [--adapters 0] [--no-profile] [--json PATH]
+                                         [--adapters 0] [--only decode,prefill]
+                                         [--no-prepack] [--no-cascade] [--no-profile]
+                                         [--json PATH]
 
 Times LlamaForFlatBatch.forward + compute_logits of the sampled rows (what the runner's
 forward_seconds covers) on fixed batches, each over its own paged KV (block 32, fp32):
@@ -19,6 +21,11 @@ counts for the inner one only): gemm (the base projections), lora (the adapter d
 attention (KV write + paged attention), norm, rope, act, lm_head, and other (embedding,
 residual adds, views, Python between ops). Profiling adds overhead per op, so the table's
 shares matter more than its absolute numbers; the timings above it run unprofiled.
+
+Each batch prints the median wall time and the median process CPU time per forward. On a
+shared host run with --threads 1 and compare CPU times (A B A B): they do not count the time
+the process waits for a core. --no-prepack and --no-cascade switch to the reference GEMM and
+attention paths (EngineConfig.prepack_weights / cascade_attention off).
 
 Defaults to the default model (SmolLM2-135M-Instruct under ~/.cache/loragate/models).
 """
