@@ -1,7 +1,9 @@
 """The engine's model forward on a real checkpoint, timed and broken down by op kind.
 
     python -m benchmarks.forward_profile [--model DIR] [--threads 2] [--repeats 20]
-                                         [--adapters 0] [--no-profile] [--json PATH]
+                                         [--adapters 0] [--only decode,prefill]
+                                         [--no-prepack] [--no-cascade] [--no-profile]
+                                         [--json PATH]
 
 Times LlamaForFlatBatch.forward + compute_logits of the sampled rows (what the runner's
 forward_seconds covers) on fixed batches, each over its own paged KV (block 32, fp32):
@@ -19,6 +21,11 @@ counts for the inner one only): gemm (the base projections), lora (the adapter d
 attention (KV write + paged attention), norm, rope, act, lm_head, and other (embedding,
 residual adds, views, Python between ops). Profiling adds overhead per op, so the table's
 shares matter more than its absolute numbers; the timings above it run unprofiled.
+
+Each batch prints the median wall time and the median process CPU time per forward. On a
+shared host run with --threads 1 and compare CPU times (A B A B): they do not count the time
+the process waits for a core. --no-prepack and --no-cascade switch to the reference GEMM and
+attention paths (EngineConfig.prepack_weights / cascade_attention off).
 
 Defaults to the default model (SmolLM2-135M-Instruct under ~/.cache/loragate/models).
 """
@@ -81,7 +88,8 @@ class Result:
     breakdown_ms: dict[str, float] = field(default_factory=dict)
 
 
-def make_batches(model: LlamaForFlatBatch, adapters: int) -> tuple[list[Batch], int]:
+def make_batches(model: LlamaForFlatBatch, adapters: int,
+                 cascade: bool = True) -> tuple[list[Batch], int]:
     """The three batches, each on its own blocks; returns them and the blocks they need."""
     windows = tuple(dict.fromkeys(model.shape.layer_windows))
     gen = torch.Generator().manual_seed(0)
@@ -101,7 +109,7 @@ def make_batches(model: LlamaForFlatBatch, adapters: int) -> tuple[list[Batch], 
     batches.append(Batch(
         "decode", torch.randint(vocab, (32,), generator=gen),
         torch.tensor([c - 1 for c in ctxs]),
-        build_step_metadata(decodes, [], BLOCK_SIZE, windows, torch.device("cpu"), cascade=True),
+        build_step_metadata(decodes, [], BLOCK_SIZE, windows, torch.device("cpu"), cascade=cascade),
         torch.arange(32), build_lora_metadata(slots, "cpu") if adapters else None, 32))
     for name, start in (("prefill", 0), ("prefill-ctx", 512)):
         bt = blocks(start + 512)
@@ -109,7 +117,7 @@ def make_batches(model: LlamaForFlatBatch, adapters: int) -> tuple[list[Batch], 
             name, torch.randint(vocab, (512,), generator=gen),
             torch.arange(start, start + 512),
             build_step_metadata([], [(bt, start, 512)], BLOCK_SIZE, windows,
-                                torch.device("cpu"), cascade=True),
+                                torch.device("cpu"), cascade=cascade),
             torch.tensor([511]), build_lora_metadata([0] * 512, "cpu") if adapters else None,
             512))
     return batches, next_block
@@ -219,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adapters", type=int, default=0)
     parser.add_argument("--only", default="", help="comma-separated batch names")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-cascade", action="store_true",
+                        help="reference paged attention (EngineConfig.cascade_attention=False)")
     parser.add_argument("--no-prepack", action="store_true",
                         help="plain F.linear GEMMs (EngineConfig.prepack_weights=False)")
     parser.add_argument("--json", default="")
@@ -229,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     extra = ({"prepack_weights": not args.no_prepack}
              if "prepack_weights" in inspect.signature(load_model).parameters else {})
     model = load_model(args.model, config, torch.float32, torch.device("cpu"), 4096, **extra)
-    batches, num_blocks = make_batches(model, args.adapters)
+    batches, num_blocks = make_batches(model, args.adapters, cascade=not args.no_cascade)
     if args.only:
         batches = [b for b in batches if b.name in args.only.split(",")]
     s = model.shape

@@ -74,7 +74,8 @@ class LLMEngine:
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             config.model, local_files_only=True)
         self.eos_token_ids = frozenset(self._eos_ids(config, self.tokenizer))
-        model = load_model(config.model, hf_config, self.dtype, self.device, self.max_model_len)
+        model = load_model(config.model, hf_config, self.dtype, self.device, self.max_model_len,
+                           prepack_weights=config.prepack_weights)
         self.runner = ModelRunner(config, model, self.device, self.dtype)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, self.runner.num_swap_blocks,

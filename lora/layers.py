@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lora.adapter import LoraAdapter
+from lora.cpu_gemm import linear as base_linear
 from lora.ops import LoraBatchMetadata, add_lora
 from lora.targets import SUPPORTED_MODULES, LoraTargets
 
@@ -47,7 +47,7 @@ class LoraLinear(nn.Linear):
         self.slices = tuple(width for _, width in parts)
 
     def forward(self, x: torch.Tensor, lora: LoraBatchMetadata | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = base_linear(x, self.weight, self.bias)  # weight plain or prepacked (lora/cpu_gemm.py)
         if lora is not None and lora.num_segments and self.lora_a is not None:
             assert self.lora_b is not None
             add_lora(x, self.lora_a, self.lora_b, lora, y, slices=self.slices)

@@ -82,7 +82,7 @@ class GemmaForFlatBatch(LlamaForFlatBatch):
         return x * scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        logits = super().compute_logits(hidden)
         cap = self.shape.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -23,6 +23,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.models.shape import ModelShape
+from lora.cpu_gemm import linear
 from lora.layers import LoraLinear
 from lora.ops import LoraBatchMetadata
 
@@ -197,4 +198,4 @@ class LlamaForFlatBatch(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias).float()

@@ -16,6 +16,7 @@ from engine.models.gemma import GemmaForFlatBatch
 from engine.models.llama import LlamaForFlatBatch
 from engine.models.rope import rope_tables
 from engine.models.shape import ModelShape, check_architecture
+from lora.cpu_gemm import prepack, prepack_supported
 from lora.layers import LoraLinear
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,9 +96,11 @@ def checkpoint_layout(model: nn.Module) -> dict[str, list[tuple[str, tuple[int, 
 
 def load_model(
     model_dir: str, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-    max_positions: int,
+    max_positions: int, prepack_weights: bool = False,
 ) -> LlamaForFlatBatch:
-    """Build the model on the meta device, then assign the checkpoint's tensors to it."""
+    """Build the model on the meta device, then assign the checkpoint's tensors to it.
+    prepack_weights: on a CPU in fp32, put every projection's weight (and the LM head's)
+    into oneDNN's layout (lora/cpu_gemm.py); a tied LM head then gets its own copy."""
     shape = ModelShape.from_hf_config(config)
     cos, sin = rope_tables(config, shape.head_dim, max_positions, shape.rope_kinds)
     model_class = GemmaForFlatBatch if shape.is_gemma else LlamaForFlatBatch
@@ -124,4 +127,9 @@ def load_model(
     model.load_state_dict(params, strict=True, assign=True)
     model.rope_cos = cos.to(device)
     model.rope_sin = sin.to(device)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if prepack_weights:
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and prepack_supported(module.weight):
+                module.weight = nn.Parameter(prepack(module.weight), requires_grad=False)
+    return model
