@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                            + ",".join(PARTS))
     p.add_argument("--rates", help="serving request rates, comma-separated req/s")
     p.add_argument("--threads", type=int, default=EngineSettings.threads)
+    p.add_argument("--vllm-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="run vLLM without torch.compile (default: only with --quick, where "
+                        "its minutes of compiling per start would dominate)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = replace(sizes, serving_rates=tuple(float(r) for r in args.rates.split(",")))
     model = str(args.model or default_model_dir())
     peer = PeerEnv(ensure_venv(args.venv.resolve()))
-    settings = EngineSettings(threads=args.threads)
+    eager = args.quick if args.vllm_eager is None else args.vllm_eager
+    settings = EngineSettings(threads=args.threads, vllm_eager=eager)
     tokenizer = AutoTokenizer.from_pretrained(model)
 
     def tokenize(text: str) -> list[int]:
@@ -143,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(table(figures, agreement, serving_rows))
+    if eager:
+        print("vLLM ran eager (--vllm-eager): its compiled speed is not in these figures")
     print(f"total {report['total_s']:.0f} s; wrote {out} (shared host: ratios, not absolute "
           f"times, are the figure)")
     return 0

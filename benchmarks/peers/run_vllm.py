@@ -48,7 +48,7 @@ def main(job_path: str, result_path: str) -> None:
               max_num_seqs=settings["max_num_seqs"],
               max_num_batched_tokens=settings["max_num_batched_tokens"],
               enable_prefix_caching=settings["prefix_caching"], seed=settings["seed"],
-              **lora_kwargs)
+              enforce_eager=settings["vllm_eager"], **lora_kwargs)
     startup = time.perf_counter() - t0
     lora_ids = {name: i + 1 for i, name in enumerate(sorted(job["adapters"]))}
     result: dict[str, Any] = {"engine": "vllm", "version": vllm.__version__,
