@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks.peers.engines import PeerEnv, engine_env, runner_command, serve_command
 from benchmarks.peers.job import EngineSettings
 from benchmarks.peers.setup_venv import CPU_CONFLICTS, install_plan, installed_version
@@ -47,3 +49,12 @@ def test_install_plan_removes_the_cuda_companions_on_cpu_only(tmp_path: Path) ->
     assert any("vllm==0.32.0" in c for c in cuda)
     assert not any("uninstall" in c for c in cuda)
     assert installed_version(tmp_path) is None
+
+
+def test_wait_policy_reaches_both_engines_only_when_set() -> None:
+    passive = EngineSettings(omp_wait_policy="passive")
+    assert engine_env("vllm", passive)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert engine_env("loragate", passive)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert engine_env("loragate", EngineSettings()).get("OMP_WAIT_POLICY") in (None, "")
+    with pytest.raises(ValueError):
+        EngineSettings(omp_wait_policy="sometimes")

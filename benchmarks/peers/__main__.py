@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                            + ",".join(PARTS))
     p.add_argument("--rates", help="serving request rates, comma-separated req/s")
     p.add_argument("--threads", type=int, default=EngineSettings.threads)
+    p.add_argument("--omp-wait-policy", choices=("active", "passive"), default="",
+                   help="OMP_WAIT_POLICY for both engines (default: the runtime's; passive "
+                        "on a host shared with other work, where spinning threads stall)")
     p.add_argument("--vllm-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run vLLM without torch.compile (default: only with --quick, where "
                         "its minutes of compiling per start would dominate)")
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     model = str(args.model or default_model_dir())
     peer = PeerEnv(ensure_venv(args.venv.resolve()))
     eager = args.quick if args.vllm_eager is None else args.vllm_eager
-    settings = EngineSettings(threads=args.threads, vllm_eager=eager)
+    settings = EngineSettings(threads=args.threads, vllm_eager=eager,
+                              omp_wait_policy=args.omp_wait_policy)
     tokenizer = AutoTokenizer.from_pretrained(model)
 
     def tokenize(text: str) -> list[int]:

@@ -40,6 +40,8 @@ def base_env(settings: EngineSettings) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": str(settings.threads), "HF_HUB_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false"})
+    if settings.omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = settings.omp_wait_policy.upper()
     return env
 
 
