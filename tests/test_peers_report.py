@@ -12,6 +12,7 @@ from benchmarks.peers.report import (
     ServingRow,
     ThroughputFigures,
     compare_outputs,
+    headlines,
     pooled_latency,
     table,
     throughput_figures,
@@ -77,3 +78,15 @@ def test_loragate_runner_writes_the_result_contract(tiny_model_dir: Path,
     assert [len(ids) for ids in phase["output_token_ids"]] == [5, 3]
     assert phase["prompt_tokens"] == 32 and phase["output_tokens"] == 8
     assert phase["seconds"] > 0 and result["startup_s"] > 0
+
+
+def test_headlines_read_a_written_report() -> None:
+    report = {"throughput": [ThroughputFigures("rag", (10.0,), (12.0,), 4, 100, 20).to_json()],
+              "serving": {"rows": [ServingRow(0.5, {"ttft_p50_ms": 50.0},
+                                              {"ttft_p50_ms": 100.0}).to_json()]},
+              "agreement": {"agreement": compare_outputs([[1], [2]], [[1], [3]]).to_json()}}
+    assert headlines(report) == [
+        ("rag throughput loragate / vLLM", "1.20x", ">= 1.2x"),
+        ("TTFT p50 loragate / vLLM at 0.5 req/s", "0.50x", "<= 1.0x"),
+        ("greedy agreement with vLLM (identical sequences)", "1/2", "100%")]
+    assert headlines({}) == []

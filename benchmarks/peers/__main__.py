@@ -7,7 +7,8 @@ Creates the vLLM venv first if it is missing (benchmarks.peers.setup_venv), writ
 multi-LoRA adapters once under MODEL/peer-adapters, then runs the offline jobs and the
 serving comparison, alternating loragate and vLLM, prints loragate / vLLM ratios and writes
 everything as JSON (default benchmarks/results/peers/peers.json, peers-quick.json with
---quick; runner jobs, results and logs under benchmarks/results/peers/work/).
+--quick; runner jobs, results and logs under benchmarks/results/peers/work/). The rows a
+results table wants come from ``benchmarks.peers.report.headlines(report)``.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     corpus = Corpus.load(tokenize)
     adapters = ensure_peer_adapters(model, sizes.lora_adapters) if "lora" in args.parts else {}
     out = args.out or RESULTS / ("peers-quick.json" if args.quick else "peers.json")
-    workdir = out.parent / "work"
+    workdir = RESULTS / "work"
     workdir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "stamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),

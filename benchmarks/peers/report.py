@@ -151,3 +151,20 @@ def table(throughput: Sequence[ThroughputFigures], agreement: dict[str, Agreemen
                      f"{a.identical}/{a.total} identical"
                      + ("  (target 100%)" if name == "agreement" else ""))
     return "\n".join(lines)
+
+
+def headlines(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(metric, measured, target) rows from a written peers report (the JSON that
+    ``python -m benchmarks.peers`` writes): one per offline workload, per serving rate and
+    for the agreement check."""
+    rows = []
+    for t in report.get("throughput") or []:
+        rows.append((f"{t['workload']} throughput loragate / vLLM", f"{t['ratio']:.2f}x",
+                     f">= {THROUGHPUT_TARGETS.get(t['workload'], 1.0):.1f}x"))
+    for r in (report.get("serving") or {}).get("rows", []):
+        rows.append((f"TTFT p50 loragate / vLLM at {r['rate']:g} req/s",
+                     f"{r['ttft_p50_ratio']:.2f}x", f"<= {TTFT_TARGET:.1f}x"))
+    if agreement := (report.get("agreement") or {}).get("agreement"):
+        rows.append(("greedy agreement with vLLM (identical sequences)",
+                     f"{agreement['identical']}/{agreement['total']}", "100%"))
+    return rows
