@@ -48,10 +48,22 @@ from gateway.local_engine import LocalEngine
 log = logging.getLogger(__name__)
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports free_port() gave before in this process."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free now that this process has not handed out before: the OS may give the same
+    ephemeral port to two binds in a row while the first taker has not bound it yet, and two
+    servers started at once would then share one port."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no free port on {host} that was not handed out already")
 
 
 def engine_flags(config: EngineConfig) -> list[str]:

@@ -20,3 +20,10 @@ def test_relative_model_is_absolute_after_parsing(command: str, tmp_path: Path,
     assert args.model == str(tmp_path.resolve() / "models" / "m")
     args = build_parser().parse_args([command, "--model", ".", *extra])
     assert args.model == str(tmp_path.resolve() / "models")
+
+
+def test_free_port_never_hands_out_a_port_twice() -> None:
+    from gateway.serve import free_port
+
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
