@@ -4,7 +4,6 @@ reused by every later run."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 PEER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -21,22 +20,14 @@ def peer_adapters_dir(model_dir: str) -> Path:
 def ensure_peer_adapters(model_dir: str, count: int) -> dict[str, str]:
     """name -> PEFT directory of peer-0 .. peer-<count-1>, writing the missing ones through a
     temporary sibling, so an interrupted run never leaves a half-written adapter behind."""
-    from engine.demo_model import make_peft_adapter
+    from benchmarks.bench_adapters import ensure_adapter
 
     root = peer_adapters_dir(model_dir)
     root.mkdir(parents=True, exist_ok=True)
     paths: dict[str, str] = {}
     for index in range(count):
-        name = f"peer-{index}"
-        path = root / name
-        if not ((path / "adapter_config.json").is_file()
-                and (path / "adapter_model.safetensors").is_file()):
-            print(f"  writing adapter {name} (rank {PEER_RANK}, q/k/v/o)", flush=True)
-            tmp = root / f".{name}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(path, ignore_errors=True)
-            make_peft_adapter(model_dir, tmp, rank=PEER_RANK, target_modules=PEER_TARGETS,
-                              seed=PEER_SEED + index, b_scale=PEER_B_SCALE)
-            tmp.rename(path)
-        paths[name] = str(path)
+        path = root / f"peer-{index}"
+        ensure_adapter(model_dir, path, PEER_RANK, PEER_TARGETS, PEER_SEED + index,
+                       PEER_B_SCALE)
+        paths[path.name] = str(path)
     return paths
