@@ -1,37 +1,29 @@
-"""AsyncEngine: an asyncio front over LLMEngine, whose step loop runs in its own thread.
-
-Only the engine thread touches LLMEngine state. Event-loop code talks to it through a
-command queue and gets outputs back through per-request asyncio queues fed with
-call_soon_threadsafe, so the event loop never waits on a forward pass. Every public
-coroutine below is one typed command run on the engine thread between steps.
+"""AsyncEngine: an asyncio front over LLMEngine, whose step loop runs in its own thread
+(engine/engine_thread.py). Every public coroutine below is one typed command run on the
+engine thread between steps.
 
 AsyncEngine is an ``EngineClient`` (engine/protocol.py): ``open()`` takes a GenerateRequest
 and streams StreamChunks, as the engine's HTTP API does, so a gateway drives an engine in
 its own process exactly as it drives a remote one.
 
-Nothing a client does can stop the engine thread: a command whose caller went away
-(cancelled future) is skipped, never half-applied; a failed step fails only the request
-that caused it (engine/fault_isolation.py); an unexpected error between steps fails the
-requests in flight with a generic message and the loop goes on. Should the loop die anyway,
-``on_fatal`` is called (the engine server exits non-zero, so a supervisor restarts it; the
-in-process client builds a new engine).
+Nothing a client does can stop the engine thread: a failed step fails only the request that
+caused it (engine/fault_isolation.py), an error between steps only the requests in flight.
+Should the loop die anyway, ``on_fatal`` is called (the engine server exits non-zero, so a
+supervisor restarts it; the in-process client builds a new engine).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
-import logging
-import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from engine.adapter_roots import AdapterPathRefused, AdapterRoots
 from engine.config import EngineConfig
+from engine.engine_thread import EngineDeadError, EngineInternalError, EngineThread, OutputStream
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats
 from engine.protocol import (
@@ -50,31 +42,8 @@ from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
 from lora.manager import AdapterInfo
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
-INTERNAL_ERROR_MESSAGE = "the engine hit an internal error; the request was aborted"
-"""What in-flight requests are told when the loop fails between steps (details are logged,
-never sent: one request's error text must not reach another tenant)."""
 TIMED_OUT_MESSAGE = "the request passed its deadline"
-
-
-class EngineDeadError(EngineUnavailable):
-    """The engine thread has stopped; no request or command can be served."""
-
-
-class EngineInternalError(RuntimeError):
-    """The engine failed between steps and aborted the requests in flight (a bug)."""
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
-
-    def push(self, item: RequestOutput | BaseException) -> None:
-        # RuntimeError: the caller's event loop is closed, so nobody is listening.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class AsyncEngine:
@@ -93,29 +62,16 @@ class AsyncEngine:
                  instance_id: str = "engine-0") -> None:
         self.engine = engine
         self.config = engine.config
-        self.on_fatal = on_fatal
-        """Called on the engine thread if the loop dies (never, unless there is a bug)."""
-        self.fatal_error: BaseException | None = None
-        """Why the loop died, if it did (None after a normal shutdown)."""
         self.adapter_roots = adapter_roots
         self.on_output = on_output
         self.instance_id = instance_id
         self.model_name = engine.config.model.rstrip("/").split("/")[-1]
         self.draining = False
         """Set when the engine drains: new requests are refused, open streams finish."""
-        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
-        self._lock = threading.Lock()
-        self._wakeup = threading.Event()
-        self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self._stopping = False
-        self._ended = False
-        """The loop has ended: commands fail at once (nothing would ever run them)."""
-        self._stats = engine.stats()
         self.last_adapters: list[AdapterInfo] = engine.list_loras()
         """Adapters as of the last command that read them (for metrics scrapes)."""
-        self._thread = threading.Thread(target=self._loop, name="loragate-engine", daemon=True)
-        self._thread.start()
+        self._thread = EngineThread(engine, on_fatal)
 
     @classmethod
     def from_config(cls, config: EngineConfig,
@@ -244,30 +200,32 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread between steps; its exception is raised here."""
-        return await asyncio.wrap_future(self._enqueue(fn))
+        return await asyncio.wrap_future(self._thread.submit(fn))
 
     @property
     def in_flight(self) -> int:
         """Requests whose stream is open."""
-        with self._lock:
-            return len(self._streams)
+        return self._thread.num_streams
 
     def is_alive(self) -> bool:
         """False once the engine thread has stopped (shutdown or a fatal error)."""
         return self._thread.is_alive()
 
+    @property
+    def fatal_error(self) -> BaseException | None:
+        """Why the engine thread died, if it did (None while alive or after shutdown)."""
+        return self._thread.fatal_error
+
     def stats(self) -> EngineStats:
         """Metrics as of the end of the last step (refreshed by the engine thread)."""
-        return self._stats
+        return self._thread.stats
 
     async def fresh_stats(self) -> EngineStats:
         """Metrics taken by the engine thread after every pending command was applied."""
         return await self.call(self.engine.stats)
 
     def shutdown(self) -> None:
-        self._stopping = True
-        self._wakeup.set()
-        self._thread.join(timeout=30)
+        self._thread.stop()
         if self.engine.lora is not None:
             self.engine.lora.shutdown()
 
@@ -278,29 +236,25 @@ class AsyncEngine:
         return self.engine.make_request(request_id or self.new_request_id(), prompt, params,
                                         priority, cache_salt=cache_salt, lora=lora)
 
-    async def _admit(self, request: Request) -> _Stream:
+    async def _admit(self, request: Request) -> OutputStream:
         """Register the request's output queue and add it on the engine thread; ValueError
         (duplicate id, a refusal by the scheduler) or EngineDeadError if it did not enter."""
         if not self._thread.is_alive():
             raise EngineDeadError("the engine thread is not running")
         request_id = request.request_id
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
+        stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue())
+        self._thread.register(request_id, stream)
         try:
             await self.call(lambda: self.engine.add(request))
         except ValueError:  # refused: it never entered (the id may be another request's)
-            with self._lock:
-                self._streams.pop(request_id, None)
+            self._thread.unregister(request_id)
             raise
         except BaseException:  # cancelled: the add may have run all the same
             self._drop(request_id)
             raise
         return stream
 
-    async def _outputs(self, request_id: str, stream: _Stream, deadline: float | None = None
+    async def _outputs(self, request_id: str, stream: OutputStream, deadline: float | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:
         """The outputs of an admitted request; closing early (or the deadline, a unix time,
         passing: TimeoutError) aborts it."""
@@ -324,7 +278,7 @@ class AsyncEngine:
             if not finished:
                 self._drop(request_id)
 
-    async def _chunks(self, request_id: str, stream: _Stream, deadline: float | None
+    async def _chunks(self, request_id: str, stream: OutputStream, deadline: float | None
                       ) -> AsyncGenerator[StreamChunk, None]:
         """Outputs as StreamChunks; a failure of the request is its last chunk, the engine
         dying is EngineStreamBroken."""
@@ -350,85 +304,14 @@ class AsyncEngine:
 
     def _drop(self, request_id: str) -> None:
         """Stop listening to a request and abort it (its caller is gone)."""
-        with self._lock:
-            self._streams.pop(request_id, None)
-        self._enqueue(lambda: self._abort(request_id))
-
-    def _enqueue(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        done: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
-            if self._ended:
-                done.set_exception(EngineDeadError("the engine thread is not running"))
-                return done
-            self._commands.append((fn, done))
-        self._wakeup.set()
-        return done
+        self._thread.unregister(request_id)
+        self._thread.submit(lambda: self._abort(request_id))
 
     # ---------------------------------------------------------------- engine thread
-    def _loop(self) -> None:
-        try:
-            while not self._stopping:
-                try:
-                    self._iterate()
-                except Exception:  # a bug between steps: fail what is in flight, go on
-                    log.exception("engine loop failed; aborting the requests in flight")
-                    self._fail_all(EngineInternalError(INTERNAL_ERROR_MESSAGE))
-        except BaseException as exc:  # _fail_all itself failed: the engine state is lost
-            log.critical("engine loop died", exc_info=True)
-            self.fatal_error = exc
-            if self.on_fatal is not None:
-                self.on_fatal(exc)
-        finally:
-            with self._lock:
-                self._ended = True
-                commands, self._commands = self._commands, []
-            for _, done in commands:
-                if done.set_running_or_notify_cancel():
-                    done.set_exception(EngineDeadError("the engine thread is not running"))
-            self._fail_streams(EngineDeadError("engine shut down"))
-
-    def _iterate(self) -> None:
-        self._apply_commands()
-        if not self.engine.has_unfinished_requests():
-            self._stats = self.engine.stats()
-            self._wakeup.wait()
-            self._wakeup.clear()
-            return
-        outputs = self.engine.step()
-        self._stats = self.engine.stats()
-        self._deliver(outputs)
-        if not outputs and self.engine.last_step_idle:
-            # Everything waits on something outside the step (an adapter loading).
-            self._wakeup.wait(0.005)
-            self._wakeup.clear()
-
-    def _apply_commands(self) -> None:
-        with self._lock:
-            commands, self._commands = self._commands, []
-        if not commands:
-            return
-        results: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
-        for fn, done in commands:
-            # False: the caller cancelled while this waited (client gone): skip it whole.
-            # True: the future is running now and can no longer be cancelled.
-            if not done.set_running_or_notify_cancel():
-                continue
-            try:
-                results.append((done, fn(), None))
-            except Exception as exc:
-                results.append((done, None, exc))
-        # Stats first, so whoever wakes up from a command sees its effect.
-        self._stats = self.engine.stats()
-        for done, value, error in results:
-            if error is not None:
-                done.set_exception(error)
-            else:
-                done.set_result(value)
-
     def _abort(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)
         if out is not None:
-            self._deliver([out])
+            self._thread.deliver([out])
 
     def _list_adapters(self) -> list[AdapterInfo]:
         self.last_adapters = self.engine.list_loras()
@@ -454,25 +337,6 @@ class AsyncEngine:
             kv_pools={name: PoolSummary(p.used_blocks, p.cached_blocks, p.evictions,
                                         p.hit_rate) for name, p in stats.kv_pools.items()},
             adapters=self._list_adapters(), prefix=llm.publish_prefixes(cursor))
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            with self._lock:
-                stream = (self._streams.pop(out.request_id, None) if out.finished
-                          else self._streams.get(out.request_id))
-            if stream is not None:
-                stream.push(out)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for request_id in list(self.engine.scheduler.requests):
-            self.engine.abort_request(request_id)
-        self._fail_streams(exc)
-
-    def _fail_streams(self, exc: BaseException) -> None:
-        with self._lock:
-            streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.push(exc)
 
 
 def _without_paths(message: str, *paths: str) -> str:

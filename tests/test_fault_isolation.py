@@ -230,7 +230,7 @@ def test_a_dead_loop_calls_on_fatal_and_ends_every_stream(tiny_model_dir: Path) 
         return None
 
     error = asyncio.run(main())
-    engine._thread.join(timeout=10)
+    engine._thread.stop(timeout=10)
     assert type(error).__name__ == "EngineDeadError"
     assert not engine.is_alive()
     assert len(deaths) == 1 and engine.fatal_error is deaths[0]
