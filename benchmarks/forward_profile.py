@@ -54,6 +54,7 @@ from engine.default_model import default_model_dir
 from engine.models.gemma import GemmaRMSNorm
 from engine.models.llama import LlamaForFlatBatch, RMSNorm
 from engine.models.loader import load_hf_config, load_model
+from engine.paged_decode import CopyBuffers
 from lora.adapter import LoraAdapter
 from lora.layers import LoraSlots
 from lora.ops import LoraBatchMetadata, build_lora_metadata
@@ -103,13 +104,15 @@ def make_batches(model: LlamaForFlatBatch, adapters: int,
         return list(range(next_block - n, next_block))
 
     batches = []
+    buffers = CopyBuffers()  # as the engine's runner keeps them
     ctxs = [284 + i for i in range(32)]
     decodes = [(blocks(c), c) for c in ctxs]
     slots = [i % adapters for i in range(32)] if adapters else []
     batches.append(Batch(
         "decode", torch.randint(vocab, (32,), generator=gen),
         torch.tensor([c - 1 for c in ctxs]),
-        build_step_metadata(decodes, [], BLOCK_SIZE, windows, torch.device("cpu"), cascade=cascade),
+        build_step_metadata(decodes, [], BLOCK_SIZE, windows, torch.device("cpu"), cascade=cascade,
+                            buffers=buffers),
         torch.arange(32), build_lora_metadata(slots, "cpu") if adapters else None, 32))
     for name, start in (("prefill", 0), ("prefill-ctx", 512)):
         bt = blocks(start + 512)
@@ -117,7 +120,7 @@ def make_batches(model: LlamaForFlatBatch, adapters: int,
             name, torch.randint(vocab, (512,), generator=gen),
             torch.arange(start, start + 512),
             build_step_metadata([], [(bt, start, 512)], BLOCK_SIZE, windows,
-                                torch.device("cpu"), cascade=cascade),
+                                torch.device("cpu"), cascade=cascade, buffers=buffers),
             torch.tensor([511]), build_lora_metadata([0] * 512, "cpu") if adapters else None,
             512))
     return batches, next_block

@@ -31,6 +31,7 @@ from engine.cascade_attention import (
     cascade_attention,
     cascade_available,
 )
+from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batch, decode_attention
 
 BlockTable = Sequence[int] | npt.NDArray[np.int64]
 """A request's cache blocks in position order: a list, or a row of the runner's array."""
@@ -58,12 +59,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[T] int64: cache slot each token's K/V is written to."""
     num_decodes: int
-    decode_blocks: torch.Tensor | None
-    """[Nd, B] int64 cache blocks of each decode's context, padded (with block 0) to the
-    longest; the gathered context is cut to ``decode_len`` positions."""
-    decode_len: int
-    decode_mask: torch.Tensor | None
-    """[Nd, 1, 1, decode_len] bool, True = a real (and in-window) context position."""
+    decodes: DecodeBatch | None
+    """The step's decodes (rows 0..num_decodes-1) as one attention call, if any."""
     prefills: list[PrefillSeq]
     cascade: CascadePlan | None = None
     """Set when the step runs cascade attention instead (then the fields above that only
@@ -77,13 +74,14 @@ def build_step_metadata(
     windows: Iterable[int | None],
     device: torch.device,
     cascade: bool = False,
+    buffers: CopyBuffers | None = None,
 ) -> dict[int | None, AttentionMetadata]:
     """The step's metadata for each distinct sliding window (None: full attention) among
     the model's layers, all with one shared slot mapping. Arguments as for
     build_attention_metadata; only the full-attention entry may plan cascade attention."""
     slot_mapping = _slot_mapping(decodes, prefills, block_size, device)
     return {window: build_attention_metadata(decodes, prefills, block_size, window, device,
-                                             cascade, slot_mapping)
+                                             cascade, slot_mapping, buffers)
             for window in dict.fromkeys(windows)}
 
 
@@ -95,33 +93,21 @@ def build_attention_metadata(
     device: torch.device,
     cascade: bool = False,
     slot_mapping: torch.Tensor | None = None,
+    buffers: CopyBuffers | None = None,
 ) -> AttentionMetadata:
     """decodes: (block_table, context_len) per one-token request, in batch order.
     prefills: (block_table, start_pos, q_len) per multi-token chunk, after the decodes.
     cascade: plan cascade attention when the device and model allow it.
-    slot_mapping: the step's, when already built (for another window)."""
+    slot_mapping: the step's, when already built (for another window).
+    buffers: the engine's space for the decodes' K/V copies (engine/paged_decode.py)."""
     if slot_mapping is None:
         slot_mapping = _slot_mapping(decodes, prefills, block_size, device)
     if cascade and sliding_window is None and cascade_available(device):
-        return _cascade_metadata(decodes, prefills, block_size, slot_mapping, device)
+        return _cascade_metadata(decodes, prefills, block_size, slot_mapping, device, buffers)
     num_decodes = len(decodes)
-    decode_blocks = decode_mask = None
-    decode_len = 0
-    if decodes:
-        tables = np.zeros((len(decodes), max(-(-ctx // block_size) for _, ctx in decodes)),
-                          dtype=np.int64)
-        for row, (bt, ctx) in enumerate(decodes):
-            used = -(-ctx // block_size)
-            tables[row, :used] = bt[:used]
-        decode_blocks = torch.from_numpy(tables)
-        ctx_lens = torch.tensor([ctx for _, ctx in decodes], dtype=torch.int64)
-        decode_len = int(ctx_lens.max())
-        positions = torch.arange(decode_len, dtype=torch.int64)
-        valid = positions[None, :] < ctx_lens[:, None]
-        if sliding_window is not None:
-            valid &= positions[None, :] > (ctx_lens[:, None] - 1 - sliding_window)
-        decode_mask = valid[:, None, None, :].to(device)
-        decode_blocks = decode_blocks.to(device)
+    decode_batch = build_decode_batch(
+        [(row, bt, ctx) for row, (bt, ctx) in enumerate(decodes)], block_size, device,
+        sliding_window, buffers) if decodes else None
 
     seqs: list[PrefillSeq] = []
     query_start = num_decodes
@@ -144,9 +130,7 @@ def build_attention_metadata(
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         num_decodes=num_decodes,
-        decode_blocks=decode_blocks,
-        decode_len=decode_len,
-        decode_mask=decode_mask,
+        decodes=decode_batch,
         prefills=seqs,
     )
 
@@ -178,6 +162,7 @@ def _cascade_metadata(
     block_size: int,
     slot_mapping: torch.Tensor,
     device: torch.device,
+    buffers: CopyBuffers | None,
 ) -> AttentionMetadata:
     requests = [CascadeRequest(_as_list(block_table), ctx, row, 1, fresh=False)
                 for row, (block_table, ctx) in enumerate(decodes)]
@@ -188,8 +173,9 @@ def _cascade_metadata(
         query_start += q_len
     return AttentionMetadata(
         slot_mapping=slot_mapping,
-        num_decodes=len(decodes), decode_blocks=None, decode_len=0, decode_mask=None,
-        prefills=[], cascade=build_cascade_plan(requests, block_size, device),
+        num_decodes=len(decodes), decodes=None,
+        prefills=[], cascade=build_cascade_plan(requests, block_size, device,
+                                                buffers=buffers),
     )
 
 
@@ -231,14 +217,9 @@ def paged_attention(
     gqa = q.shape[1] != num_kv_heads
     out = torch.empty_like(q)
 
-    nd = meta.num_decodes
-    if nd:
-        assert meta.decode_blocks is not None and meta.decode_mask is not None
-        kd = _gather_context(k_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2)
-        vd = _gather_context(v_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2)
-        qd = q[:nd].unsqueeze(2)  # [Nd, H, 1, D]
-        od = _attend(qd, kd, vd, meta.decode_mask, scale, softcap, gqa)
-        out[:nd] = od.squeeze(2)
+    if meta.decodes is not None:
+        out[:meta.num_decodes] = decode_attention(q, k_cache, v_cache, meta.decodes, scale,
+                                                  softcap)[0]
 
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_start + seq.q_len)

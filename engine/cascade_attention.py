@@ -17,6 +17,10 @@ request per layer. This path instead
 4. merges the partial results of each query row with their log-sum-exp weights (softmax
    over a union of disjoint key sets).
 
+The blocks only one decode holds (its whole context when nothing is shared) skip step 2:
+all those private tails are one batched call per layer (engine/paged_decode.py) instead of
+one flash call per request.
+
 It needs the log-sum-exp of each partial attention, which torch's CPU flash-attention
 kernel returns (``aten::_scaled_dot_product_flash_attention_for_cpu``); engines on other
 devices, layers with a sliding window (Gemma's local layers; its global layers still cascade)
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batch, decode_attention
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -104,13 +110,18 @@ class CascadePlan:
     """[R] int64 flat-batch row of each partial result, in the order they are produced:
     each node's query rows once per span, then the fresh pieces' rows."""
     num_rows: int
+    private: DecodeBatch | None = None
+    """The decodes' private tails, one batched call (their rows come first in merge_rows)."""
 
 
 def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
                        device: torch.device,
-                       fresh_piece_rows: int | None = None) -> CascadePlan:
-    """Radix tree over the requests' cached blocks -> nodes, and each prefill chunk's
-    pieces (of FRESH_PIECE_ROWS rows unless given); see the module docstring."""
+                       fresh_piece_rows: int | None = None,
+                       buffers: CopyBuffers | None = None) -> CascadePlan:
+    """Radix tree over the requests' cached blocks -> nodes (a decode's private tail goes
+    to the batched decodes instead), and each prefill chunk's pieces (of FRESH_PIECE_ROWS
+    rows unless given). buffers: the engine's space for the private tails' K/V copies.
+    See the module docstring."""
     piece_rows = fresh_piece_rows or FRESH_PIECE_ROWS
     keys: list[list[int]] = []
     for i, r in enumerate(requests):
@@ -123,6 +134,7 @@ def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
     rows = [torch.arange(r.query_start, r.query_start + r.q_len) for r in requests]
     nodes: list[CascadeNode] = []
     gather: list[int] = []
+    tails: list[tuple[int, list[int], int]] = []  # (row, blocks, positions) of private tails
     order = sorted((i for i, k in enumerate(keys) if k), key=lambda i: keys[i])
 
     def emit(members: list[int], depth: int, end: int) -> None:
@@ -131,6 +143,10 @@ def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
         if blocks[-1] < 0:  # a private partial block: cut to the request's length
             cut = -requests[members[0]].cached_len % block_size
             blocks[-1] = requests[members[0]].block_table[end - 1]
+        only = requests[members[0]]
+        if len(members) == 1 and only.q_len == 1 and not only.fresh:
+            tails.append((only.query_start, blocks, len(blocks) * block_size - cut))
+            return
         spans: list[KeySpan] = []
         first = 0
         for j in range(1, len(blocks) + 1):
@@ -177,7 +193,9 @@ def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
                 nodes.append(CascadeNode([KeySpan("step", r.query_start, lo)],
                                          torch.arange(r.query_start + lo,
                                                       r.query_start + hi).to(device)))
-    merge_rows = [node.query_rows for node in nodes for _ in node.spans]
+    private = build_decode_batch(tails, block_size, device, buffers=buffers) if tails else None
+    merge_rows = [private.rows] if private is not None else []
+    merge_rows += [node.query_rows for node in nodes for _ in node.spans]
     merge_rows += [torch.arange(start, start + n).to(device) for start, n in fresh]
     num_rows = max((r.query_start + r.q_len for r in requests), default=0)
     return CascadePlan(
@@ -188,6 +206,7 @@ def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
         fresh=fresh,
         merge_rows=torch.cat(merge_rows) if merge_rows else torch.empty(0, dtype=torch.int64),
         num_rows=num_rows,
+        private=private,
     )
 
 
@@ -216,6 +235,13 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     }
     outs: list[torch.Tensor] = []
     lses: list[torch.Tensor] = []
+    parts_out: list[torch.Tensor] = []
+    parts_lse: list[torch.Tensor] = []
+    if plan.private is not None:
+        out, lse = decode_attention(q, k_cache, v_cache, plan.private, scale)
+        assert lse is not None  # a CPU with the flash kernel: cascade_available()
+        parts_out.append(out)
+        parts_lse.append(lse)
     # Every node's queries gathered at once, with the query heads that share a KV head
     # folded into the query length (one call serves GQA without repeating K/V):
     # [N, H, D] -> [Hkv, N * group, D]; a node's queries are a slice of it.
@@ -234,10 +260,11 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             outs.append(out[0])
             lses.append(lse[0])
     # Unfold once: [Hkv, R * group, D] -> [R, H, D] and [Hkv, R * group] -> [R, H].
-    parts_out = [torch.cat(outs, dim=1).view(num_kv_heads, -1, group, head_dim)
-                 .transpose(0, 1).reshape(-1, num_heads, head_dim)] if outs else []
-    parts_lse = [torch.cat(lses, dim=1).view(num_kv_heads, -1, group)
-                 .transpose(0, 1).reshape(-1, num_heads)] if lses else []
+    if outs:
+        parts_out.append(torch.cat(outs, dim=1).view(num_kv_heads, -1, group, head_dim)
+                         .transpose(0, 1).reshape(-1, num_heads, head_dim))
+        parts_lse.append(torch.cat(lses, dim=1).view(num_kv_heads, -1, group)
+                         .transpose(0, 1).reshape(-1, num_heads))
     for first, num in plan.fresh:
         rows = slice(first, first + num)
         qf = q[rows].transpose(0, 1)[None]  # [1, H, rows, D]

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.input_batch import InputBatch
 from engine.kv_cache import blocks_for
 from engine.models.llama import LlamaForFlatBatch
+from engine.paged_decode import CopyBuffers
 from engine.sampler import Sampler
 from engine.scheduler_output import SchedulerOutput
 from lora.layers import LoraSlots
@@ -48,6 +49,7 @@ class ModelRunner:
         # Cascade attention has no score soft-capping (Gemma 2): such models never plan it.
         self.cascade_attention = config.cascade_attention and model.shape.attn_softcap is None
         self.layer_windows = tuple(dict.fromkeys(model.shape.layer_windows))
+        self.copy_buffers = CopyBuffers()
         per_block = kv_bytes_per_block(model, config.block_size, dtype)
         self.num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
         if self.num_blocks < 1:
@@ -102,7 +104,8 @@ class ModelRunner:
         inputs = self.batch.prepare(chunks)
         meta = build_step_metadata(inputs.decodes, inputs.prefills, self.block_size,
                                    self.layer_windows, self.device,
-                                   cascade=self.cascade_attention)
+                                   cascade=self.cascade_attention,
+                                   buffers=self.copy_buffers)
         # The runs and rest layout serve only the torch path's fused op.
         lora = build_lora_metadata(
             inputs.token_slots, self.device,

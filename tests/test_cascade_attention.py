@@ -72,6 +72,9 @@ def test_cascade_matches_reference(seed: int, heads: tuple[int, int], piece_rows
     ref_meta = build_attention_metadata(decodes, prefills, BLOCK, None, CPU)
     cas_meta = build_attention_metadata(decodes, prefills, BLOCK, None, CPU, cascade=True)
     assert ref_meta.cascade is None and cas_meta.cascade is not None
+    # Every decode has at least one private block (its last): a batched tail each.
+    private = cas_meta.cascade.private
+    assert (private.rows.numel() if private is not None else 0) == len(decodes)
     assert torch.equal(ref_meta.slot_mapping, cas_meta.slot_mapping)
     ref_caches, cas_caches = caches.clone(), caches.clone()
     ref = paged_attention(q, k, v, ref_caches[0], ref_caches[1], ref_meta, 0.25)
@@ -82,7 +85,8 @@ def test_cascade_matches_reference(seed: int, heads: tuple[int, int], piece_rows
 
 def test_shared_blocks_are_read_once() -> None:
     # Three requests share blocks 0-2 (consecutive: read in place); two of them also share
-    # block 3 (a lone block: copied out); 10, 11 and 12 are private partial blocks.
+    # block 3 (a lone block: copied out); 10, 11 and 12 are private partial blocks, and the
+    # two decodes' private tails (10, 11) are one batched call, not nodes.
     requests = [
         CascadeRequest([0, 1, 2, 3, 10], 18, 0, 1, fresh=False),
         CascadeRequest([0, 1, 2, 3, 11], 20, 1, 1, fresh=False),
@@ -99,14 +103,18 @@ def test_shared_blocks_are_read_once() -> None:
                     [(blocks(s), s.source == "cache", s.length) for s in n.spans])
                    for n in plan.nodes)
     assert nodes == [
-        ([0], [([10], False, 2)]),
         ([0, 1], [([3], False, 4)]),
         ([0, 1, 2, 3, 4, 5, 6], [([0, 1, 2], True, 12)]),
-        ([1], [([11], False, 4)]),
         ([2, 3, 4, 5, 6], [([12], False, 1)]),
     ]
-    assert sorted(plan.gather_blocks.tolist()) == [3, 10, 11, 12]
+    assert sorted(plan.gather_blocks.tolist()) == [3, 12]
     assert plan.fresh == [(2, 5)]
+    private = plan.private
+    assert private is not None
+    tails = sorted(zip(private.rows.tolist(), private.block_tables.tolist(),
+                       (private.bias[:, 0, 0] == 0).sum(1).tolist(), strict=True))
+    assert tails == [(0, [10], 2), (1, [11], 4)]
+    assert plan.merge_rows[:2].tolist() == private.rows.tolist()
 
 
 def test_a_long_chunk_runs_in_pieces_over_its_earlier_rows() -> None:
@@ -122,4 +130,4 @@ def test_a_long_chunk_runs_in_pieces_over_its_earlier_rows() -> None:
 
 def test_sliding_window_keeps_the_reference_path() -> None:
     meta = build_attention_metadata([([0, 1], 6)], [], BLOCK, 4, CPU, cascade=True)
-    assert meta.cascade is None and meta.decode_blocks is not None
+    assert meta.cascade is None and meta.decodes is not None
