@@ -31,7 +31,7 @@ from engine.cascade_attention import (
     cascade_attention,
     cascade_available,
 )
-from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batch, decode_attention
+from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batches, decode_attention
 
 BlockTable = Sequence[int] | npt.NDArray[np.int64]
 """A request's cache blocks in position order: a list, or a row of the runner's array."""
@@ -59,8 +59,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[T] int64: cache slot each token's K/V is written to."""
     num_decodes: int
-    decodes: DecodeBatch | None
-    """The step's decodes (rows 0..num_decodes-1) as one attention call, if any."""
+    decodes: list[DecodeBatch]
+    """The step's decodes (rows 0..num_decodes-1) as attention calls of similar lengths."""
     prefills: list[PrefillSeq]
     cascade: CascadePlan | None = None
     """Set when the step runs cascade attention instead (then the fields above that only
@@ -105,9 +105,9 @@ def build_attention_metadata(
     if cascade and sliding_window is None and cascade_available(device):
         return _cascade_metadata(decodes, prefills, block_size, slot_mapping, device, buffers)
     num_decodes = len(decodes)
-    decode_batch = build_decode_batch(
+    decode_batches = build_decode_batches(
         [(row, bt, ctx) for row, (bt, ctx) in enumerate(decodes)], block_size, device,
-        sliding_window, buffers) if decodes else None
+        sliding_window, buffers)
 
     seqs: list[PrefillSeq] = []
     query_start = num_decodes
@@ -130,7 +130,7 @@ def build_attention_metadata(
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         num_decodes=num_decodes,
-        decodes=decode_batch,
+        decodes=decode_batches,
         prefills=seqs,
     )
 
@@ -173,7 +173,7 @@ def _cascade_metadata(
         query_start += q_len
     return AttentionMetadata(
         slot_mapping=slot_mapping,
-        num_decodes=len(decodes), decodes=None,
+        num_decodes=len(decodes), decodes=[],
         prefills=[], cascade=build_cascade_plan(requests, block_size, device,
                                                 buffers=buffers),
     )
@@ -217,9 +217,9 @@ def paged_attention(
     gqa = q.shape[1] != num_kv_heads
     out = torch.empty_like(q)
 
-    if meta.decodes is not None:
-        out[:meta.num_decodes] = decode_attention(q, k_cache, v_cache, meta.decodes, scale,
-                                                  softcap)[0]
+    for batch in meta.decodes:
+        out.index_copy_(0, batch.rows, decode_attention(q, k_cache, v_cache, batch, scale,
+                                                        softcap)[0])
 
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_start + seq.q_len)

@@ -34,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batch, decode_attention
+from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batches, decode_attention
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -110,8 +110,8 @@ class CascadePlan:
     """[R] int64 flat-batch row of each partial result, in the order they are produced:
     each node's query rows once per span, then the fresh pieces' rows."""
     num_rows: int
-    private: DecodeBatch | None = None
-    """The decodes' private tails, one batched call (their rows come first in merge_rows)."""
+    private: list[DecodeBatch]
+    """The decodes' private tails as batched calls (their rows come first in merge_rows)."""
 
 
 def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
@@ -193,8 +193,8 @@ def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
                 nodes.append(CascadeNode([KeySpan("step", r.query_start, lo)],
                                          torch.arange(r.query_start + lo,
                                                       r.query_start + hi).to(device)))
-    private = build_decode_batch(tails, block_size, device, buffers=buffers) if tails else None
-    merge_rows = [private.rows] if private is not None else []
+    private = build_decode_batches(tails, block_size, device, buffers=buffers)
+    merge_rows = [batch.rows for batch in private]
     merge_rows += [node.query_rows for node in nodes for _ in node.spans]
     merge_rows += [torch.arange(start, start + n).to(device) for start, n in fresh]
     num_rows = max((r.query_start + r.q_len for r in requests), default=0)
@@ -237,8 +237,8 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lses: list[torch.Tensor] = []
     parts_out: list[torch.Tensor] = []
     parts_lse: list[torch.Tensor] = []
-    if plan.private is not None:
-        out, lse = decode_attention(q, k_cache, v_cache, plan.private, scale)
+    for batch in plan.private:
+        out, lse = decode_attention(q, k_cache, v_cache, batch, scale)
         assert lse is not None  # a CPU with the flash kernel: cascade_available()
         parts_out.append(out)
         parts_lse.append(lse)

@@ -68,6 +68,36 @@ class DecodeBatch:
     """Where the K/V copies go (None: fresh tensors each call)."""
 
 
+# Decodes sorted by length are cut into batches where a batch's shortest context would be
+# padded to more than 1/_BATCH_FILL of itself; a cut is worth it only when the padding it
+# saves exceeds the cost of one more call (about _CALL_COST_BLOCKS blocks of one row's
+# attention, measured on the 2-core host: ~4 us per row-block, ~80 us per call). With
+# contexts of 40-760 positions, 32 decodes: one batch 100 ms per step, cut 41-46 ms.
+_BATCH_FILL = 0.7
+_CALL_COST_BLOCKS = 20
+
+
+def build_decode_batches(
+    decodes: Sequence[tuple[int, Sequence[int] | npt.NDArray[np.int64], int]],
+    block_size: int, device: torch.device, sliding_window: int | None = None,
+    buffers: CopyBuffers | None = None,
+) -> list[DecodeBatch]:
+    """The decodes as batches of similar context length (longest first); arguments as for
+    build_decode_batch. No decodes, no batches."""
+    order = sorted(decodes, key=lambda d: d[2], reverse=True)
+    groups: list[list[tuple[int, Sequence[int] | npt.NDArray[np.int64], int]]] = []
+    widest = 0
+    for i, decode in enumerate(order):
+        width = -(-decode[2] // block_size)
+        saved = (widest - width) * (len(order) - i)  # padding avoided if cut here
+        if not groups or (width < _BATCH_FILL * widest and saved > _CALL_COST_BLOCKS):
+            groups.append([])
+            widest = width
+        groups[-1].append(decode)
+    return [build_decode_batch(group, block_size, device, sliding_window, buffers)
+            for group in groups]
+
+
 def build_decode_batch(
     decodes: Sequence[tuple[int, Sequence[int] | npt.NDArray[np.int64], int]],
     block_size: int, device: torch.device, sliding_window: int | None = None,

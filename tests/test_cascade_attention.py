@@ -74,7 +74,7 @@ def test_cascade_matches_reference(seed: int, heads: tuple[int, int], piece_rows
     assert ref_meta.cascade is None and cas_meta.cascade is not None
     # Every decode has at least one private block (its last): a batched tail each.
     private = cas_meta.cascade.private
-    assert (private.rows.numel() if private is not None else 0) == len(decodes)
+    assert sum(batch.rows.numel() for batch in private) == len(decodes)
     assert torch.equal(ref_meta.slot_mapping, cas_meta.slot_mapping)
     ref_caches, cas_caches = caches.clone(), caches.clone()
     ref = paged_attention(q, k, v, ref_caches[0], ref_caches[1], ref_meta, 0.25)
@@ -109,8 +109,7 @@ def test_shared_blocks_are_read_once() -> None:
     ]
     assert sorted(plan.gather_blocks.tolist()) == [3, 12]
     assert plan.fresh == [(2, 5)]
-    private = plan.private
-    assert private is not None
+    [private] = plan.private
     tails = sorted(zip(private.rows.tolist(), private.block_tables.tolist(),
                        (private.bias[:, 0, 0] == 0).sum(1).tolist(), strict=True))
     assert tails == [(0, [10], 2), (1, [11], 4)]
@@ -130,4 +129,4 @@ def test_a_long_chunk_runs_in_pieces_over_its_earlier_rows() -> None:
 
 def test_sliding_window_keeps_the_reference_path() -> None:
     meta = build_attention_metadata([([0, 1], 6)], [], BLOCK, 4, CPU, cascade=True)
-    assert meta.cascade is None and meta.decodes is not None
+    assert meta.cascade is None and len(meta.decodes) == 1

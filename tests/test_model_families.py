@@ -255,8 +255,8 @@ def test_sliding_window_never_plans_cascade_attention() -> None:
     meta = build_attention_metadata([([0, 1, 2], 40)], [([3, 4], 0, 20)], block_size=16,
                                     sliding_window=WINDOW, device=torch.device("cpu"),
                                     cascade=True)
-    assert meta.cascade is None and meta.decodes is not None
-    assert int((meta.decodes.bias == 0).sum()) == WINDOW
+    assert meta.cascade is None and len(meta.decodes) == 1
+    assert int((meta.decodes[0].bias == 0).sum()) == WINDOW
 
 
 def test_layers_with_different_windows_get_their_own_metadata() -> None:
@@ -267,8 +267,8 @@ def test_layers_with_different_windows_get_their_own_metadata() -> None:
                                 cascade=True)
     assert list(metas) == [WINDOW, None]
     local, full = metas[WINDOW], metas[None]
-    assert local.cascade is None and local.decodes is not None
-    assert int((local.decodes.bias == 0).sum()) == WINDOW
+    assert local.cascade is None and len(local.decodes) == 1
+    assert int((local.decodes[0].bias == 0).sum()) == WINDOW
     assert full.cascade is not None
     assert local.slot_mapping is full.slot_mapping
 

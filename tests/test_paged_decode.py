@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from engine.attention import build_attention_metadata, paged_attention
-from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batch, decode_attention
+from engine.paged_decode import (
+    CopyBuffers,
+    DecodeBatch,
+    build_decode_batch,
+    build_decode_batches,
+    decode_attention,
+)
 
 CPU = torch.device("cpu")
 BLOCK = 4
@@ -101,3 +107,19 @@ def test_copy_buffers_are_reused_across_calls_and_grow_on_demand() -> None:
     assert keys.data_ptr() == again.data_ptr()  # a smaller take reuses the space
     grown, _ = buffers.take((40, BLOCK, 2, 8), k_cache)
     assert grown.numel() == 40 * BLOCK * 2 * 8
+
+
+def test_decodes_of_very_different_lengths_are_cut_into_batches() -> None:
+    # 24 short contexts (1-2 blocks) and 8 long ones (40 blocks): padding every short one to
+    # 40 blocks would cost far more than a second call; similar lengths stay together.
+    rng = random.Random(2)
+    lengths = [rng.randint(1, 8) for _ in range(24)] + [rng.randint(157, 160) for _ in range(8)]
+    rng.shuffle(lengths)
+    decodes = [(row, list(range(-(-n // BLOCK))), n) for row, n in enumerate(lengths)]
+    batches = build_decode_batches(decodes, BLOCK, CPU)
+    assert [b.rows.numel() for b in batches] == [8, 24]
+    assert sorted(torch.cat([b.rows for b in batches]).tolist()) == list(range(32))
+    assert [b.block_tables.shape[1] for b in batches] == [40, 2]
+    even = [(row, [0, 1, 2], 9 + row % 3) for row in range(6)]
+    assert len(build_decode_batches(even, BLOCK, CPU)) == 1
+    assert build_decode_batches([], BLOCK, CPU) == []
