@@ -12,14 +12,18 @@ class IncrementalDetokenizer:
     constant. A window whose text ends in U+FFFD is an incomplete UTF-8 sequence: nothing is
     emitted until the next token completes it (or the request finishes: then it is text, as
     in a full decode). While stop strings are set, the last (longest stop - 1) characters
-    are held back, since they may still become a stop string; a matched stop string and
-    everything after it is cut.
+    are held back, since they may still become a stop string; everything after a matched
+    stop string is cut, and the stop string too unless include_stop. No stop string is
+    matched in the text of the first min_tokens tokens.
     """
 
     def __init__(self, decoder: PreTrainedTokenizerBase, stop: tuple[str, ...],
-                 skip_special_tokens: bool) -> None:
+                 skip_special_tokens: bool, include_stop: bool = False,
+                 min_tokens: int = 0) -> None:
         self._decoder = decoder
         self._stop = stop
+        self._include_stop = include_stop
+        self._min_tokens = min_tokens
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._skip_special = skip_special_tokens
         self._ids: list[int] = []
@@ -66,12 +70,14 @@ class IncrementalDetokenizer:
         return delta
 
     def _check_stop(self, before: int) -> None:
-        if not self._stop:
+        if not self._stop or len(self._ids) < self._min_tokens:
             return
         search_from = max(0, before - self._holdback)
-        hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, search_from), s) for s in self._stop)
+                if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            start, length = min(hits)
+            self.text = self.text[:start + length if self._include_stop else start]
             self.stopped = True
 
     def _decode(self, ids: list[int]) -> str:

@@ -24,6 +24,7 @@ import numpy.typing as npt
 import torch
 
 from engine.kv_cache import blocks_for
+from engine.logits_processors import RowState
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
@@ -40,6 +41,7 @@ class RunningRequest:
     """Blocks of its table (the first num_blocks entries of its row)."""
     sampling_params: SamplingParams
     lora_slot: int
+    num_prompt_tokens: int
 
 
 @dataclass
@@ -102,7 +104,8 @@ class InputBatch:
             self.forget([new.request_id])  # a copy left by a step that never reached here
             assert self._free_rows, "more running requests than max_num_seqs"
             self.requests[new.request_id] = RunningRequest(
-                new.token_ids, self._free_rows.pop(), 0, new.sampling_params, new.lora_slot)
+                new.token_ids, self._free_rows.pop(), 0, new.sampling_params, new.lora_slot,
+                new.num_prompt_tokens)
         for c in sched.chunks:
             request = self.requests[c.request_id]
             end = request.num_blocks + len(c.new_block_ids)
@@ -153,5 +156,14 @@ class InputBatch:
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
             decodes=decodes, prefills=prefills, has_lora=has_lora)
 
-    def sampling_params(self, request_ids: list[str]) -> list[SamplingParams]:
-        return [self.requests[r].sampling_params for r in request_ids]
+    def row_states(self, request_ids: list[str]) -> list[RowState]:
+        """What sampling needs of each request besides the logits."""
+        states = []
+        for request_id in request_ids:
+            r = self.requests[request_id]
+            longest = max((len(w) for w in r.sampling_params.bad_words_token_ids), default=1)
+            states.append(RowState(r.sampling_params, len(r.token_ids) - r.num_prompt_tokens,
+                                   r.token_ids[max(r.num_prompt_tokens,
+                                                   len(r.token_ids) - longest + 1):],
+                                   r.row))
+        return states

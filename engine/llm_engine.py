@@ -76,7 +76,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self._eos_ids(config, self.tokenizer))
         model = load_model(config.model, hf_config, self.dtype, self.device, self.max_model_len,
                            prepack_weights=config.prepack_weights)
-        self.runner = ModelRunner(config, model, self.device, self.dtype)
+        self.runner = ModelRunner(config, model, self.device, self.dtype, self.eos_token_ids)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, self.runner.num_swap_blocks,
             prefix_caching=config.prefix_caching,
@@ -124,6 +124,13 @@ class LLMEngine:
         if params.top_k > vocab:
             raise ValueError(f"top_k must be at most the vocabulary size ({vocab}), got "
                              f"{params.top_k}")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids),
+                          ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} holds token ids out of range [0, {vocab}): "
+                                 f"{outside[:5]}")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -147,6 +154,8 @@ class LLMEngine:
             prompt_ids = self.tokenize(prompt)
         else:
             prompt_ids = list(prompt)
+        if params.bad_words and not params.bad_words_token_ids:
+            params = replace(params, bad_words_token_ids=self._bad_words_ids(params.bad_words))
         self.validate(prompt_ids, params, lora)
         lora_identity = None
         if lora is not None:
@@ -166,6 +175,17 @@ class LLMEngine:
             timing=RequestTiming(arrival=arrival_time or time.monotonic()),
         )
 
+    def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each word as the tokenizer spells it alone and after a space (as vLLM does: in a
+        running text a word usually follows one)."""
+        spellings: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    spellings[ids] = None
+        return tuple(spellings)
+
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
@@ -184,7 +204,9 @@ class LLMEngine:
         self.runner.sampler.prepare(request.request_id, params)
         self._tracked[request.request_id] = _Tracked(
             request, IncrementalDetokenizer(self.tokenizer, params.stop,
-                                            params.skip_special_tokens))
+                                            params.skip_special_tokens,
+                                            params.include_stop_str_in_output,
+                                            params.min_tokens))
         self.metrics.prompt_tokens += request.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -13,6 +13,7 @@ from engine.attention import build_step_metadata
 from engine.config import EngineConfig
 from engine.input_batch import InputBatch
 from engine.kv_cache import blocks_for
+from engine.logits_processors import PenaltyCounts, RowState, adjust_logits
 from engine.models.llama import LlamaForFlatBatch
 from engine.paged_decode import CopyBuffers
 from engine.sampler import Sampler
@@ -42,7 +43,7 @@ class ModelRunner:
     """Runs one step's flat batch: decodes first (one query each), then prefill chunks."""
 
     def __init__(self, config: EngineConfig, model: LlamaForFlatBatch, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, stop_token_ids: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.device = device
         self.block_size = config.block_size
@@ -71,6 +72,9 @@ class ModelRunner:
             for _ in range(s.num_layers)
         ] if self.num_swap_blocks else []
         self.sampler = Sampler(config.seed, device)
+        self.stop_token_ids = stop_token_ids
+        """The model's end-of-sequence ids (banned, with a request's own, under min_tokens)."""
+        self.penalty_counts = PenaltyCounts(config.max_num_seqs, s.vocab_size, device)
         # A table never holds more blocks than the cache, nor than the model's context.
         max_blocks = min(self.num_blocks,
                          blocks_for(s.max_position_embeddings, config.block_size))
@@ -94,6 +98,11 @@ class ModelRunner:
         self.sampler.release(sched.finished_request_ids)
         t0 = time.perf_counter()
         self.batch.apply(sched)
+        for new in sched.new_requests:
+            if new.sampling_params.penalized:
+                self.penalty_counts.start(self.batch.requests[new.request_id].row,
+                                          new.token_ids[:new.num_prompt_tokens],
+                                          new.token_ids[new.num_prompt_tokens:])
         self._swap(sched)
         for slot, adapter in sched.lora_loads:
             assert self.lora_slots is not None
@@ -115,7 +124,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         t2 = self._sync_time()
         ids = [c.request_id for c in chunks if c.sample]
-        tokens, logprobs = self.sampler.sample(logits, ids, self.batch.sampling_params(ids))
+        rows = self.batch.row_states(ids)
+        tokens, logprobs = self.sampler.sample(
+            logits, ids, rows,
+            lambda raw: adjust_logits(raw, rows, self.stop_token_ids, self.penalty_counts))
+        self._count_penalized(rows, tokens)
         for request_id, token, lp in zip(ids, tokens, logprobs, strict=True):
             self.batch.append_sampled(request_id, token)
             out.sampled[request_id] = token
@@ -124,6 +137,15 @@ class ModelRunner:
         t3 = time.perf_counter()
         out.prepare_seconds, out.forward_seconds, out.sample_seconds = t1 - t0, t2 - t1, t3 - t2
         return out
+
+    def _count_penalized(self, rows: list[RowState], tokens: list[int]) -> None:
+        counted = [(r.counts_row, token) for r, token in zip(rows, tokens, strict=True)
+                   if r.params.penalized]
+        if counted:
+            self.penalty_counts.add(
+                torch.tensor([row for row, _ in counted], dtype=torch.int64, device=self.device),
+                torch.tensor([token for _, token in counted], dtype=torch.int64,
+                             device=self.device))
 
     def _swap(self, sched: SchedulerOutput) -> None:
         # Swap-outs first: their device blocks may be reused by this very step.

@@ -1,9 +1,12 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from engine.logits_processors import RowState
 from engine.sampling_params import SamplingParams
 
 
@@ -33,21 +36,27 @@ class Sampler:
             self._per_request.pop(request_id, None)
 
     def sample(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+        self, logits: torch.Tensor, request_ids: list[str], rows: list[RowState],
+        adjust: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits: [N, V] float32, one row per request. Returns token ids and, per row,
-        {token: logprob} for the chosen token plus the top-k alternatives (None if not
-        asked)."""
+        """logits: [N, V] float32, one row per request; adjust: the logit adjustments
+        (engine/logits_processors.py), applied before choosing. Returns token ids and, per
+        row, {token: logprob} for the chosen token plus the top-k alternatives of the raw
+        logits (None if not asked)."""
+        params = [r.params for r in rows]
+        raw = logits
+        if adjust is not None:
+            logits = adjust(raw)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            tokens[rows] = self._sample_random(
-                logits[rows], [request_ids[i] for i in random_rows],
+            index = torch.tensor(random_rows, device=logits.device)
+            tokens[index] = self._sample_random(
+                logits[index], [request_ids[i] for i in random_rows],
                 [params[i] for i in random_rows],
             )
         token_list = tokens.tolist()
-        return token_list, self._logprobs(logits, token_list, params)
+        return token_list, self._logprobs(raw, token_list, params)
 
     def _sample_random(
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
@@ -68,6 +77,10 @@ class Sampler:
             mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
             x = x.masked_fill(mass_before >= top_p[:, None], float("-inf"))
         probs = x.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=x.device)
+            floor = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+            probs = probs.masked_fill(probs < floor, 0.0)
         noise = torch.empty_like(probs)
         for i, (request_id, p) in enumerate(zip(request_ids, params, strict=True)):
             noise[i].exponential_(generator=self._generator(request_id, p))

@@ -14,6 +14,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 1024
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily (dividing logits by them overflows)."""
+MAX_TOKEN_LISTS = 4096
+"""Most entries of logit_bias, allowed_token_ids or bad words (each bounds per-step work)."""
 
 
 def _is_int(value: object) -> bool:
@@ -24,11 +26,22 @@ def _is_int(value: object) -> bool:
 class SamplingParams:
     """Per-request decoding parameters, validated at construction.
 
-    temperature == 0 (or below GREEDY_BELOW) means greedy (top_k / top_p / seed are then
-    ignored); top_k 0 or -1 disables top-k. ``seed`` gives the
+    temperature == 0 (or below GREEDY_BELOW) means greedy (top_k / top_p / min_p / seed are
+    then ignored); top_k 0 or -1 disables top-k. ``seed`` gives the
     request its own generator, so its samples do not depend on which other requests share
     its batches. ``logprobs``: None returns no logprobs; k >= 0 returns the chosen token's
-    logprob plus the k most likely alternatives (of the model's raw distribution).
+    logprob plus the k most likely alternatives (of the model's raw distribution, before
+    any of the adjustments below).
+
+    Logit adjustments, in the order applied (as vLLM does; engine/logits_processors.py):
+    allowed_token_ids (every other token banned), bad_words (a word's last token banned
+    where the output so far ends with the rest of it), min_tokens (end-of-sequence and
+    stop_token_ids banned, stop strings not matched, before that many output tokens),
+    logit_bias (added per token id), then the penalties: repetition_penalty (> 1 makes
+    every token of the prompt or output less likely: positive logits divided, negative
+    multiplied), frequency_penalty (subtracted once per earlier output occurrence) and
+    presence_penalty (subtracted once if it occurred). min_p: after temperature, tokens
+    with less than min_p times the top token's probability are dropped.
     """
 
     max_tokens: int = 16
@@ -42,6 +55,21 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text (by default it is cut off)."""
+    min_tokens: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    """(token id, bias in [-100, 100]) pairs; a dict is accepted too."""
+    allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    """When not empty, the only tokens that may be sampled."""
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    """Words never generated; tokenized by the engine into bad_words_token_ids."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    """Token sequences never generated (bad_words as the engine's tokenizer spells them)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is a common slip: accept it as one stop
@@ -49,6 +77,12 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
+        object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        object.__setattr__(self, "bad_words_token_ids",
+                           tuple(tuple(word) for word in self.bad_words_token_ids))
         if self.top_k == -1:  # vLLM's spelling of "disabled"
             object.__setattr__(self, "top_k", 0)
         if self.n != 1:
@@ -78,7 +112,55 @@ class SamplingParams:
         if any(not _is_int(t) or not 0 <= t <= MAX_INT_FIELD for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers in [0, {MAX_INT_FIELD}], got "
                              f"{self.stop_token_ids!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got "
+                             f"{self.min_tokens!r}")
+        _number_in("min_p", self.min_p, 0.0, 1.0)
+        _number_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _number_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _number_in("repetition_penalty", self.repetition_penalty, 0.0, 2.0)
+        if self.repetition_penalty == 0:
+            raise ValueError("repetition_penalty must be > 0 (1 disables it)")
+        for name, values in (("logit_bias", self.logit_bias),
+                             ("allowed_token_ids", self.allowed_token_ids),
+                             ("bad_words", self.bad_words),
+                             ("bad_words_token_ids", self.bad_words_token_ids)):
+            if len(values) > MAX_TOKEN_LISTS:
+                raise ValueError(f"{name} may have at most {MAX_TOKEN_LISTS} entries")
+        for token, value in self.logit_bias:
+            if not _is_int(token) or not 0 <= token <= MAX_INT_FIELD:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {MAX_INT_FIELD}], "
+                                 f"got {token!r}")
+            _number_in("a logit_bias value", value, -100.0, 100.0)
+        if any(not _is_int(t) or not 0 <= t <= MAX_INT_FIELD for t in self.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids must be integers in [0, {MAX_INT_FIELD}]")
+        if any(not isinstance(w, str) or not 0 < len(w) <= MAX_STOP_LENGTH
+               for w in self.bad_words):
+            raise ValueError(f"bad_words must be non-empty strings of at most "
+                             f"{MAX_STOP_LENGTH} characters")
+        if any(not word or len(word) > MAX_STOP_LENGTH
+               or any(not _is_int(t) or not 0 <= t <= MAX_INT_FIELD for t in word)
+               for word in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must be non-empty lists of token ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty needs the request's token counts."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any logit adjustment before sampling applies (min_p aside)."""
+        return bool(self.penalized or self.min_tokens or self.logit_bias
+                    or self.allowed_token_ids or self.bad_words_token_ids)
+
+
+def _number_in(name: str, value: object, low: float, high: float) -> None:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or not low <= value <= high):
+        raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}")

@@ -288,7 +288,8 @@ class Scheduler:
         sent = self._runner_blocks.get(request_id)
         if sent is None:
             out.new_requests.append(NewRequest(request_id, request.all_token_ids,
-                                               request.sampling_params, request.lora_slot))
+                                               request.sampling_params,
+                                               request.num_prompt_tokens, request.lora_slot))
             sent = 0
         self._runner_blocks[request_id] = len(table)
         start = request.num_computed_tokens

@@ -19,6 +19,8 @@ class NewRequest:
     token_ids: list[int]
     """Every token known so far (prompt, then output); a list the runner may keep."""
     sampling_params: SamplingParams
+    num_prompt_tokens: int
+    """How many of token_ids are the prompt (the rest are output)."""
     lora_slot: int = -1
     """Adapter slot of every token of the request while it runs (-1: base model only)."""
 

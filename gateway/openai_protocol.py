@@ -11,7 +11,8 @@ Fields of OpenAI's and vLLM's schemas that we do not implement (gateway/openai_f
 are accepted only at their neutral value (n=1, echo=false, penalties 0, no response_format...):
 anything else is a 400 naming the field, never a silent difference. Fields in neither place
 are ignored, as OpenAI-compatible servers do, so clients that send vendor extensions keep
-working. Our own extras: cache_salt, priority, top_k, ignore_eos.
+working. Our own extras: cache_salt, priority, top_k, ignore_eos; vLLM's sampling extras as vLLM
+names them (repetition_penalty, min_p, min_tokens, stop_token_ids, bad_words, ...).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ MAX_PROMPT_TOKEN_IDS = 2**20
 is the context, checked once it is known)."""
 MAX_MODEL_NAME = 512
 MAX_CONTENT_PARTS = 4096
+MAX_TOKEN_LIST = 4096
+"""Most entries of logit_bias, allowed_token_ids, bad_words, stop_token_ids."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -93,6 +96,21 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     priority: int = Field(default=0, ge=-1000, le=1000)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_TOKEN_LIST)] | None = None
+    """OpenAI's map of token id (a decimal string) to a bias added to its logit."""
+    # vLLM's sampling extras
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0, lt=INT32_LIMIT)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_LIST)] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_LIST)] | None = None
+    bad_words: Annotated[list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LENGTH)]],
+                         Field(max_length=MAX_TOKEN_LIST)] | None = None
 
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.SHARED
     """The endpoint's table of fields accepted at their neutral value only."""
@@ -118,6 +136,30 @@ class SamplingFields(BaseModel):
         for text in [value] if isinstance(value, str) else value or []:
             valid_text(text)
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit() or int(key) >= INT32_LIMIT:
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:32]!r}")
+        return value
+
+    def sampling_extras(self) -> dict[str, Any]:
+        """The sampling fields beyond OpenAI's basic ones, as SamplingParams arguments."""
+        return {
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": self.repetition_penalty or 1.0,
+            "min_p": self.min_p or 0.0,
+            "min_tokens": self.min_tokens,
+            "logit_bias": tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "allowed_token_ids": tuple(self.allowed_token_ids or ()),
+            "bad_words": tuple(self.bad_words or ()),
+        }
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

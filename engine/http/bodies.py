@@ -21,6 +21,16 @@ class SamplingBody(BaseModel):
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = Field(default_factory=list, max_length=4096)
+    allowed_token_ids: list[int] = Field(default_factory=list, max_length=4096)
+    bad_words: list[str] = Field(default_factory=list, max_length=4096)
+    bad_words_token_ids: list[list[int]] = Field(default_factory=list, max_length=4096)
 
 
 class GenerateBody(BaseModel):

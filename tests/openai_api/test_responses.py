@@ -135,6 +135,34 @@ def test_stop_strings_end_the_text_before_them(client: openai.OpenAI,
     assert chat.choices[0].finish_reason == "stop"
 
 
+def test_sampling_controls_reach_the_engine(client: openai.OpenAI,
+                                           tokenizer: PreTrainedTokenizerBase,
+                                           base_model: str) -> None:
+    # OpenAI's logit_bias and penalties, and vLLM's extras through extra_body.
+    request: dict[str, Any] = {"model": base_model, "prompt": PROMPT, "max_tokens": 6,
+                               "temperature": 0}
+    biased = client.completions.create(**request, logit_bias={"42": 100},
+                                       extra_body=NO_EOS).choices[0].text
+    assert biased == tokenizer.decode([42] * 6)
+    allowed = client.completions.create(**request, extra_body={
+        **NO_EOS, "allowed_token_ids": [11, 12]}).choices[0].text
+    assert set(tokenizer(allowed, add_special_tokens=False)["input_ids"]) <= {11, 12}
+    plain = client.completions.create(**request, extra_body=NO_EOS).choices[0].text
+    penalized = client.completions.create(**request, frequency_penalty=2.0, extra_body={
+        **NO_EOS, "repetition_penalty": 2.0}).choices[0].text
+    assert penalized != plain
+    stop = plain[2:4]
+    kept = client.completions.create(**request, stop=[stop], extra_body={
+        **NO_EOS, "include_stop_str_in_output": True}).choices[0]
+    assert (kept.text, kept.finish_reason) == (plain[:plain.index(stop)] + stop, "stop")
+    with pytest.raises(openai.BadRequestError) as caught:  # past the vocabulary
+        client.completions.create(**request, extra_body={"allowed_token_ids": [10**6]})
+    assert "allowed_token_ids" in str(caught.value)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**request, extra_body={"min_tokens": 7})
+    assert "min_tokens" in str(caught.value)
+
+
 def test_an_adapter_changes_the_greedy_output(client: openai.OpenAI, base_model: str) -> None:
     texts = {model: client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
                                               temperature=0, extra_body=NO_EOS
