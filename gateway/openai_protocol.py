@@ -137,6 +137,15 @@ class SamplingFields(BaseModel):
             valid_text(text)
         return value
 
+    @field_validator("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words",
+                     mode="before")
+    @classmethod
+    def _short_list(cls, value: Any, info: ValidationInfo) -> Any:
+        # Before the items are looked at: 100,000 bad items must be one error, not 100,000.
+        if isinstance(value, list | dict) and len(value) > MAX_TOKEN_LIST:
+            raise ValueError(f"{info.field_name} may have at most {MAX_TOKEN_LIST} entries")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:

@@ -93,10 +93,10 @@ def test_a_failure_inside_the_runner_leaves_its_copies_consistent(
     engine = _engine(tiny_model_dir)
     sample = engine.runner.sampler.sample
 
-    def failing_sample(logits: Any, request_ids: list[str], params: Any) -> Any:
+    def failing_sample(logits: Any, request_ids: list[str], *rest: Any) -> Any:
         if "bad" in request_ids:
             raise RuntimeError("injected failure in sampling")
-        return sample(logits, request_ids, params)
+        return sample(logits, request_ids, *rest)
 
     engine.runner.sampler.sample = failing_sample  # type: ignore[method-assign]
     done = _run(engine, {**PROMPTS, "bad": list(range(10, 90))})
