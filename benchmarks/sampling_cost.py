@@ -5,8 +5,9 @@
 
 One step's sampling of ``rows`` running requests over a vocabulary of ``vocab`` logits (the
 default is SmolLM2's), as the runner does it (engine/sampler.py with the adjustments of
-engine/logits_processors.py), with every row asking for: nothing (greedy, then seeded
-random sampling), the three penalties, min_p, logit_bias (16 ids) + min_tokens +
+engine/logits_processors.py), over logits shaped like a language model's and over flat
+ones, with every row asking for: nothing (greedy, then random sampling with temperature 0.8
+and top_p 0.95), the three penalties, min_p, logit_bias (16 ids) + min_tokens +
 allowed_token_ids (256 ids) + bad words, and everything at once. Each request has a
 200-token output history. Prints the median ms per step and the ratio to plain random
 sampling; the penalties' counts are kept incrementally, so the history length does not
@@ -48,7 +49,20 @@ def _params(kind: str, rng: random.Random) -> SamplingParams:
     return SamplingParams(max_tokens=512, **random_sampling, **chosen)
 
 
-def time_kind(kind: str, rows: int, vocab: int, repeats: int) -> float:
+def _logits(rows: int, vocab: int, flat: bool) -> torch.Tensor:
+    """Standard normal logits (flat: top-p's nucleus spans most of the vocabulary), or a
+    language model's shape: the r-th likeliest token with logit -1.5 ln r plus a little
+    noise, in a random order per row (the top few hundred tokens hold >95% of the mass)."""
+    gen = torch.Generator().manual_seed(0)
+    if flat:
+        return torch.randn(rows, vocab, generator=gen)
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+    shaped = -1.5 * ranks.log() + 0.1 * torch.randn(rows, vocab, generator=gen)
+    order = torch.rand(rows, vocab, generator=gen).argsort(dim=-1)
+    return shaped.gather(1, order)
+
+
+def time_kind(kind: str, rows: int, vocab: int, repeats: int, flat: bool) -> float:
     rng = random.Random(0)
     counts = PenaltyCounts(rows, vocab, CPU)
     sampler = Sampler(0, CPU)
@@ -60,7 +74,7 @@ def time_kind(kind: str, rows: int, vocab: int, repeats: int) -> float:
             counts.start(row, [rng.randrange(vocab) for _ in range(300)], output)
         states.append(RowState(params, len(output), output[-2:], row))
     ids = [f"r{row}" for row in range(rows)]
-    logits = torch.randn(rows, vocab)
+    logits = _logits(rows, vocab, flat)
     times = []
     for i in range(repeats + 3):
         start = time.perf_counter()
@@ -82,14 +96,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    base = None
-    for kind in ("greedy", "random", "penalties", "min_p", "lists", "everything"):
-        ms = time_kind(kind, args.rows, args.vocab, args.repeats)
-        if kind == "random":
-            base = ms
-        ratio = f"{ms / base:5.2f}x random" if base else ""
-        print(f"{kind:11s} {args.rows} rows x {args.vocab} vocab: {ms:7.2f} ms/step  {ratio}",
-              flush=True)
+    for flat in (False, True):
+        base = None
+        shape = "flat logits" if flat else "LM-shaped logits"
+        for kind in ("greedy", "random", "penalties", "min_p", "lists", "everything"):
+            ms = time_kind(kind, args.rows, args.vocab, args.repeats, flat)
+            if kind == "random":
+                base = ms
+            ratio = f"{ms / base:5.2f}x random" if base else ""
+            print(f"{shape}, {kind:11s} {args.rows} rows x {args.vocab} vocab: "
+                  f"{ms:7.2f} ms/step  {ratio}", flush=True)
 
 
 if __name__ == "__main__":

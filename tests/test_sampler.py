@@ -1,0 +1,88 @@
+"""The sampler draws from the distribution its parameters define: temperature, top-k, top-p
+(over what top-k kept), min-p, alone and together, on the fast path and on the whole-row
+path a flat distribution takes; frequencies of many draws against the exact probabilities."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import sampler as sampler_module
+from engine.logits_processors import RowState
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+LOGITS = torch.tensor([2.0, 1.5, 1.4, 0.3, 0.0, -0.5, -1.0, -3.0])
+DRAWS = 20_000
+
+
+def _expected(params: SamplingParams) -> torch.Tensor:
+    """The distribution by its definition, computed the slow, obvious way."""
+    probs = (LOGITS / params.temperature).softmax(-1)
+    if params.min_p:
+        probs = torch.where(probs >= params.min_p * probs.max(), probs, 0.0)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    if params.top_k:
+        keep[order[:params.top_k]] = True
+    else:
+        keep[:] = True
+    kept = torch.where(keep, probs, 0.0)
+    total = kept.sum()
+    mass_before = 0.0
+    for token in order.tolist():
+        if kept[token] == 0:
+            continue
+        if mass_before >= params.top_p * total:
+            kept[token] = 0.0
+        mass_before += float(probs[token]) if keep[token] else 0.0
+    return kept / kept.sum()
+
+
+CASES = {
+    "temperature": SamplingParams(temperature=0.7),
+    "top_k": SamplingParams(temperature=1.0, top_k=3),
+    "top_p": SamplingParams(temperature=1.0, top_p=0.7),
+    "min_p": SamplingParams(temperature=1.2, min_p=0.2),
+    "top_k+top_p": SamplingParams(temperature=1.0, top_k=4, top_p=0.8),
+    "all": SamplingParams(temperature=0.9, top_k=5, top_p=0.9, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("candidates", [1024, 2], ids=["candidates", "whole-row"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_draws_follow_the_defined_distribution(name: str, candidates: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2 candidates: every top-p row without top-k reaches past them and is sorted whole.
+    monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", candidates)
+    params = CASES[name]
+    expected = _expected(params)
+    sampler = Sampler(seed=1, device=CPU)
+    rows = [RowState(params, 0, [], 0)] * DRAWS
+    tokens, _ = sampler.sample(LOGITS.expand(DRAWS, -1).clone(), ["r"] * DRAWS, rows)
+    freq = torch.bincount(torch.tensor(tokens), minlength=len(LOGITS)).double() / DRAWS
+    assert set(torch.tensor(tokens).unique().tolist()) <= set(
+        expected.nonzero().flatten().tolist())  # a dropped token is never drawn
+    spread = 5 * (expected * (1 - expected) / DRAWS).sqrt() + 1e-9
+    assert bool(((freq - expected.double()).abs() <= spread).all()), (name, freq, expected)
+
+
+def test_top_p_keeps_the_most_likely_token_even_when_it_alone_passes_top_p() -> None:
+    sampler = Sampler(seed=0, device=CPU)
+    params = SamplingParams(temperature=1.0, top_p=0.01)
+    tokens, _ = sampler.sample(LOGITS.expand(200, -1).clone(), ["r"] * 200,
+                               [RowState(params, 0, [], 0)] * 200)
+    assert set(tokens) == {0}
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch() -> None:
+    def draws(batch: int) -> list[int]:
+        sampler = Sampler(seed=5, device=CPU)
+        seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=123)
+        sampler.prepare("mine", seeded)
+        rows = [RowState(seeded, 0, [], 0)] + [RowState(SamplingParams(), 0, [], 1)] * batch
+        ids = ["mine"] + [f"other{i}" for i in range(batch)]
+        return [sampler.sample(LOGITS.expand(len(ids), -1).clone(), ids, rows)[0][0]
+                for _ in range(50)]
+    assert draws(0) == draws(7) == draws(31)
