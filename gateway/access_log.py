@@ -4,9 +4,10 @@
     ttft_ms=35.1 duration_ms=120.4 user=u-123
 
 AccessLog is a pure ASGI middleware (no per-chunk cost on streams) that times the request
-from its arrival to the last byte of its response. Routes that know more (the tenant, the
-adapter, token counts, when the first token came) fill the AccessRecord they find with
-``record_of(request)``; fields nobody filled are logged as ``-``. The line holds no key,
+from its arrival to the last byte of its response, and hands every response's status to
+``observe`` (the response metrics: it sees refusals made before any route ran). Routes
+that know more (the tenant, the adapter, token counts, when the first token came) fill the
+AccessRecord they find with ``record_of(request)``; fields nobody filled are logged as ``-``. The line holds no key,
 prompt or body: it is safe to keep.
 """
 
@@ -52,8 +53,10 @@ def record_of(request: Request) -> AccessRecord | None:
 class AccessLog:
     """See the module docstring."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp,
+                 observe: Callable[[Scope, int], None] | None = None) -> None:
         self.app = app
+        self.observe = observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -72,6 +75,8 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_status)
         finally:
+            if self.observe is not None:
+                self.observe(scope, status)
             if log.isEnabledFor(logging.INFO):
                 if record.finish is not None:
                     record.finish(record)

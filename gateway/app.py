@@ -26,9 +26,10 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import Scope
 from transformers import AutoTokenizer
 
-from engine.http.errors import ApiError, install_error_handlers
+from engine.http.errors import ERROR_CODE_KEY, ApiError, install_error_handlers
 from gateway.access_log import AccessLog
 from gateway.admin_api import build_admin_router
 from gateway.auth import StateView
@@ -160,7 +161,17 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                        body_timeout_s=config.body_read_timeout_s,
                        restrict_hosts=lambda: bool(config.allowed_hosts) or open_mode(),
                        allowed_hosts=config.allowed_hosts)
-    app.add_middleware(AccessLog)  # added last: outermost, so refusals are logged too
+    def count_response(scope: Scope, status: int) -> None:
+        gateway: Gateway | None = getattr(app.state, "gateway", None)
+        if gateway is None:
+            return
+        # The route's template (bounded label values), never the raw path.
+        route = getattr(scope.get("route"), "path", "unmatched")
+        code = scope.get(ERROR_CODE_KEY) or ("client_closed" if status == 0 else "none")
+        gateway.metrics.responses.labels(route, str(status or 499), code).inc()
+
+    # Added last: outermost, so refusals are logged and counted too.
+    app.add_middleware(AccessLog, observe=count_response)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -50,6 +50,10 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter(PREFIX + "requests", "Requests by final HTTP status",
                                 ["endpoint", "status", "adapter", "instance"], registry=r)
+        self.responses = Counter(
+            PREFIX + "responses", "Every HTTP response by route template, status and error "
+            "code (refusals before any work included; 499: the client left first)",
+            ["route", "status", "code"], registry=r)
         self.routing = Counter(PREFIX + "routing_decisions", "Routing decisions by reason",
                                ["reason"], registry=r)
         self.retries = Counter(PREFIX + "retries", "Requests re-sent to another instance "

@@ -69,6 +69,34 @@ def test_one_instance_serves_in_the_gateways_process(serve: LiveServer,
     assert metric(page, "loragate_gateway_requests_total", status="200") >= 4
 
 
+def test_every_response_is_counted_by_route_status_and_code(serve: LiveServer,
+                                                          tiny_model_dir: Path) -> None:
+    # Refusals made before any work count too: bad JSON fields, an unknown model, a body
+    # over the limit (refused by the guard before routing).
+    def count(**labels: str) -> float:
+        page = httpx.get(serve.url + "/metrics", headers=HEADERS).text
+        return metric(page, "loragate_gateway_responses_total", **labels)
+
+    route = "/v1/completions"
+    before = {key: count(route=route, status=status, code=code) for key, (status, code) in {
+        "ok": ("200", "none"), "bad": ("400", "none"), "unknown": ("404", "model_not_found"),
+    }.items()}
+    big_before = count(status="413")
+
+    def post(body: dict[str, object]) -> httpx.Response:
+        return httpx.post(serve.url + route, json=body, headers=HEADERS, timeout=60)
+
+    assert post(_body(tiny_model_dir.name, 2)).status_code == 200
+    assert post({**_body(tiny_model_dir.name, 2), "temperature": -1}).status_code == 400
+    assert post(_body("no-such-model", 2)).status_code == 404
+    huge = httpx.post(serve.url + route, content=b"x" * (9 << 20), headers=HEADERS, timeout=60)
+    assert huge.status_code == 413
+    assert count(route=route, status="200", code="none") == before["ok"] + 1
+    assert count(route=route, status="400", code="none") == before["bad"] + 1
+    assert count(route=route, status="404", code="model_not_found") == before["unknown"] + 1
+    assert count(status="413") == big_before + 1
+
+
 def test_a_client_hanging_up_frees_the_engine(serve: LiveServer, tiny_model_dir: Path
                                               ) -> None:
     def generated() -> float:

@@ -20,6 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.protocol import EngineError, error_type
 
 log = logging.getLogger(__name__)
+ERROR_CODE_KEY = "loragate.error_code"
+"""Where an error response's code is left in the ASGI scope (for per-code metrics)."""
 
 
 class ApiError(Exception):
@@ -90,11 +92,13 @@ def install_error_handlers(app: FastAPI) -> None:
     schema."""
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        request.scope[ERROR_CODE_KEY] = exc.code
         return exc.response()
 
     @app.exception_handler(EngineError)
-    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
+    async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        request.scope[ERROR_CODE_KEY] = exc.code
         return ApiError.of(exc).response()
 
     @app.exception_handler(RequestValidationError)
