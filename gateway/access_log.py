@@ -7,8 +7,8 @@ AccessLog is a pure ASGI middleware (no per-chunk cost on streams) that times th
 from its arrival to the last byte of its response, and hands every response's status to
 ``observe`` (the response metrics: it sees refusals made before any route ran). Routes
 that know more (the tenant, the adapter, token counts, when the first token came) fill the
-AccessRecord they find with ``record_of(request)``; fields nobody filled are logged as ``-``. The line holds no key,
-prompt or body: it is safe to keep.
+AccessRecord they find with ``record_of(request)``; fields nobody filled are logged as
+``-``. The line holds no key, prompt or body: it is safe to keep.
 """
 
 from __future__ import annotations

@@ -56,8 +56,9 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
         async def encode(context: int) -> list[int]:
             if not isinstance(body.prompt, str):  # ids (a text list became its one text)
                 return cast(list[int], body.prompt)  # bounded by the context in _job
-            PromptEncoder.check_chars(len(body.prompt), context, "prompt")
-            return await prompts.encode_prompt(body.prompt)
+            if body.truncate_prompt_tokens is None:  # else longer is fine: it will be cut
+                PromptEncoder.check_chars(len(body.prompt), context, "prompt")
+            return await prompts.encode_prompt(body.prompt, body.add_special_tokens)
 
         fmt = ResponseFormatter("completions", body.model, tokenizer, body.logprobs)
         call = _Call(body, request, principal, "completions", body.max_tokens, "max_tokens",
@@ -68,7 +69,8 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                principal: Caller) -> Response:
         async def encode(context: int) -> list[int]:
-            PromptEncoder.check_chars(body.prompt_chars(), context, "messages")
+            if body.truncate_prompt_tokens is None:
+                PromptEncoder.check_chars(body.prompt_chars(), context, "messages")
             return await prompts.encode_chat(body.template_messages())
 
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -146,6 +148,8 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
          prompt_ids: list[int], context: int) -> Job:
     body = req.body
     param = "messages" if req.endpoint == "chat" else "prompt"
+    if body.truncate_prompt_tokens is not None:
+        prompt_ids = prompt_ids[-body.truncate_prompt_tokens:]
     if not prompt_ids:
         raise ApiError(400, "prompt is empty after tokenization", param=param)
     if len(prompt_ids) >= context:

@@ -63,7 +63,6 @@ SHARED: Mapping[str, Unsupported] = {
     "length_penalty": _off(1, reason="no beam search"),
     "spaces_between_special_tokens": _off(True, reason="special tokens are decoded as the "
                                                        "tokenizer joins them"),
-    "truncate_prompt_tokens": _off(reason="a prompt longer than the context is refused"),
     "prompt_logprobs": _off(reason="log-probs of generated tokens only"),
     "logits_processors": _off(reason="no custom logits processors"),
     "return_tokens_as_token_ids": _off(False, reason="tokens are returned as text"),
@@ -84,8 +83,6 @@ COMPLETIONS: Mapping[str, Unsupported] = {
     **SHARED,
     "echo": _off(False, reason="the prompt is not echoed"),
     "suffix": _off("", reason="no fill-in-the-middle"),
-    "add_special_tokens": _off(True, reason="a text prompt is tokenized with the tokenizer's "
-                                            "special tokens (send token ids for full control)"),
 }
 """POST /v1/completions."""
 

@@ -111,6 +111,8 @@ class SamplingFields(BaseModel):
     allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_LIST)] | None = None
     bad_words: Annotated[list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LENGTH)]],
                          Field(max_length=MAX_TOKEN_LIST)] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, lt=INT32_LIMIT)
+    """Keep only the prompt's last this many tokens (after the chat template, if any)."""
 
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.SHARED
     """The endpoint's table of fields accepted at their neutral value only."""
@@ -188,6 +190,8 @@ class CompletionRequest(SamplingFields):
     prompt: Annotated[StrictStr | list[TokenId] | list[StrictStr], SkipValidation]
     max_tokens: MaxTokens | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=5)
+    add_special_tokens: bool = True
+    """Tokenize a text prompt with the tokenizer's special tokens (e.g. BOS), as vLLM does."""
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.COMPLETIONS
 
     @field_validator("prompt", mode="before")

@@ -76,10 +76,12 @@ class PromptEncoder:
                            param=param)
 
     # ----------------------------------------------------------------------- async API
-    async def encode_prompt(self, text: str) -> list[int]:
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A completion prompt's ids, as the client wrote it: the raw prompt is the
-        client's own, so control tokens in it are control tokens (it may carry a template)."""
-        return await self._run(len(text), self._prompt_ids, text)
+        client's own, so control tokens in it are control tokens (it may carry a template).
+        add_special_tokens: the tokenizer's own (e.g. a BOS) around it."""
+        return await self._run(len(text), self._prompt_ids if add_special_tokens
+                               else self._encode, text)
 
     async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The conversation rendered by the model's chat template; control-token text inside

@@ -98,7 +98,7 @@ def test_a_failure_inside_the_runner_leaves_its_copies_consistent(
             raise RuntimeError("injected failure in sampling")
         return sample(logits, request_ids, *rest)
 
-    engine.runner.sampler.sample = failing_sample  # type: ignore[method-assign]
+    engine.runner.sampler.sample = failing_sample  # type: ignore[method-assign,assignment]
     done = _run(engine, {**PROMPTS, "bad": list(range(10, 90))})
     assert done["bad"].error == STEP_FAILED_MESSAGE
     assert {r: done[r].token_ids for r in reference} == reference

@@ -163,6 +163,27 @@ def test_sampling_controls_reach_the_engine(client: openai.OpenAI,
     assert "min_tokens" in str(caught.value)
 
 
+def test_truncate_prompt_tokens_and_add_special_tokens(client: openai.OpenAI,
+                                                      tokenizer: PreTrainedTokenizerBase,
+                                                      base_model: str) -> None:
+    # The kept tail of a long prompt answers as that tail sent alone (as token ids).
+    ids = tokenizer(PROMPT * 40)["input_ids"]
+    request: dict[str, Any] = {"model": base_model, "max_tokens": 5, "temperature": 0}
+    cut = client.completions.create(**request, prompt=PROMPT * 40,
+                                    extra_body={**NO_EOS, "truncate_prompt_tokens": 7})
+    tail = client.completions.create(**request, prompt=ids[-7:], extra_body=NO_EOS)
+    assert cut.usage is not None and cut.usage.prompt_tokens == 7
+    assert cut.choices[0].text == tail.choices[0].text
+    chat = client.chat.completions.create(model=base_model, messages=MESSAGES, max_tokens=2,
+                                          extra_body={**NO_EOS, "truncate_prompt_tokens": 3})
+    assert chat.usage is not None and chat.usage.prompt_tokens == 3
+    plain = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    assert len(tokenizer(PROMPT)["input_ids"]) == len(plain) + 1  # the tokenizer adds a BOS
+    bare = client.completions.create(**request, prompt=PROMPT,
+                                     extra_body={**NO_EOS, "add_special_tokens": False})
+    assert bare.usage is not None and bare.usage.prompt_tokens == len(plain)
+
+
 def test_an_adapter_changes_the_greedy_output(client: openai.OpenAI, base_model: str) -> None:
     texts = {model: client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
                                               temperature=0, extra_body=NO_EOS
