@@ -9,8 +9,8 @@ Here the whole step's decodes (or, under cascade attention, the blocks only one 
 are one call: K/V copied out of the cache whole blocks at a time (a contiguous copy per
 block), the G query heads of each KV head as G query rows (no repetition of K/V), the
 padding and any sliding window hidden by a mask. Measured on the 2-core host with
-SmolLM2-135M (32 decodes of ~300 positions, 30 layers): about 2.5x faster than one flash
-call per decode, 4x faster than the enable_gqa batch.
+SmolLM2-135M (32 decodes of ~300 positions): the whole decode forward 70 ms, against 98 ms
+with one flash call per decode and 220 ms with the enable_gqa batch.
 
 The copies go to buffers kept from step to step (CopyBuffers): a fresh allocation of that size
 per layer is fresh pages from the kernel each time, and those page faults cost more than the
