@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.http.errors import ApiError
@@ -55,6 +55,21 @@ class AdapterPatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
     owner: str | None = None
     shared_with: list[str] | None = None
+
+
+class VllmLoadBody(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    model_config = ConfigDict(extra="ignore")  # lora_int_id, load_inplace: vLLM-internal
+    lora_name: str = Field(pattern=NAME_PATTERN)
+    lora_path: str
+
+
+class VllmUnloadBody(BaseModel):
+    """vLLM's POST /v1/unload_lora_adapter body."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
 
 
 class PlacementBody(BaseModel):
@@ -208,7 +223,32 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
 
         return {"name": name, "instances": await on_instances(gw, body.instance, pin_on)}
 
-    return router
+    # ------------------------------------------------- vLLM's runtime adapter endpoints
+    # For clients and scripts written against vLLM's --enable-lora runtime updates: the
+    # same admin key, mapped onto registration (a public adapter: vLLM has no tenants) and
+    # delete (which waits for the engines as DELETE /admin/adapters/{name} does).
+    compat = APIRouter(tags=["admin"])
+
+    @compat.post("/v1/load_lora_adapter")
+    async def vllm_load(body: VllmLoadBody, gw: AdminGateway) -> PlainTextResponse:
+        await register_adapter(AdapterBody(name=body.lora_name, path=body.lora_path,
+                                           public=True), gw)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
+                                 f"successfully.")
+
+    @compat.post("/v1/unload_lora_adapter")
+    async def vllm_unload(body: VllmUnloadBody, gw: AdminGateway) -> PlainTextResponse:
+        response = await delete_adapter(body.lora_name, gw, force=False)
+        pending = response.status_code == 202
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{body.lora_name}' removed"
+            + (" once its last request ends." if pending else " successfully."),
+            status_code=response.status_code)
+
+    outer = APIRouter()
+    outer.include_router(router)
+    outer.include_router(compat)
+    return outer
 
 
 # ------------------------------------------------------------------------ helpers

@@ -394,3 +394,27 @@ def test_parse_adapters_skips_links_that_lead_outside_the_dir(
         tiny_adapters["a1"] / "adapter_model.safetensors")
     assert parse_adapters([], str(adapter_dir)) == {"alias": str(inside.resolve()),
                                                    "real": str(inside.resolve())}
+
+
+def test_vllm_runtime_adapter_endpoints_register_and_remove(setup: Setup) -> None:
+    # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, behind the admin key.
+    body = {"lora_name": "vllm-style", "lora_path": str(setup.old)}
+    refused = httpx.post(setup.gateway.url + "/v1/load_lora_adapter", json=body, timeout=60,
+                         headers={"Authorization": f"Bearer {setup.keys['ta']}"})
+    assert refused.status_code in (401, 403)
+    loaded = admin(setup, "POST", "/v1/load_lora_adapter", json=body)
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.text == "Success: LoRA adapter 'vllm-style' added successfully."
+    # Public (vLLM has no tenants): both tenants may use it, and it serves those weights.
+    want = reference(setup, "ta", "vllm-style-ref", setup.old)
+    assert text_of(complete(setup, "ta", "vllm-style")) == want
+    assert text_of(complete(setup, "tb", "vllm-style")) == want
+    again = admin(setup, "POST", "/v1/load_lora_adapter", json=body)
+    assert again.status_code == 409
+    wait_engines_idle(setup.engine.url)
+    removed = admin(setup, "POST", "/v1/unload_lora_adapter",
+                    json={"lora_name": "vllm-style"})
+    assert removed.status_code == 200, removed.text
+    assert complete(setup, "ta", "vllm-style").status_code == 404
+    assert admin(setup, "POST", "/v1/unload_lora_adapter",
+                 json={"lora_name": "vllm-style"}).status_code == 404
