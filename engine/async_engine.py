@@ -55,12 +55,16 @@ class AsyncEngine:
     callers that trust every path). ``on_output`` sees every output as it reaches the event
     loop (the server's latency histograms)."""
 
-    def __init__(self, engine: LLMEngine,
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
                  on_fatal: Callable[[BaseException], None] | None = None,
                  adapter_roots: AdapterRoots | None = None,
                  on_output: Callable[[RequestOutput], None] | None = None,
                  instance_id: str = "engine-0") -> None:
-        self.engine = engine
+        # Built on the engine thread (see engine/engine_thread.py) unless given built.
+        built = engine
+        self._thread = EngineThread((lambda: built) if isinstance(built, LLMEngine) else built,
+                                    on_fatal)
+        self.engine = engine = self._thread.engine
         self.config = engine.config
         self.adapter_roots = adapter_roots
         self.on_output = on_output
@@ -71,13 +75,12 @@ class AsyncEngine:
         self._ids = itertools.count()
         self.last_adapters: list[AdapterInfo] = engine.list_loras()
         """Adapters as of the last command that read them (for metrics scrapes)."""
-        self._thread = EngineThread(engine, on_fatal)
 
     @classmethod
     def from_config(cls, config: EngineConfig,
                     on_fatal: Callable[[BaseException], None] | None = None,
                     **kwargs: Any) -> AsyncEngine:
-        return cls(LLMEngine(config), on_fatal, **kwargs)
+        return cls(lambda: LLMEngine(config), on_fatal, **kwargs)
 
     # ------------------------------------------------------------ the engine protocol
     async def open(self, request: GenerateRequest) -> ChunkStream:

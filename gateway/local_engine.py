@@ -95,7 +95,7 @@ class LocalEngine:
         return engine
 
     def _build(self) -> AsyncEngine:
-        engine = AsyncEngine(LLMEngine(self.config), on_fatal=self._on_fatal,
+        engine = AsyncEngine(lambda: LLMEngine(self.config), on_fatal=self._on_fatal,
                              adapter_roots=self.adapter_roots,
                              on_output=self.metrics.observe, instance_id=self.instance_id)
         engine.model_name = self.model_name or engine.model_name

@@ -194,7 +194,7 @@ def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = 
         for stop in exit_now:
             stop()
 
-    engine = AsyncEngine(load_engine(config, adapters), on_fatal)
+    engine = AsyncEngine(lambda: load_engine(config, adapters), on_fatal)
     instance_id = instance_id or f"{host}:{port}"
     app = create_app(engine, instance_id, model_name, background, token, roots)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
