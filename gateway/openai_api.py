@@ -71,7 +71,7 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
         async def encode(context: int) -> list[int]:
             if body.truncate_prompt_tokens is None:
                 PromptEncoder.check_chars(body.prompt_chars(), context, "messages")
-            return await prompts.encode_chat(body.template_messages())
+            return await prompts.encode_chat(body.template_messages(), body.template_options())
 
         top = (body.top_logprobs or 0) if body.logprobs else None
         fmt = ResponseFormatter("chat", body.model, tokenizer, top)

@@ -105,12 +105,8 @@ CHAT: Mapping[str, Unsupported] = {
     "prompt_cache_options": _off(reason="the router places requests by their prompts' cached "
                                         "prefixes"),
     "echo": _off(False, reason="the last message is not echoed"),
-    "add_generation_prompt": _off(True, reason="the template always ends with the assistant's "
-                                               "turn opened"),
-    "continue_final_message": _off(False, reason="the template always opens a new turn"),
     "add_special_tokens": _off(False, reason="the chat template places special tokens"),
     "chat_template": _off(reason="the model's own chat template is used"),
-    "chat_template_kwargs": _off(reason="the model's own chat template is used"),
     "documents": _off(reason="put documents in the messages"),
     "mm_processor_kwargs": _off(reason="text only"),
 }

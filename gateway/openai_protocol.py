@@ -48,6 +48,12 @@ MAX_PROMPT_TOKEN_IDS = 2**20
 is the context, checked once it is known)."""
 MAX_MODEL_NAME = 512
 MAX_CONTENT_PARTS = 4096
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
+    "return_assistant_tokens_mask", "add_generation_prompt", "continue_final_message"})
+"""apply_chat_template's own parameters: a template variable of that name would change how
+the prompt is built or tokenized, not what the template renders."""
 MAX_TOKEN_LIST = 4096
 """Most entries of logit_bias, allowed_token_ids, bad_words, stop_token_ids."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -258,7 +264,32 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    """End the rendered prompt with the assistant's turn opened (vLLM's default)."""
+    continue_final_message: bool = False
+    """Render the last (assistant) message open-ended, so the model continues it."""
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
+    """Extra variables for the model's chat template (e.g. enable_thinking)."""
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.CHAT
+
+    @model_validator(mode="after")
+    def _template_options(self) -> ChatCompletionRequest:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message=true needs add_generation_prompt=false: "
+                             "the last message is continued, not answered")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message=true needs an assistant message last")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
+                             f"they are request fields or the server's own")
+        return self
+
+    def template_options(self) -> dict[str, Any]:
+        """Keyword arguments of the tokenizer's apply_chat_template for this request."""
+        return {**(self.chat_template_kwargs or {}),
+                "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     @field_validator("top_logprobs")
     @classmethod

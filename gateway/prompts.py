@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import re
 import secrets
 from collections.abc import Callable, Iterable
@@ -83,14 +84,18 @@ class PromptEncoder:
         return await self._run(len(text), self._prompt_ids if add_special_tokens
                                else self._encode, text)
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, str]],
+                          options: dict[str, Any] | None = None) -> list[int]:
         """The conversation rendered by the model's chat template; control-token text inside
-        a message is encoded as plain text. 400 (param messages) if the template fails."""
+        a message is encoded as plain text. options: apply_chat_template's keyword arguments
+        (add_generation_prompt, continue_final_message, template variables; by default the
+        assistant's turn is opened). 400 (param messages) if the template fails."""
         # Many small messages still cost a template loop each: keep those off the loop too.
         cost = sum(len(m["content"]) for m in messages) if len(messages) <= INLINE_MESSAGES \
             else INLINE_CHARS + 1
         try:
-            return await self._run(cost, self._chat_ids, messages)
+            return await self._run(cost, functools.partial(
+                self._chat_ids, options=options or {"add_generation_prompt": True}), messages)
         except (jinja2.TemplateError, ValueError) as exc:
             raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
 
@@ -135,7 +140,7 @@ class PromptEncoder:
             return ids[len(self._newline):]
         return [int(t) for t in self.tokenizer(text, **kwargs)["input_ids"]]
 
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def _chat_ids(self, messages: list[dict[str, str]], options: dict[str, Any]) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise ValueError("the model's tokenizer has no chat template")
         # Control tokens typed inside a message are swapped for a marker no client can
@@ -155,8 +160,7 @@ class PromptEncoder:
             content, count = self._controls_re.subn(swap, message["content"])
             marked += count
             safe.append({**message, "content": content})
-        rendered = str(self.tokenizer.apply_chat_template(safe, add_generation_prompt=True,
-                                                          tokenize=False))
+        rendered = str(self.tokenizer.apply_chat_template(safe, tokenize=False, **options))
         if not marked:
             return self._encode(rendered)
         pieces = re.split(re.escape(mark) + r"(\d+)\ue000", rendered)

@@ -66,9 +66,7 @@ ACTIVE: dict[str, Any] = {
     "reasoning_effort": "high", "verbosity": "low",
     "web_search_options": {"search_context_size": "low"},
     "moderation": {"type": "auto"}, "prompt_cache_key": "k",
-    "prompt_cache_options": {"x": 1}, "add_generation_prompt": False,
-    "continue_final_message": True, "chat_template": "{{ messages }}",
-    "chat_template_kwargs": {"enable_thinking": True},
+    "prompt_cache_options": {"x": 1}, "chat_template": "{{ messages }}",
     "documents": [{"title": "t", "text": "x"}], "mm_processor_kwargs": {"x": 1},
 }
 

@@ -184,6 +184,38 @@ def test_truncate_prompt_tokens_and_add_special_tokens(client: openai.OpenAI,
     assert bare.usage is not None and bare.usage.prompt_tokens == len(plain)
 
 
+def test_chat_template_options_shape_the_prompt(client: openai.OpenAI,
+                                                tokenizer: PreTrainedTokenizerBase,
+                                                base_model: str) -> None:
+    # The prompt the engine saw, counted, against transformers' own rendering.
+    started = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+
+    def prompt_tokens(messages: list[dict[str, str]], **extra: object) -> int:
+        response = client.chat.completions.create(model=base_model, messages=messages,  # type: ignore[arg-type]
+                                                  max_tokens=1, extra_body=extra)
+        assert response.usage is not None
+        return response.usage.prompt_tokens
+
+    def reference(messages: list[dict[str, str]], **options: Any) -> int:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        return len(tokenizer(str(rendered), add_special_tokens=False)["input_ids"])
+
+    opened = prompt_tokens(MESSAGES)
+    assert opened == reference(MESSAGES, add_generation_prompt=True)
+    closed = prompt_tokens(MESSAGES, add_generation_prompt=False)
+    assert closed == reference(MESSAGES, add_generation_prompt=False) < opened
+    continued = prompt_tokens(started, add_generation_prompt=False,
+                              continue_final_message=True)
+    assert continued == reference(started, continue_final_message=True)
+    assert prompt_tokens(MESSAGES, chat_template_kwargs={"enable_thinking": False}) == opened
+    for bad in ({"continue_final_message": True},  # with add_generation_prompt (default)
+                {"add_generation_prompt": False, "continue_final_message": True},  # user last
+                {"chat_template_kwargs": {"tokenize": False}}):
+        with pytest.raises(openai.BadRequestError):
+            prompt_tokens(MESSAGES if "chat_template_kwargs" in bad or len(bad) == 2
+                          else started, **bad)
+
+
 def test_an_adapter_changes_the_greedy_output(client: openai.OpenAI, base_model: str) -> None:
     texts = {model: client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
                                               temperature=0, extra_body=NO_EOS
