@@ -14,9 +14,10 @@ the last request or the last tokens of a window. The scripts touch keys of diffe
 slots: they need a standalone Redis (or one shard), not Redis Cluster. ``now`` comes from
 the gateway's clock: replicas' clocks should agree within a second (NTP).
 
-Every connection or timeout error becomes StoreUnavailable, fast: no retries and short
-socket timeouts, because the gateway's failure policy (gateway/ratelimit.py) has a better
-answer than waiting. Its message, like everything this module logs, names the server
+Every connection or timeout error becomes StoreUnavailable, fast: short socket timeouts and
+no retries (but one on a broken connection, which a server restart leaves in the pool),
+because the gateway's failure policy (gateway/ratelimit.py) has a better answer than
+waiting. Its message, like everything this module logs, names the server
 without credentials. A record that does not parse (hand-edited, or written by a newer
 version) is skipped by snapshot() with one warning instead of failing every replica;
 unknown fields of an otherwise valid record are ignored.
@@ -36,6 +37,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 
 from engine.http.registry import REGISTRY_KEY, register
@@ -129,7 +131,11 @@ class RedisStore:
         try:
             self._redis = aioredis.from_url(
                 url, decode_responses=True, socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+                socket_connect_timeout=timeout_s,
+                # One retry, on a broken connection only: after a Redis restart every pooled
+                # connection is dead, and each would otherwise fail one request; a timeout
+                # is never retried (the failure policy answers faster than waiting again).
+                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         except ValueError:
             # redis-py's message may quote pieces of the URL, credentials included.
             raise ValueError(f"invalid Redis URL {self.url}: check its scheme, host, port "

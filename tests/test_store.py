@@ -23,7 +23,7 @@ from gateway.sliding_window import SPAN_S
 from gateway.sqlite_store import SqliteStore
 from gateway.store import MemoryStore, Snapshot, StateStore, StoreUnavailable
 from gateway.tenancy import AdapterRecord, ApiKey, Tenant, hash_key
-from tests.redis_server import shared_redis_url
+from tests.redis_server import private_redis, shared_redis_url
 
 T = TypeVar("T")
 NOW = 60_000_010.0
@@ -329,3 +329,29 @@ def test_sqlite_store_undoes_a_write_the_file_refuses(tmp_path: Path) -> None:
         await store.close()
 
     run(scenario())
+
+
+def test_redis_store_survives_a_server_restart_without_failing_requests(tmp_path: Path) -> None:
+    # Every pooled connection dies with the server: each is reconnected once on its next
+    # use, so no request after the restart sees StoreUnavailable; with the server down,
+    # a call still fails fast.
+    server = private_redis(tmp_path)
+
+    async def scenario() -> None:
+        store = RedisStore(server.url)
+        try:
+            # Several connections in the pool: concurrent calls each take one.
+            await asyncio.gather(*(store.snapshot() for _ in range(6)))
+            server.stop()
+            with pytest.raises(StoreUnavailable):
+                await store.snapshot()
+            server.start()
+            for _ in range(8):
+                await asyncio.gather(*(store.snapshot() for _ in range(6)))
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
