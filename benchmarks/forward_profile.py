@@ -9,6 +9,8 @@ Times LlamaForFlatBatch.forward + compute_logits of the sampled rows (what the r
 forward_seconds covers) on fixed batches, each over its own paged KV (block 32, fp32):
 
     decode       32 sequences x 1 token, contexts 284..315 (about 300), no shared blocks
+    rag-decode   32 sequences x 1 token over 8 shared 992-token documents (groups of 11..1)
+                 plus private tails of 40-70 tokens
     prefill      one 512-token prefill chunk of a new prompt (no cached context)
     prefill-ctx  a 512-token chunk after 512 cached tokens (the second chunk of a long prompt)
 
@@ -50,6 +52,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import engine.models.llama as llama_mod
 import lora.layers as layers_mod
 from engine.attention import build_step_metadata
+from engine.cpu_kernels import PagedDecodeOp, load_paged_decode
 from engine.default_model import default_model_dir
 from engine.models.gemma import GemmaRMSNorm
 from engine.models.llama import LlamaForFlatBatch, RMSNorm
@@ -90,7 +93,8 @@ class Result:
 
 
 def make_batches(model: LlamaForFlatBatch, adapters: int,
-                 cascade: bool = True) -> tuple[list[Batch], int]:
+                 cascade: bool = True, kernel: PagedDecodeOp | None = None
+                 ) -> tuple[list[Batch], int]:
     """The three batches, each on its own blocks; returns them and the blocks they need."""
     windows = tuple(dict.fromkeys(model.shape.layer_windows))
     gen = torch.Generator().manual_seed(0)
@@ -112,7 +116,21 @@ def make_batches(model: LlamaForFlatBatch, adapters: int,
         "decode", torch.randint(vocab, (32,), generator=gen),
         torch.tensor([c - 1 for c in ctxs]),
         build_step_metadata(decodes, [], BLOCK_SIZE, windows, torch.device("cpu"), cascade=cascade,
-                            buffers=buffers),
+                            buffers=buffers, kernel=kernel),
+        torch.arange(32), build_lora_metadata(slots, "cpu") if adapters else None, 32))
+    # RAG decodes: 32 sequences over 8 shared 992-token documents (Zipf-like group sizes),
+    # each with a private tail of 40-70 tokens (question + answer so far).
+    docs = [blocks(992) for _ in range(8)]
+    rag = []
+    for doc, group in enumerate((11, 6, 4, 3, 3, 2, 2, 1)):
+        for j in range(group):
+            tail = 40 + (7 * j + 3 * doc) % 31
+            rag.append((docs[doc] + blocks(tail), 992 + tail))
+    batches.append(Batch(
+        "rag-decode", torch.randint(vocab, (32,), generator=gen),
+        torch.tensor([c - 1 for _, c in rag]),
+        build_step_metadata(rag, [], BLOCK_SIZE, windows, torch.device("cpu"), cascade=cascade,
+                            buffers=buffers, kernel=kernel),
         torch.arange(32), build_lora_metadata(slots, "cpu") if adapters else None, 32))
     for name, start in (("prefill", 0), ("prefill-ctx", 512)):
         bt = blocks(start + 512)
@@ -120,7 +138,8 @@ def make_batches(model: LlamaForFlatBatch, adapters: int,
             name, torch.randint(vocab, (512,), generator=gen),
             torch.arange(start, start + 512),
             build_step_metadata([], [(bt, start, 512)], BLOCK_SIZE, windows,
-                                torch.device("cpu"), cascade=cascade, buffers=buffers),
+                                torch.device("cpu"), cascade=cascade, buffers=buffers,
+                                kernel=kernel),
             torch.tensor([511]), build_lora_metadata([0] * 512, "cpu") if adapters else None,
             512))
     return batches, next_block
@@ -232,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--no-cascade", action="store_true",
                         help="reference paged attention (EngineConfig.cascade_attention=False)")
+    parser.add_argument("--no-native", action="store_true",
+                        help="torch decode attention (EngineConfig.native_kernels=False)")
     parser.add_argument("--no-prepack", action="store_true",
                         help="plain F.linear GEMMs (EngineConfig.prepack_weights=False)")
     parser.add_argument("--json", default="")
@@ -242,7 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     extra = ({"prepack_weights": not args.no_prepack}
              if "prepack_weights" in inspect.signature(load_model).parameters else {})
     model = load_model(args.model, config, torch.float32, torch.device("cpu"), 4096, **extra)
-    batches, num_blocks = make_batches(model, args.adapters, cascade=not args.no_cascade)
+    batches, num_blocks = make_batches(model, args.adapters, cascade=not args.no_cascade,
+                                      kernel=None if args.no_native else load_paged_decode())
     if args.only:
         batches = [b for b in batches if b.name in args.only.split(",")]
     s = model.shape

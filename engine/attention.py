@@ -31,6 +31,7 @@ from engine.cascade_attention import (
     cascade_attention,
     cascade_available,
 )
+from engine.cpu_kernels import PagedDecodeOp
 from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batches, decode_attention
 
 BlockTable = Sequence[int] | npt.NDArray[np.int64]
@@ -75,13 +76,14 @@ def build_step_metadata(
     device: torch.device,
     cascade: bool = False,
     buffers: CopyBuffers | None = None,
+    kernel: PagedDecodeOp | None = None,
 ) -> dict[int | None, AttentionMetadata]:
     """The step's metadata for each distinct sliding window (None: full attention) among
     the model's layers, all with one shared slot mapping. Arguments as for
     build_attention_metadata; only the full-attention entry may plan cascade attention."""
     slot_mapping = _slot_mapping(decodes, prefills, block_size, device)
     return {window: build_attention_metadata(decodes, prefills, block_size, window, device,
-                                             cascade, slot_mapping, buffers)
+                                             cascade, slot_mapping, buffers, kernel)
             for window in dict.fromkeys(windows)}
 
 
@@ -94,20 +96,23 @@ def build_attention_metadata(
     cascade: bool = False,
     slot_mapping: torch.Tensor | None = None,
     buffers: CopyBuffers | None = None,
+    kernel: PagedDecodeOp | None = None,
 ) -> AttentionMetadata:
     """decodes: (block_table, context_len) per one-token request, in batch order.
     prefills: (block_table, start_pos, q_len) per multi-token chunk, after the decodes.
     cascade: plan cascade attention when the device and model allow it.
     slot_mapping: the step's, when already built (for another window).
-    buffers: the engine's space for the decodes' K/V copies (engine/paged_decode.py)."""
+    buffers: the engine's space for the decodes' K/V copies (engine/paged_decode.py).
+    kernel: the compiled decode kernel (engine/cpu_kernels), which needs no copies."""
     if slot_mapping is None:
         slot_mapping = _slot_mapping(decodes, prefills, block_size, device)
     if cascade and sliding_window is None and cascade_available(device):
-        return _cascade_metadata(decodes, prefills, block_size, slot_mapping, device, buffers)
+        return _cascade_metadata(decodes, prefills, block_size, slot_mapping, device, buffers,
+                                 kernel)
     num_decodes = len(decodes)
     decode_batches = build_decode_batches(
         [(row, bt, ctx) for row, (bt, ctx) in enumerate(decodes)], block_size, device,
-        sliding_window, buffers)
+        sliding_window, buffers, kernel)
 
     seqs: list[PrefillSeq] = []
     query_start = num_decodes
@@ -163,6 +168,7 @@ def _cascade_metadata(
     slot_mapping: torch.Tensor,
     device: torch.device,
     buffers: CopyBuffers | None,
+    kernel: PagedDecodeOp | None,
 ) -> AttentionMetadata:
     requests = [CascadeRequest(_as_list(block_table), ctx, row, 1, fresh=False)
                 for row, (block_table, ctx) in enumerate(decodes)]
@@ -175,7 +181,7 @@ def _cascade_metadata(
         slot_mapping=slot_mapping,
         num_decodes=len(decodes), decodes=[],
         prefills=[], cascade=build_cascade_plan(requests, block_size, device,
-                                                buffers=buffers),
+                                                buffers=buffers, kernel=kernel),
     )
 
 

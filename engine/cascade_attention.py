@@ -34,6 +34,7 @@ from typing import Literal
 
 import torch
 
+from engine.cpu_kernels import PagedDecodeOp
 from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batches, decode_attention
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -117,11 +118,13 @@ class CascadePlan:
 def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
                        device: torch.device,
                        fresh_piece_rows: int | None = None,
-                       buffers: CopyBuffers | None = None) -> CascadePlan:
+                       buffers: CopyBuffers | None = None,
+                       kernel: PagedDecodeOp | None = None) -> CascadePlan:
     """Radix tree over the requests' cached blocks -> nodes (a decode's private tail goes
     to the batched decodes instead), and each prefill chunk's pieces (of FRESH_PIECE_ROWS
-    rows unless given). buffers: the engine's space for the private tails' K/V copies.
-    See the module docstring."""
+    rows unless given). buffers: the engine's space for the private tails' K/V copies;
+    kernel: the compiled decode kernel, which reads them in place instead. See the module
+    docstring."""
     piece_rows = fresh_piece_rows or FRESH_PIECE_ROWS
     keys: list[list[int]] = []
     for i, r in enumerate(requests):
@@ -193,7 +196,7 @@ def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
                 nodes.append(CascadeNode([KeySpan("step", r.query_start, lo)],
                                          torch.arange(r.query_start + lo,
                                                       r.query_start + hi).to(device)))
-    private = build_decode_batches(tails, block_size, device, buffers=buffers)
+    private = build_decode_batches(tails, block_size, device, buffers=buffers, kernel=kernel)
     merge_rows = [batch.rows for batch in private]
     merge_rows += [node.query_rows for node in nodes for _ in node.spans]
     merge_rows += [torch.arange(start, start + n).to(device) for start, n in fresh]

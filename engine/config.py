@@ -129,6 +129,12 @@ class EngineConfig:
     hosts measured. A tied LM head gets a packed copy of its own (vocab x hidden floats more
     memory). Ignored on a GPU and for other dtypes. Off: F.linear, the reference path."""
 
+    native_kernels: bool = True
+    """On a CPU, run decode attention with the compiled kernel of engine/cpu_kernels, which
+    reads the paged KV cache in place (built with the host's C++ compiler on first use, ~20
+    s once, then cached); where it cannot be built the engine logs why and keeps the torch
+    path. Off: torch's flash kernel over contexts copied out of the cache, the reference."""
+
     seed: int = 0
     """Seed of the generator used by sampled requests that give no seed of their own."""
 

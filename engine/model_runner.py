@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import build_step_metadata
 from engine.config import EngineConfig
+from engine.cpu_kernels import load_paged_decode
 from engine.input_batch import InputBatch
 from engine.kv_cache import blocks_for
 from engine.logits_processors import PenaltyCounts, RowState, adjust_logits
@@ -51,6 +52,9 @@ class ModelRunner:
         self.cascade_attention = config.cascade_attention and model.shape.attn_softcap is None
         self.layer_windows = tuple(dict.fromkeys(model.shape.layer_windows))
         self.copy_buffers = CopyBuffers()
+        # Built (compiled on first use) here, on the engine's thread, not in the first step.
+        self.decode_kernel = (load_paged_decode() if config.native_kernels
+                              and device.type == "cpu" else None)
         per_block = kv_bytes_per_block(model, config.block_size, dtype)
         self.num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
         if self.num_blocks < 1:
@@ -114,7 +118,7 @@ class ModelRunner:
         meta = build_step_metadata(inputs.decodes, inputs.prefills, self.block_size,
                                    self.layer_windows, self.device,
                                    cascade=self.cascade_attention,
-                                   buffers=self.copy_buffers)
+                                   buffers=self.copy_buffers, kernel=self.decode_kernel)
         # The runs and rest layout serve only the torch path's fused op.
         lora = build_lora_metadata(
             inputs.token_slots, self.device,

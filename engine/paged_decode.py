@@ -32,6 +32,8 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_kernels import PagedDecodeOp
+
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -63,9 +65,16 @@ class DecodeBatch:
     """[N, B] int64: each decode's blocks in position order, zero-padded."""
     bias: torch.Tensor
     """[N, 1, 1, B * block_size] float32 added to the scores: 0 at a real, in-window
-    position, -inf elsewhere (torch's CPU flash kernel takes no boolean mask)."""
+    position, -inf elsewhere (torch's CPU flash kernel takes no boolean mask). Empty when
+    ``kernel`` is set (it reads ``lengths`` and the window instead)."""
     buffers: CopyBuffers | None = None
     """Where the K/V copies go (None: fresh tensors each call)."""
+    lengths: torch.Tensor | None = None
+    """[N] int64 positions each decode reads (set with ``kernel``)."""
+    sliding_window: int | None = None
+    kernel: PagedDecodeOp | None = None
+    """The compiled kernel (engine/cpu_kernels) that reads the cache in place: no copies, no
+    padding, so all the step's decodes are one batch whatever their lengths."""
 
 
 # Decodes sorted by length are cut into batches where a batch's shortest context would be
@@ -80,10 +89,14 @@ _CALL_COST_BLOCKS = 20
 def build_decode_batches(
     decodes: Sequence[tuple[int, Sequence[int] | npt.NDArray[np.int64], int]],
     block_size: int, device: torch.device, sliding_window: int | None = None,
-    buffers: CopyBuffers | None = None,
+    buffers: CopyBuffers | None = None, kernel: PagedDecodeOp | None = None,
 ) -> list[DecodeBatch]:
-    """The decodes as batches of similar context length (longest first); arguments as for
-    build_decode_batch. No decodes, no batches."""
+    """The decodes as batches of similar context length (longest first), or all in one
+    batch for ``kernel``; arguments as for build_decode_batch. No decodes, no batches."""
+    if not decodes:
+        return []
+    if kernel is not None:
+        return [build_decode_batch(decodes, block_size, device, sliding_window, kernel=kernel)]
     order = sorted(decodes, key=lambda d: d[2], reverse=True)
     groups: list[list[tuple[int, Sequence[int] | npt.NDArray[np.int64], int]]] = []
     widest = 0
@@ -101,25 +114,29 @@ def build_decode_batches(
 def build_decode_batch(
     decodes: Sequence[tuple[int, Sequence[int] | npt.NDArray[np.int64], int]],
     block_size: int, device: torch.device, sliding_window: int | None = None,
-    buffers: CopyBuffers | None = None,
+    buffers: CopyBuffers | None = None, kernel: PagedDecodeOp | None = None,
 ) -> DecodeBatch:
     """decodes: (flat-batch row, blocks, positions) each, at least one, with at least
     ceil(positions / block_size) blocks. sliding_window: attend to the last that many
-    positions only. buffers: the engine's copy space."""
+    positions only. buffers: the engine's copy space. kernel: attend with it instead."""
     width = max(-(-length // block_size) for _, _, length in decodes)
     table = np.zeros((len(decodes), width), dtype=np.int64)
     for i, (_, blocks, length) in enumerate(decodes):
         used = -(-length // block_size)
         table[i, :used] = blocks[:used]
     lengths = torch.tensor([length for _, _, length in decodes], dtype=torch.int64)
+    rows = torch.tensor([row for row, _, _ in decodes], dtype=torch.int64, device=device)
+    if kernel is not None:
+        return DecodeBatch(rows=rows, block_tables=torch.from_numpy(table).to(device),
+                           bias=torch.empty(0), lengths=lengths.to(device),
+                           sliding_window=sliding_window, kernel=kernel)
     positions = torch.arange(width * block_size, dtype=torch.int64)[None, :]
     hidden = positions >= lengths[:, None]
     if sliding_window is not None:
         hidden |= positions < lengths[:, None] - sliding_window
     bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
     return DecodeBatch(
-        rows=torch.tensor([row for row, _, _ in decodes], dtype=torch.int64, device=device),
-        block_tables=torch.from_numpy(table).to(device),
+        rows=rows, block_tables=torch.from_numpy(table).to(device),
         bias=bias[:, None, None, :].to(device), buffers=buffers)
 
 
@@ -131,7 +148,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Shapes: q [T, H, D] (the step's flat batch; the batch's rows are read); caches
     [num_blocks, block_size, Hkv, D]; H a multiple of Hkv. Returns out [N, H, D] in batch
     order, in q's dtype, and lse [N, H] float32 (the log-sum-exp of the scaled scores) from
-    the CPU flash kernel, else None. softcap: scores = softcap * tanh(scores / softcap)."""
+    the CPU flash kernel or the compiled one, else None. softcap: scores =
+    softcap * tanh(scores / softcap)."""
+    if batch.kernel is not None:
+        assert batch.lengths is not None
+        return batch.kernel(q.index_select(0, batch.rows), k_cache, v_cache, batch.block_tables,
+                            batch.lengths, scale, softcap or 0.0, batch.sliding_window or 0)
     n, num_blocks = batch.block_tables.shape
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads

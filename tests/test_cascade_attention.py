@@ -15,6 +15,7 @@ from engine.cascade_attention import (
     build_cascade_plan,
     cascade_available,
 )
+from tests.kernels import compiled_decode_kernel
 
 BLOCK = 4
 CPU = torch.device("cpu")
@@ -55,8 +56,10 @@ def _batch(rng: random.Random, num_blocks: int, shared_pool: int
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("piece_rows", [128, 3])
+@pytest.mark.parametrize("private_tails", ["torch", "compiled"])
 def test_cascade_matches_reference(seed: int, heads: tuple[int, int], piece_rows: int,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                   private_tails: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = compiled_decode_kernel() if private_tails == "compiled" else None
     # 3-row pieces split most of the 2-9-row chunks: earlier pieces' keys become a node.
     monkeypatch.setattr(cascade_attention, "FRESH_PIECE_ROWS", piece_rows)
     rng = random.Random(seed)
@@ -70,7 +73,8 @@ def test_cascade_matches_reference(seed: int, heads: tuple[int, int], piece_rows
     v = torch.randn(total, num_kv_heads, head_dim)
     caches = torch.randn(2, num_blocks, BLOCK, num_kv_heads, head_dim)
     ref_meta = build_attention_metadata(decodes, prefills, BLOCK, None, CPU)
-    cas_meta = build_attention_metadata(decodes, prefills, BLOCK, None, CPU, cascade=True)
+    cas_meta = build_attention_metadata(decodes, prefills, BLOCK, None, CPU, cascade=True,
+                                        kernel=kernel)
     assert ref_meta.cascade is None and cas_meta.cascade is not None
     # Every decode has at least one private block (its last): a batched tail each.
     private = cas_meta.cascade.private

@@ -1,5 +1,6 @@
 """Batched decode attention equals attention over each decode's context computed by hand,
-with a sliding window, with soft-capping, and through the reference paged attention."""
+with a sliding window, with soft-capping, and through the reference paged attention; the
+torch path (copies into buffers) and the compiled kernel (engine/cpu_kernels) alike."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from engine.attention import build_attention_metadata, paged_attention
+from engine.cpu_kernels import PagedDecodeOp
 from engine.paged_decode import (
     CopyBuffers,
     DecodeBatch,
@@ -16,6 +18,7 @@ from engine.paged_decode import (
     build_decode_batches,
     decode_attention,
 )
+from tests.kernels import compiled_decode_kernel
 
 CPU = torch.device("cpu")
 BLOCK = 4
@@ -37,13 +40,20 @@ def _by_hand(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return torch.einsum("hl,lhd->hd", scores.softmax(-1), values), scores.logsumexp(-1)
 
 
+def _kernel(name: str) -> PagedDecodeOp | None:
+    return compiled_decode_kernel() if name == "compiled" else None
+
+
+@pytest.mark.parametrize("path", ["torch", "compiled"])
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, 3.0)])
 def test_batched_decodes_match_attention_by_hand(seed: int, window: int | None,
-                                                 softcap: float | None) -> None:
+                                                 softcap: float | None, path: str) -> None:
+    kernel = _kernel(path)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    num_heads, num_kv_heads, head_dim = rng.choice([(4, 4, 16), (6, 2, 8), (9, 3, 64)])
+    num_heads, num_kv_heads, head_dim = rng.choice([(4, 4, 16), (6, 2, 8), (9, 3, 64),
+                                                    (8, 2, 128)])
     num_blocks = 60
     k_cache = torch.randn(num_blocks, BLOCK, num_kv_heads, head_dim)
     v_cache = torch.randn(num_blocks, BLOCK, num_kv_heads, head_dim)
@@ -55,10 +65,11 @@ def test_batched_decodes_match_attention_by_hand(seed: int, window: int | None,
         # A longer table than the length needs: entries past it must not be read.
         decodes.append((row, [free.pop() for _ in range(-(-length // BLOCK) + 1)], length))
     q = torch.randn(12, num_heads, head_dim)
-    batch = build_decode_batch(decodes, BLOCK, CPU, window)
+    batch = build_decode_batch(decodes, BLOCK, CPU, window, kernel=kernel)
     out, lse = decode_attention(q, k_cache, v_cache, batch, 0.3, softcap)
     assert out.shape == (len(decodes), num_heads, head_dim)
-    assert (lse is None) == (softcap is not None)
+    # The torch path has no log-sum-exp when soft-capping; the kernel always returns one.
+    assert (lse is None) == (softcap is not None and kernel is None)
     for i, (row, table, length) in enumerate(decodes):
         want_out, want_lse = _by_hand(q[row], k_cache, v_cache, table, length, 0.3, window,
                                       softcap)
@@ -67,8 +78,10 @@ def test_batched_decodes_match_attention_by_hand(seed: int, window: int | None,
             torch.testing.assert_close(lse[i], want_lse, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("path", ["torch", "compiled"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_reference_paged_attention_runs_decodes_batched(window: int | None) -> None:
+def test_reference_paged_attention_runs_decodes_batched(window: int | None, path: str) -> None:
+    kernel = _kernel(path)
     rng = random.Random(7)
     torch.manual_seed(7)
     num_blocks = 60
@@ -81,7 +94,8 @@ def test_reference_paged_attention_runs_decodes_batched(window: int | None) -> N
     prefills = [([free.pop() for _ in range(3)], 4, 7)]
     q, k, v = torch.randn(12, 8, 16), torch.randn(12, 2, 16), torch.randn(12, 2, 16)
     k_cache, v_cache = torch.randn(2, num_blocks, BLOCK, 2, 16)
-    meta = build_attention_metadata(decodes, prefills, BLOCK, window, CPU)
+    meta = build_attention_metadata(decodes, prefills, BLOCK, window, CPU, kernel=kernel)
+    assert len(meta.decodes) == 1 or kernel is None  # the kernel takes any lengths at once
     out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.25)
     for row, (table, length) in enumerate(decodes):
         # The step's own K/V went to the cache first: position length-1 holds k[row].

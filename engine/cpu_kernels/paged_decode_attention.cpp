@@ -1,0 +1,260 @@
+// Decode attention over a paged KV cache, read in place: one query token per sequence.
+//
+// Semantics (the torch reference is engine/attention.py's decode path): for sequence n and
+// query head h, with kv head j = h / (H / Hkv), positions p in [lo, len) where
+// len = context_lens[n] and lo = max(0, len - window) (window 0: lo = 0),
+//   s_p   = scale * q[n, h] . K[p]            (softcap > 0: s_p = softcap * tanh(s_p / softcap))
+//   out   = sum_p softmax(s)_p * V[p]
+//   lse   = log sum_p exp(s_p)
+// where K[p] = k_cache[block_tables[n, p / bs], p % bs, j] and likewise V.
+//
+// Shapes: q [N, H, D]; k_cache, v_cache [num_blocks, bs, Hkv, D]; block_tables [N, W] int32
+// or int64 (W >= ceil(len / bs)); context_lens [N] int64. Returns out [N, H, D] in q's dtype
+// and lse [N, H] float32. q and the caches: float32, bfloat16 or float16, all alike;
+// arithmetic in float32.
+//
+// Work is split into items (a sequence, or a sequence's kv head when sequences are fewer than
+// twice the threads), longest context first, handed out dynamically to torch's own threads
+// (at::parallel_for, no second OpenMP runtime). An item reads each K/V row once for all the
+// query heads that share it (grouped-query attention without repeating K/V).
+// Softmax is online (running max and sum per query head), one cache block at a time.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 in plain float arithmetic the compiler vectorizes (libm's expf is a call
+// per element): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (the Cephes
+// coefficients, relative error ~2e-7), times 2^n built in the exponent bits. Inputs below
+// -87 (where exp underflows float's normal range) give exp(-87) ~ 1.6e-38.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const int n = static_cast<int>(x * 1.44269504088896341f - 0.5f);  // round to nearest
+  const float fn = static_cast<float>(n);
+  float r = x - fn * 0.693359375f;
+  r = r + fn * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * __builtin_bit_cast(float, (n + 127) << 23);
+}
+
+// q . k. The float version keeps 16 lanes in one vector (GCC/Clang vector extensions, one
+// AVX-512 register or two AVX2 ones) and sums them by halving shuffles: a plain loop's
+// reduction ends in 16 dependent scalar adds through memory, which costs more than the
+// multiplies at head_dim 64.
+using Lanes = float __attribute__((vector_size(64)));
+using LaneIndex = int32_t __attribute__((vector_size(64)));
+
+template <typename scalar_t, int64_t kDim>
+inline float dot(const float* q, const scalar_t* k, int64_t head_dim) {
+  float s = 0.0f;
+  for (int64_t d = 0; d < head_dim; ++d) s += q[d] * to_float(k[d]);
+  return s;
+}
+
+template <>
+inline float dot<float, 64>(const float* q, const float* k, int64_t) {
+  Lanes acc = {};
+  for (int64_t d = 0; d < 64; d += 16) {
+    Lanes a, b;
+    std::memcpy(&a, q + d, sizeof(Lanes));
+    std::memcpy(&b, k + d, sizeof(Lanes));
+    acc += a * b;
+  }
+  acc += __builtin_shuffle(acc, LaneIndex{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  acc += __builtin_shuffle(acc, LaneIndex{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+  acc += __builtin_shuffle(acc, LaneIndex{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+  acc += __builtin_shuffle(acc, LaneIndex{1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+  return acc[0];
+}
+
+template <typename scalar_t, typename index_t, int64_t kDim>
+void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+                   const index_t* block_tables, const int64_t* context_lens, scalar_t* out,
+                   float* lse, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t block_size, int64_t table_width, double scale,
+                   double softcap, int64_t window) {
+  if (kDim > 0) head_dim = kDim;  // a compile-time size: the loops over it unroll
+  // A work item is one sequence's kv heads [kv0, kv0 + kv_per_item): a whole sequence when
+  // there are enough sequences to keep every thread busy (each position's K/V row, all kv
+  // heads side by side in the cache, is then read once, front to back), else one kv head.
+  const int64_t threads = at::get_num_threads();
+  const int64_t kv_per_item = num_seqs >= 2 * threads ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / kv_per_item;
+  const int64_t items = num_seqs * items_per_seq;
+  // Longest contexts first, so the last items handed out are short ones.
+  std::vector<int64_t> order(items);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return context_lens[a / items_per_seq] > context_lens[b / items_per_seq];
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t heads = kv_per_item * group;  // query heads of one item
+  const int64_t row_stride = num_kv_heads * head_dim;  // one position in a block
+  const float fscale = static_cast<float>(scale);
+  const float fcap = static_cast<float>(softcap);
+  // Without a softcap the scale folds into the queries.
+  const float qscale = fcap > 0.0f ? 1.0f : fscale;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    // Per thread: the item's queries (pre-scaled), accumulators, one block's scores.
+    std::vector<float> qf(heads * head_dim), acc(heads * head_dim), scores(heads * block_size);
+    std::vector<float> run_max(heads), run_sum(heads);
+    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+      const int64_t item = order[i];
+      const int64_t n = item / items_per_seq, kv0 = (item % items_per_seq) * kv_per_item;
+      const int64_t h0 = kv0 * group;  // first query head of the item
+      const int64_t len = context_lens[n];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* src = q + (n * num_heads + h0 + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = to_float(src[d]) * qscale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(run_max.begin(), run_max.end(), kNegInf);
+      std::fill(run_sum.begin(), run_sum.end(), 0.0f);
+      for (int64_t b = lo / block_size; b * block_size < len; ++b) {
+        const int64_t block = static_cast<int64_t>(block_tables[n * table_width + b]);
+        const int64_t t0 = std::max<int64_t>(lo - b * block_size, 0);
+        const int64_t t1 = std::min<int64_t>(len - b * block_size, block_size);
+        const scalar_t* kb = k_cache + block * block_size * row_stride + kv0 * head_dim;
+        const scalar_t* vb = v_cache + block * block_size * row_stride + kv0 * head_dim;
+        for (int64_t t = t0; t < t1; ++t) {
+          for (int64_t h = 0; h < heads; ++h) {
+            const scalar_t* kr = kb + t * row_stride + (h / group) * head_dim;
+            const float* qh = qf.data() + h * head_dim;
+            float s = dot<scalar_t, kDim>(qh, kr, head_dim);
+            if (fcap > 0.0f) s = fcap * std::tanh(s * fscale / fcap);
+            scores[h * block_size + t] = s;
+          }
+        }
+        // Scores -> weights (exp relative to the new running max); old sums rescaled.
+        for (int64_t h = 0; h < heads; ++h) {
+          float* sh = scores.data() + h * block_size;
+          float block_max = run_max[h];
+          for (int64_t t = t0; t < t1; ++t) block_max = std::max(block_max, sh[t]);
+          const float rescale = run_max[h] == kNegInf ? 0.0f
+                                                      : exp_nonpositive(run_max[h] - block_max);
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = t0; t < t1; ++t) {
+            const float p = exp_nonpositive(sh[t] - block_max);
+            sh[t] = p;
+            sum += p;
+          }
+          run_sum[h] = run_sum[h] * rescale + sum;
+          run_max[h] = block_max;
+          if (rescale != 1.0f) {
+            float* ah = acc.data() + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) ah[d] *= rescale;
+          }
+        }
+        for (int64_t t = t0; t < t1; ++t) {
+          for (int64_t h = 0; h < heads; ++h) {
+            const scalar_t* vr = vb + t * row_stride + (h / group) * head_dim;
+            const float p = scores[h * block_size + t];
+            float* ah = acc.data() + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * to_float(vr[d]);
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        const float total = run_sum[h];
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        scalar_t* dst = out + (n * num_heads + h0 + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          dst[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv);
+        }
+        lse[n * num_heads + h0 + h] = total > 0.0f ? run_max[h] + std::log(total) : kNegInf;
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+    double softcap, int64_t window) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode_attention: q [N, H, D], caches [blocks, bs, Hkv, D]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode_attention: caches must be contiguous");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
+              "paged_decode_attention: head_dim mismatch or H not a multiple of Hkv");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
+                  context_lens.numel() == num_seqs,
+              "paged_decode_attention: block_tables [N, W] and context_lens [N]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong, "context_lens must be int64");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = context_lens.contiguous();
+  const int64_t width = tables.size(1);
+  const int64_t* lens_ptr = lens.data_ptr<int64_t>();
+  for (int64_t n = 0; n < num_seqs; ++n) {
+    TORCH_CHECK(lens_ptr[n] >= 0 && lens_ptr[n] <= width * block_size,
+                "paged_decode_attention: a context is longer than its block table");
+  }
+  at::Tensor out = at::empty_like(qc);
+  at::Tensor lse = at::empty({num_seqs, num_heads}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    auto run = [&](auto* table_ptr) {
+      using index_t = std::remove_const_t<std::remove_pointer_t<decltype(table_ptr)>>;
+      auto kernel = head_dim == 64    ? &decode_kernel<scalar_t, index_t, 64>
+                    : head_dim == 128 ? &decode_kernel<scalar_t, index_t, 128>
+                                      : &decode_kernel<scalar_t, index_t, 0>;
+      kernel(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                              v_cache.data_ptr<scalar_t>(), table_ptr, lens_ptr,
+                              out.data_ptr<scalar_t>(), lse.data_ptr<float>(), num_seqs,
+                              num_heads, num_kv_heads, head_dim, block_size, width, scale,
+                              softcap, window);
+    };
+    if (tables.scalar_type() == at::kInt) {
+      run(tables.data_ptr<int32_t>());
+    } else {
+      TORCH_CHECK(tables.scalar_type() == at::kLong, "block_tables must be int32 or int64");
+      run(tables.data_ptr<int64_t>());
+    }
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(loragate, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, float softcap, int window) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(loragate, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
