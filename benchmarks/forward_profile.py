@@ -2,7 +2,8 @@
 
     python -m benchmarks.forward_profile [--model DIR] [--threads 2] [--repeats 20]
                                          [--adapters 0] [--only decode,prefill]
-                                         [--no-prepack] [--no-cascade] [--no-profile]
+                                         [--no-prepack] [--no-cascade] [--no-native]
+                                         [--no-profile]
                                          [--json PATH]
 
 Times LlamaForFlatBatch.forward + compute_logits of the sampled rows (what the runner's
@@ -26,8 +27,9 @@ shares matter more than its absolute numbers; the timings above it run unprofile
 
 Each batch prints the median wall time and the median process CPU time per forward. On a
 shared host run with --threads 1 and compare CPU times (A B A B): they do not count the time
-the process waits for a core. --no-prepack and --no-cascade switch to the reference GEMM and
-attention paths (EngineConfig.prepack_weights / cascade_attention off).
+the process waits for a core. --no-prepack, --no-cascade and --no-native switch to the
+reference GEMM and attention paths (EngineConfig.prepack_weights / cascade_attention /
+native_kernels off).
 
 Defaults to the default model (SmolLM2-135M-Instruct under ~/.cache/loragate/models).
 """
