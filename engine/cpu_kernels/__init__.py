@@ -5,7 +5,7 @@ paged KV cache in place. torch's CPU flash kernel needs each context copied out 
 into a dense tensor and tiles its work for long query blocks; a decode has one query per
 head, so on CPU that path spent most of a decode step copying and padding.
 
-The extension is compiled with torch's cpp_extension (g++ and ninja, ~25 s once; cached
+The extension is compiled with torch's cpp_extension (g++ and ninja, ~20 s once; cached
 under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions) for this machine's
 instruction set. Where it cannot be built, ``load_paged_decode`` says why once in the log and
 returns None, and the engine keeps its torch path (as it does with EngineConfig.native_kernels
