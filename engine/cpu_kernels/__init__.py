@@ -55,8 +55,8 @@ def _build() -> PagedDecodeOp:
     log.info("loading the compiled CPU kernels (built once for this machine, ~20 s)")
     native = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
     load(name=f"loragate_cpu_kernels_{_host_tag()}", sources=[str(SOURCE)],
-         extra_cflags=["-O3", "-fopenmp-simd", "-ffp-contract=fast", *native],
-         is_python_module=False, verbose=False)
+         extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *native],
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     op: PagedDecodeOp = torch.ops.loragate.paged_decode_attention
     return op
 

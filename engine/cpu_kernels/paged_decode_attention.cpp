@@ -88,6 +88,147 @@ inline float dot<float, 64>(const float* q, const float* k, int64_t) {
   return acc[0];
 }
 
+// Lane i of the result is the sum of v[i]'s 16 lanes: sixteen dot products finished at once
+// by a transposing tree (30 two-input shuffles and 15 adds) instead of a halving reduction
+// per vector (64 shuffles and 64 adds).
+inline Lanes transpose_sum16(const Lanes (&v)[16]) {
+  constexpr LaneIndex lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  constexpr LaneIndex hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  constexpr LaneIndex lo2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  constexpr LaneIndex hi2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  constexpr LaneIndex lo3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  constexpr LaneIndex hi3 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  constexpr LaneIndex lo4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  constexpr LaneIndex hi4 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  Lanes u[8], w[4], x[2];
+  // u[i]: lanes 0-7 partial sums of v[i], 8-15 of v[i + 8]; then 4 lanes each, then 2.
+  for (int i = 0; i < 8; ++i)
+    u[i] = __builtin_shuffle(v[i], v[i + 8], lo1) + __builtin_shuffle(v[i], v[i + 8], hi1);
+  for (int i = 0; i < 4; ++i)
+    w[i] = __builtin_shuffle(u[i], u[i + 4], lo2) + __builtin_shuffle(u[i], u[i + 4], hi2);
+  for (int i = 0; i < 2; ++i)
+    x[i] = __builtin_shuffle(w[i], w[i + 2], lo3) + __builtin_shuffle(w[i], w[i + 2], hi3);
+  return __builtin_shuffle(x[0], x[1], lo4) + __builtin_shuffle(x[0], x[1], hi4);
+}
+
+inline Lanes load_lanes(const float* p) {
+  Lanes a;
+  std::memcpy(&a, p, sizeof(Lanes));
+  return a;
+}
+
+inline void store_lanes(float* p, Lanes a) { std::memcpy(p, &a, sizeof(Lanes)); }
+
+// The float32 kernel for head_dim = 16 * kChunks, same semantics and work items as
+// decode_kernel below. Per cache block and query head: scores of 16 positions at a time
+// (transpose_sum16), softmax over the block's scores as vectors, then the weighted V rows
+// summed into accumulators held in registers for the whole block. Query heads sharing a kv
+// head read its K/V rows back to back, so the second and later reads hit L1.
+template <typename index_t, int kChunks>
+void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cache,
+                       const index_t* block_tables, const int64_t* context_lens, float* out,
+                       float* lse, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t block_size, int64_t table_width, double scale, double softcap,
+                       int64_t window) {
+  constexpr int64_t kDim = 16 * kChunks;
+  const int64_t threads = at::get_num_threads();
+  const int64_t kv_per_item = num_seqs >= 2 * threads ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / kv_per_item;
+  const int64_t items = num_seqs * items_per_seq;
+  std::vector<int64_t> order(items);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return context_lens[a / items_per_seq] > context_lens[b / items_per_seq];
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t heads = kv_per_item * group;
+  const int64_t row_stride = num_kv_heads * kDim;
+  const float fscale = static_cast<float>(scale);
+  const float fcap = static_cast<float>(softcap);
+  const float qscale = fcap > 0.0f ? 1.0f : fscale;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t padded_block = (block_size + 15) / 16 * 16;
+
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> qf(heads * kDim), acc(heads * kDim), scores(padded_block);
+    std::vector<float> run_max(heads), run_sum(heads);
+    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+      const int64_t item = order[i];
+      const int64_t n = item / items_per_seq, kv0 = (item % items_per_seq) * kv_per_item;
+      const int64_t h0 = kv0 * group;
+      const int64_t len = context_lens[n];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* src = q + (n * num_heads + h0 + h) * kDim;
+        for (int64_t d = 0; d < kDim; ++d) qf[h * kDim + d] = src[d] * qscale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(run_max.begin(), run_max.end(), kNegInf);
+      std::fill(run_sum.begin(), run_sum.end(), 0.0f);
+      for (int64_t b = lo / block_size; b * block_size < len; ++b) {
+        const int64_t block = static_cast<int64_t>(block_tables[n * table_width + b]);
+        const int64_t t0 = std::max<int64_t>(lo - b * block_size, 0);
+        const int64_t t1 = std::min<int64_t>(len - b * block_size, block_size);
+        const int64_t count = t1 - t0;
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t offset = (kv0 + h / group) * kDim;
+          const float* kb = k_cache + (block * block_size + t0) * row_stride + offset;
+          const float* vb = v_cache + (block * block_size + t0) * row_stride + offset;
+          Lanes qv[kChunks];
+          for (int c = 0; c < kChunks; ++c) qv[c] = load_lanes(qf.data() + h * kDim + 16 * c);
+          for (int64_t c0 = 0; c0 < count; c0 += 16) {
+            const int64_t in_chunk = std::min<int64_t>(16, count - c0);
+            Lanes partial[16];
+            for (int64_t t = 0; t < 16; ++t) {
+              Lanes s = {};
+              if (t < in_chunk) {
+                const float* kr = kb + (c0 + t) * row_stride;
+                for (int c = 0; c < kChunks; ++c) s += qv[c] * load_lanes(kr + 16 * c);
+              }
+              partial[t] = s;
+            }
+            store_lanes(scores.data() + c0, transpose_sum16(partial));
+          }
+          float* sc = scores.data();
+          if (fcap > 0.0f) {
+            for (int64_t t = 0; t < count; ++t) sc[t] = fcap * std::tanh(sc[t] * fscale / fcap);
+          }
+          float block_max = run_max[h];
+          for (int64_t t = 0; t < count; ++t) block_max = std::max(block_max, sc[t]);
+          const float rescale = run_max[h] == kNegInf ? 0.0f
+                                                      : exp_nonpositive(run_max[h] - block_max);
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < count; ++t) {
+            const float p = exp_nonpositive(sc[t] - block_max);
+            sc[t] = p;
+            sum += p;
+          }
+          run_sum[h] = run_sum[h] * rescale + sum;
+          run_max[h] = block_max;
+          float* ah = acc.data() + h * kDim;
+          Lanes a[kChunks];
+          for (int c = 0; c < kChunks; ++c) a[c] = load_lanes(ah + 16 * c) * rescale;
+          for (int64_t t = 0; t < count; ++t) {
+            const float* vr = vb + t * row_stride;
+            const float p = sc[t];
+            for (int c = 0; c < kChunks; ++c) a[c] += p * load_lanes(vr + 16 * c);
+          }
+          for (int c = 0; c < kChunks; ++c) store_lanes(ah + 16 * c, a[c]);
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        const float total = run_sum[h];
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        float* dst = out + (n * num_heads + h0 + h) * kDim;
+        for (int64_t d = 0; d < kDim; ++d) dst[d] = acc[h * kDim + d] * inv;
+        lse[n * num_heads + h0 + h] = total > 0.0f ? run_max[h] + std::log(total) : kNegInf;
+      }
+    }
+  });
+}
+
 template <typename scalar_t, typename index_t, int64_t kDim>
 void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                    const index_t* block_tables, const int64_t* context_lens, scalar_t* out,
@@ -229,6 +370,18 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto run = [&](auto* table_ptr) {
       using index_t = std::remove_const_t<std::remove_pointer_t<decltype(table_ptr)>>;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        auto fast = head_dim == 32    ? &decode_kernel_f32<index_t, 2>
+                    : head_dim == 64  ? &decode_kernel_f32<index_t, 4>
+                    : head_dim == 128 ? &decode_kernel_f32<index_t, 8>
+                                      : nullptr;
+        if (fast != nullptr) {
+          fast(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+               table_ptr, lens_ptr, out.data_ptr<float>(), lse.data_ptr<float>(), num_seqs,
+               num_heads, num_kv_heads, block_size, width, scale, softcap, window);
+          return;
+        }
+      }
       auto kernel = head_dim == 64    ? &decode_kernel<scalar_t, index_t, 64>
                     : head_dim == 128 ? &decode_kernel<scalar_t, index_t, 128>
                                       : &decode_kernel<scalar_t, index_t, 0>;
