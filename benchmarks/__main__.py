@@ -7,7 +7,9 @@ Runs each benchmark as its own process (each starts and stops its own engines), 
 throughput (engine vs transformers static batching), prefix (RAG prefix caching off/on/auto),
 lora (adapter-count sweep vs PEFT per-adapter batching), interference (chunked prefill on/off
 under a decode load), rate (request-rate sweep through the gateway), gateway (gateway overhead,
-router vs round-robin) and tenancy (auth + rate-limit overhead, Redis vs memory).
+router vs round-robin), tenancy (auth + rate-limit overhead, Redis vs memory) and peers
+(loragate against vLLM's CPU build on the same workloads; it needs the vLLM venv that
+``benchmarks.peers`` creates on its first run, see benchmarks/peers/setup_venv.py).
 
 Results are kept per model: ``--label`` (default: "demo" or "wide" for the shapes of
 ``loragate make-demo``, else the model directory's name) names the model's column in
@@ -21,10 +23,13 @@ recorded figures.
 
 Sizes: ``full`` is each benchmark's defaults (hours on 2 CPU cores with the ~32M demo model);
 ``medium`` runs only the headline benchmarks (throughput, prefix, lora, gateway overhead) at
-sizes that take about 40 minutes with SmolLM2-135M on 2 shared cores with ``--threads 1``;
+sizes that take about 40 minutes with SmolLM2-135M on 2 shared cores with ``--threads 1``,
+then peers' offline workloads once each (no serving; vLLM compiles its graph at each of its
+three starts, minutes apiece);
 ``quick`` (or ``--quick``) is every benchmark's smoke size: minutes, its numbers are not the
 benchmark, and it records nothing. ``--threads N`` sets each process's torch threads
-(OMP_NUM_THREADS); on cores shared with other work, 1 is far steadier than the default.
+(OMP_NUM_THREADS, or the benchmark's own flag where it sets its engines' threads itself, as
+peers does); on cores shared with other work, 1 is far steadier than the default.
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ class Part:
     out_flag: str
     sizes: Mapping[str, tuple[str, ...]]
     """size -> the benchmark's arguments; a part without a size is not run at that size."""
+    threads_flag: str = ""
+    """The benchmark's flag for the suite's --threads, where it sets its engines' threads
+    itself and would override OMP_NUM_THREADS ("" = the environment carries it)."""
 
 
 PARTS = (
@@ -85,6 +93,13 @@ PARTS = (
                    "1")}),
     Part("tenancy", "benchmarks.tenancy_bench", "--out", {
         "full": (), "quick": ("--requests", "40")}),
+    # medium leaves serving out: both OpenAI servers at every request rate take long, and its
+    # figures are not among the headline ones medium is for. peers sets its engines' threads
+    # from its own --threads (default 2) over OMP_NUM_THREADS, so the suite passes it there.
+    Part("peers", "benchmarks.peers", "--out", {
+        "full": (), "quick": ("--quick",),
+        "medium": ("--repeats", "1", "--parts", "agreement,mixed,rag,lora")},
+        threads_flag="--threads"),
 )
 assert tuple(p.name for p in PARTS) == PART_ORDER
 
@@ -93,12 +108,19 @@ def stamp_now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes")
 
 
+def part_command(part: Part, args: argparse.Namespace, out: Path) -> list[str]:
+    """The benchmark's command line: its model, report path, size arguments and, where it
+    takes the thread count as a flag, the suite's --threads."""
+    threads = (part.threads_flag, str(args.threads)) if part.threads_flag and args.threads else ()
+    return [sys.executable, "-m", part.module, "--model", args.model, part.out_flag, str(out),
+            *part.sizes[args.size], *threads]
+
+
 def run_part(part: Part, args: argparse.Namespace, out_dir: Path, log_dir: Path
              ) -> dict[str, Any]:
     """Run one benchmark process; its JSON report with _seconds and _stamp added."""
     out = out_dir / f"{part.name}.json"
-    command = [sys.executable, "-m", part.module, "--model", args.model, part.out_flag,
-               str(out), *part.sizes[args.size]]
+    command = part_command(part, args, out)
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)

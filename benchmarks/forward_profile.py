@@ -54,7 +54,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import engine.models.llama as llama_mod
 import lora.layers as layers_mod
 from engine.attention import build_step_metadata
-from engine.cpu_kernels import PagedDecodeOp, load_paged_decode
+from engine.cpu_kernels import FusedOps, PagedDecodeOp, load_fused_ops, load_paged_decode
 from engine.default_model import default_model_dir
 from engine.models.gemma import GemmaRMSNorm
 from engine.models.llama import LlamaForFlatBatch, RMSNorm
@@ -208,6 +208,19 @@ def scoped(model: LlamaForFlatBatch) -> Iterator[None]:
     for norm_class in (RMSNorm, GemmaRMSNorm):
         wrap(norm_class, "forward", "norm")
     wrap(type(model), "compute_logits", "lm_head")
+    fused = model.fused_ops
+    if fused is not None:  # the compiled ops (a residual add fused into a norm counts as norm)
+        def timed(kind: str, op: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any) -> Any:
+                with record_function(SCOPE + kind):
+                    return op(*args)
+            return run
+
+        model.use_fused_ops(FusedOps(
+            rms_norm=timed("norm", fused.rms_norm),
+            add_rms_norm=timed("norm", fused.add_rms_norm),
+            rotary_=timed("rope", fused.rotary_), silu_and_mul=timed("act", fused.silu_and_mul)))
+        undo.append(lambda: model.use_fused_ops(fused))
     for module in model.modules():
         if hasattr(module, "act") and callable(module.act):
             wrap(module, "act", "act")
@@ -254,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cascade", action="store_true",
                         help="reference paged attention (EngineConfig.cascade_attention=False)")
     parser.add_argument("--no-native", action="store_true",
-                        help="torch decode attention (EngineConfig.native_kernels=False)")
+                        help="torch decode attention and eager element-wise ops "
+                             "(EngineConfig.native_kernels=False)")
     parser.add_argument("--no-prepack", action="store_true",
                         help="plain F.linear GEMMs (EngineConfig.prepack_weights=False)")
     parser.add_argument("--json", default="")
@@ -265,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     extra = ({"prepack_weights": not args.no_prepack}
              if "prepack_weights" in inspect.signature(load_model).parameters else {})
     model = load_model(args.model, config, torch.float32, torch.device("cpu"), 4096, **extra)
+    model.use_fused_ops(None if args.no_native else load_fused_ops())
     batches, num_blocks = make_batches(model, args.adapters, cascade=not args.no_cascade,
                                       kernel=None if args.no_native else load_paged_decode())
     if args.only:

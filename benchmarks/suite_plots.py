@@ -102,9 +102,39 @@ def _tenancy(r: dict[str, Any], ax: Axes) -> None:
           "gateway: open vs auth + limits (memory, Redis)")
 
 
+def _peer_ratios(r: dict[str, Any]) -> list[tuple[str, float, float | None]]:
+    """(label, loragate / vLLM ratio, target) per offline workload and serving rate, as the
+    peers report wrote them (each entry carries its own ratio and target)."""
+    bars = [(f"{t['workload']} throughput (higher better)", t["ratio"], t.get("target"))
+            for t in r.get("throughput") or []]
+    bars += [(f"TTFT p50 @ {row['rate']:g}/s (lower better)", row["ttft_p50_ratio"],
+              row.get("target")) for row in (r.get("serving") or {}).get("rows", [])]
+    return bars
+
+
+def _peers(r: dict[str, Any], ax: Axes) -> None:
+    bars = _peer_ratios(r)
+    if not bars:  # an agreement-only run has no ratio to draw
+        raise ValueError("no throughput or serving figures")
+    labels, ratios, targets = zip(*bars, strict=True)
+    y = list(range(len(bars)))
+    ax.barh(y, ratios, color="#4C72B0")
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.invert_yaxis()  # the report's order, top to bottom
+    ax.axvline(1.0, color="grey", linestyle="--", linewidth=1, label="parity")
+    marked = [(t, i) for i, t in enumerate(targets) if t is not None]
+    ax.scatter([t for t, _ in marked], [i for _, i in marked], marker="|", s=400,
+               linewidths=2.5, color="#C44E52", zorder=3, label="target")
+    ax.set_xlim(0, 1.35 * max(1.0, *ratios, *(t for t, _ in marked)))  # room for the legend
+    ax.set_xlabel("loragate / vLLM")
+    ax.set_title("side by side with vLLM's CPU build", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+
+
 PLOTTERS: dict[str, Callable[[dict[str, Any], Axes], None]] = {
     "throughput": _throughput, "prefix": _prefix, "lora": _lora,
-    "interference": _interference, "rate": _rate, "gateway": _gateway, "tenancy": _tenancy}
+    "interference": _interference, "rate": _rate, "gateway": _gateway, "tenancy": _tenancy,
+    "peers": _peers}
 
 
 def draw_plots(reports: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:

@@ -131,9 +131,11 @@ class EngineConfig:
 
     native_kernels: bool = True
     """On a CPU, run decode attention with the compiled kernel of engine/cpu_kernels, which
-    reads the paged KV cache in place (built with the host's C++ compiler on first use, ~20
-    s once, then cached); where it cannot be built the engine logs why and keeps the torch
-    path. Off: torch's flash kernel over contexts copied out of the cache, the reference."""
+    reads the paged KV cache in place, and a Llama layer's element-wise steps (residual add +
+    RMSNorm, rope, SiLU-and-multiply) as fused compiled ops (built with the host's C++
+    compiler on first use, ~30 s once, then cached); where they cannot be built the engine
+    logs why and keeps the torch paths. Off: torch's flash kernel over contexts copied out of
+    the cache and eager element-wise ops, the reference."""
 
     seed: int = 0
     """Seed of the generator used by sampled requests that give no seed of their own."""

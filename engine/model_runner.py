@@ -11,7 +11,7 @@ import torch
 
 from engine.attention import build_step_metadata
 from engine.config import EngineConfig
-from engine.cpu_kernels import load_paged_decode
+from engine.cpu_kernels import load_fused_ops, load_paged_decode
 from engine.input_batch import InputBatch
 from engine.kv_cache import blocks_for
 from engine.logits_processors import PenaltyCounts, RowState, adjust_logits
@@ -53,8 +53,9 @@ class ModelRunner:
         self.layer_windows = tuple(dict.fromkeys(model.shape.layer_windows))
         self.copy_buffers = CopyBuffers()
         # Built (compiled on first use) here, on the engine's thread, not in the first step.
-        self.decode_kernel = (load_paged_decode() if config.native_kernels
-                              and device.type == "cpu" else None)
+        native = config.native_kernels and device.type == "cpu"
+        self.decode_kernel = load_paged_decode() if native else None
+        model.use_fused_ops(load_fused_ops() if native else None)
         per_block = kv_bytes_per_block(model, config.block_size, dtype)
         self.num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
         if self.num_blocks < 1:

@@ -1,17 +1,22 @@
 """The suite's RESULTS.md block: headline rows from reports, the record of every model's
-latest figures, the model-column table rendered from it, and the block replacement that keeps
-the hand-written text around it."""
+latest figures, the model-column table rendered from it, the block replacement that keeps
+the hand-written text around it, and the plots and command lines of the parts."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
+import numpy as np
 import pytest
+from matplotlib.patches import Rectangle
 
 import benchmarks.__main__ as suite
 from benchmarks import suite_record
+from benchmarks.suite_plots import PLOTTERS, draw_plots
 from benchmarks.suite_record import ModelRecord, PartRecord, Row
 from benchmarks.suite_report import (
     SUITE_BEGIN,
@@ -48,6 +53,46 @@ def test_prefix_rows_leave_out_the_phases_a_size_skipped() -> None:
         ("hit rate / theoretical reusable fraction", "0.998"),
         ("throughput on / off, cold cache", "1.90x"),
         ("throughput on / off, steady state (warmed cache)", "2.50x")]
+
+
+PEERS_REPORT: dict[str, Any] = {
+    "throughput": [{"workload": "mixed", "ratio": 0.876, "target": 1.0},
+                   {"workload": "rag", "ratio": 0.554, "target": 1.2}],
+    "serving": {"num_requests": 32, "rows": [
+        {"rate": 0.25, "ttft_p50_ratio": 1.18, "target": 1.0},
+        {"rate": 1.0, "ttft_p50_ratio": 1.374, "target": 1.0}]},
+    "agreement": {"agreement": {"identical": 23, "total": 24},
+                  "mixed": {"identical": 128, "total": 128}}}
+"""A peers report as ``python -m benchmarks.peers`` writes it, cut to the keys read here."""
+
+
+def test_peers_rows_are_the_peers_reports_headlines() -> None:
+    assert headline_rows({"peers": PEERS_REPORT}) == [
+        Row("peers", "mixed throughput loragate / vLLM", "0.88x", ">= 1.0x"),
+        Row("peers", "rag throughput loragate / vLLM", "0.55x", ">= 1.2x"),
+        Row("peers", "TTFT p50 loragate / vLLM at 0.25 req/s", "1.18x", "<= 1.0x"),
+        Row("peers", "TTFT p50 loragate / vLLM at 1 req/s", "1.37x", "<= 1.0x"),
+        Row("peers", "greedy agreement with vLLM (identical sequences)", "23/24", "100%")]
+
+
+def test_peers_plot_draws_each_ratio_beside_parity_and_its_target(tmp_path: Path) -> None:
+    figure, ax = plt.subplots()
+    PLOTTERS["peers"](PEERS_REPORT, ax)
+    assert [bar.get_width() for bar in ax.patches if isinstance(bar, Rectangle)] == [
+        0.876, 0.554, 1.18, 1.374]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "mixed throughput (higher better)", "rag throughput (higher better)",
+        "TTFT p50 @ 0.25/s (lower better)", "TTFT p50 @ 1/s (lower better)"]
+    assert [np.asarray(line.get_xdata()).tolist() for line in ax.get_lines()] == [[1.0, 1.0]]
+    targets = np.asarray(ax.collections[0].get_offsets()).tolist()
+    assert targets == [[1.0, 0.0], [1.2, 1.0], [1.0, 2.0], [1.0, 3.0]]
+    plt.close(figure)
+    assert draw_plots({"peers": PEERS_REPORT}, tmp_path) == [tmp_path / "peers.png"]
+    assert (tmp_path / "peers.png").stat().st_size > 0
+    # An agreement-only run has no ratio to draw: no plot rather than an empty one.
+    assert draw_plots({"peers": {"throughput": [], "serving": None,
+                                 "agreement": PEERS_REPORT["agreement"]}},
+                      tmp_path / "none") == []
 
 
 def test_models_side_by_side_with_run_lines_sizes_and_plots() -> None:
@@ -139,12 +184,42 @@ def test_sizes_pick_parts_and_quick_runs_record_nothing(
     args = ["--model", str(tmp_path), "--label", "m", "--figures", str(figures),
             "--results-md", str(tmp_path / "RESULTS.md")]
     assert suite.main([*args, "--size", "medium"]) == 1
-    assert calls == ["throughput", "prefix", "lora", "gateway"]
+    assert calls == ["throughput", "prefix", "lora", "gateway", "peers"]
     calls.clear()
     assert suite.main([*args, "--quick", "--only", "rate"]) == 1
     assert calls == ["rate"] and not figures.exists()
     with pytest.raises(SystemExit):
         suite.main([*args, "--size", "medium", "--only", "rate"])
+
+
+def test_the_suite_threads_reach_peers_as_its_flag_and_others_by_environment(
+        tmp_path: Path) -> None:
+    parts = {p.name: p for p in suite.PARTS}
+    out = tmp_path / "r.json"
+
+    def command(name: str, size: str, threads: int) -> list[str]:
+        args = argparse.Namespace(model="M", size=size, threads=threads)
+        return suite.part_command(parts[name], args, out)[1:]
+
+    assert command("peers", "medium", 1) == [
+        "-m", "benchmarks.peers", "--model", "M", "--out", str(out), "--repeats", "1",
+        "--parts", "agreement,mixed,rag,lora", "--threads", "1"]
+    # 0 = torch's choice: peers keeps its own default (the comparison's 2 threads).
+    assert command("peers", "quick", 0) == [
+        "-m", "benchmarks.peers", "--model", "M", "--out", str(out), "--quick"]
+    assert command("rate", "full", 1) == [
+        "-m", "benchmarks.rate_sweep", "--model", "M", "--out", str(out)]
+
+
+def test_every_peers_size_parses_with_the_suites_flags() -> None:
+    from benchmarks.peers.__main__ import parse_args
+
+    peers = next(p for p in suite.PARTS if p.name == "peers")
+    for size, extra in peers.sizes.items():
+        args = parse_args(["--model", "M", "--out", "r.json", *extra, "--threads", "1"])
+        assert args.threads == 1 and str(args.out) == "r.json", size
+    medium = parse_args(["--model", "M", *peers.sizes["medium"]])
+    assert medium.repeats == 1 and "serving" not in medium.parts
 
 
 def test_the_record_file_in_the_repository_loads_and_renders() -> None:

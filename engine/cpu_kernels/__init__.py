@@ -5,11 +5,17 @@ paged KV cache in place. torch's CPU flash kernel needs each context copied out 
 into a dense tensor and tiles its work for long query blocks; a decode has one query per
 head, so on CPU that path spent most of a decode step copying and padding.
 
-The extension is compiled with torch's cpp_extension (g++ and ninja, ~20 s once; cached
+``FusedOps`` (fused_elementwise.cpp) are a Llama layer's element-wise steps in one pass each:
+RMSNorm, residual add + RMSNorm, rotary embedding in place, SiLU-and-multiply. Eager torch
+runs four to ten ops (and their temporaries) for each; in a decode step of a 30-layer model
+those ops cost more than their arithmetic. (torch.compile of the same functions was measured
+too: ~40-80 us per compiled call here, more than the eager ops at decode sizes.)
+
+The extension is compiled with torch's cpp_extension (g++ and ninja, ~30 s once; cached
 under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions) for this machine's
-instruction set. Where it cannot be built, ``load_paged_decode`` says why once in the log and
-returns None, and the engine keeps its torch path (as it does with EngineConfig.native_kernels
-off).
+instruction set, with OpenMP so that at::parallel_for uses torch's threads (the runtime torch
+already loaded). Where it cannot be built, the loaders say why once in the log and return
+None, and the engine keeps its torch paths (as it does with EngineConfig.native_kernels off).
 """
 
 from __future__ import annotations
@@ -19,25 +25,45 @@ import logging
 import platform
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("paged_decode_attention.cpp", "fused_elementwise.cpp")]
+HEADERS = [Path(__file__).with_name("vec_math.h")]
 
 PagedDecodeOp = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, window) -> (out, lse);
 semantics, shapes and dtypes in paged_decode_attention.cpp."""
 
+
+@dataclass(frozen=True)
+class FusedOps:
+    """The fused element-wise ops; semantics, shapes and dtypes in fused_elementwise.cpp."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    """(x [T, N], weight [N], eps) -> [T, N]"""
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
+                           tuple[torch.Tensor, torch.Tensor]]
+    """(x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)"""
+    rotary_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    """(q [T, H, D], k [T, Hkv, D], cos, sin [T, D]) -> None; rotates q and k in place"""
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    """(gate_up [T, 2I]) -> silu(gate) * up [T, I]"""
+
+
 _lock = threading.Lock()
-_state: dict[str, PagedDecodeOp | None] = {}
+_built: list[bool] = []  # [] before the first attempt, then [whether it built]
 
 
-def _host_tag() -> str:
+def _build_tag() -> str:
     """Part of the build's name: a build for one instruction set is never loaded on
-    another (the cache directory may be shared between machines)."""
+    another (the cache directory may be shared between machines), and a changed header
+    rebuilds (cpp_extension tracks the sources' contents, not the headers they include)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -46,30 +72,44 @@ def _host_tag() -> str:
                 break
     except OSError:
         pass
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+    headers = b"".join(h.read_bytes() for h in HEADERS)
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode() + headers).hexdigest()[:10]
 
 
-def _build() -> PagedDecodeOp:
-    from torch.utils.cpp_extension import load
+def _build() -> bool:
+    """Compile (or load the cached build of) the extension once per process."""
+    with _lock:
+        if not _built:
+            try:
+                from torch.utils.cpp_extension import load
 
-    log.info("loading the compiled CPU kernels (built once for this machine, ~20 s)")
-    native = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
-    load(name=f"loragate_cpu_kernels_{_host_tag()}", sources=[str(SOURCE)],
-         extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *native],
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                log.info("loading the compiled CPU kernels (built once for this machine, ~30 s)")
+                native = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
+                load(name=f"loragate_cpu_kernels_{_build_tag()}",
+                     sources=[str(s) for s in SOURCES],
+                     extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *native],
+                     extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                _built.append(True)
+            except Exception as exc:
+                log.warning("compiled CPU kernels unavailable (%s: %s); the engine uses its "
+                            "torch paths", type(exc).__name__, exc)
+                _built.append(False)
+        return _built[0]
+
+
+def load_paged_decode() -> PagedDecodeOp | None:
+    """The compiled decode kernel, built on the first call; None where it cannot be built
+    (the reason is logged once)."""
+    if not _build():
+        return None
     op: PagedDecodeOp = torch.ops.loragate.paged_decode_attention
     return op
 
 
-def load_paged_decode() -> PagedDecodeOp | None:
-    """The compiled kernel, built on the first call; None where it cannot be built (the
-    reason is logged once)."""
-    with _lock:
-        if "op" not in _state:
-            try:
-                _state["op"] = _build()
-            except Exception as exc:
-                log.warning("compiled CPU kernels unavailable (%s: %s); decode attention "
-                            "uses the torch path", type(exc).__name__, exc)
-                _state["op"] = None
-        return _state["op"]
+def load_fused_ops() -> FusedOps | None:
+    """The fused element-wise ops, from the same build as load_paged_decode."""
+    if not _build():
+        return None
+    ops = torch.ops.loragate
+    return FusedOps(rms_norm=ops.rms_norm, add_rms_norm=ops.add_rms_norm, rotary_=ops.rotary_,
+                    silu_and_mul=ops.silu_and_mul)

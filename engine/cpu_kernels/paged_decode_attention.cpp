@@ -33,37 +33,23 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
-// exp(x) for x <= 0 in plain float arithmetic the compiler vectorizes (libm's expf is a call
-// per element): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (the Cephes
-// coefficients, relative error ~2e-7), times 2^n built in the exponent bits. Inputs below
-// -87 (where exp underflows float's normal range) give exp(-87) ~ 1.6e-38.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const int n = static_cast<int>(x * 1.44269504088896341f - 0.5f);  // round to nearest
-  const float fn = static_cast<float>(n);
-  float r = x - fn * 0.693359375f;
-  r = r + fn * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * __builtin_bit_cast(float, (n + 127) << 23);
-}
-
 // q . k. The float version keeps 16 lanes in one vector (GCC/Clang vector extensions, one
 // AVX-512 register or two AVX2 ones) and sums them by halving shuffles: a plain loop's
 // reduction ends in 16 dependent scalar adds through memory, which costs more than the
 // multiplies at head_dim 64.
-using Lanes = float __attribute__((vector_size(64)));
-using LaneIndex = int32_t __attribute__((vector_size(64)));
+using loragate_cpu::exp_lanes;
+using loragate_cpu::exp_scalar;
+using loragate_cpu::Lanes;
+using loragate_cpu::load_lanes;
+using loragate_cpu::store_lanes;
+using LaneIndex = loragate_cpu::LaneInts;
 
 template <typename scalar_t, int64_t kDim>
 inline float dot(const float* q, const scalar_t* k, int64_t head_dim) {
@@ -110,14 +96,6 @@ inline Lanes transpose_sum16(const Lanes (&v)[16]) {
     x[i] = __builtin_shuffle(w[i], w[i + 2], lo3) + __builtin_shuffle(w[i], w[i + 2], hi3);
   return __builtin_shuffle(x[0], x[1], lo4) + __builtin_shuffle(x[0], x[1], hi4);
 }
-
-inline Lanes load_lanes(const float* p) {
-  Lanes a;
-  std::memcpy(&a, p, sizeof(Lanes));
-  return a;
-}
-
-inline void store_lanes(float* p, Lanes a) { std::memcpy(p, &a, sizeof(Lanes)); }
 
 // The float32 kernel for head_dim = 16 * kChunks, same semantics and work items as
 // decode_kernel below. Per cache block and query head: scores of 16 positions at a time
@@ -197,14 +175,16 @@ void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cach
           float block_max = run_max[h];
           for (int64_t t = 0; t < count; ++t) block_max = std::max(block_max, sc[t]);
           const float rescale = run_max[h] == kNegInf ? 0.0f
-                                                      : exp_nonpositive(run_max[h] - block_max);
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < count; ++t) {
-            const float p = exp_nonpositive(sc[t] - block_max);
-            sc[t] = p;
-            sum += p;
+                                                      : exp_scalar(run_max[h] - block_max);
+          Lanes sums = {};
+          for (int64_t c0 = 0; c0 < count; c0 += 16) {
+            Lanes p = exp_lanes(load_lanes(sc + c0) - block_max);
+            for (int64_t t = count - c0; t < 16; ++t) p[t] = 0.0f;  // past the block's end
+            store_lanes(sc + c0, p);
+            sums += p;
           }
+          float sum = 0.0f;
+          for (int t = 0; t < 16; ++t) sum += sums[t];
           run_sum[h] = run_sum[h] * rescale + sum;
           run_max[h] = block_max;
           float* ah = acc.data() + h * kDim;
@@ -297,11 +277,11 @@ void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
           float block_max = run_max[h];
           for (int64_t t = t0; t < t1; ++t) block_max = std::max(block_max, sh[t]);
           const float rescale = run_max[h] == kNegInf ? 0.0f
-                                                      : exp_nonpositive(run_max[h] - block_max);
+                                                      : exp_scalar(run_max[h] - block_max);
           float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t t = t0; t < t1; ++t) {
-            const float p = exp_nonpositive(sh[t] - block_max);
+            const float p = exp_scalar(sh[t] - block_max);
             sh[t] = p;
             sum += p;
           }

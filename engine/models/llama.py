@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.cpu_kernels import FusedOps
 from engine.models.shape import ModelShape
 from lora.cpu_gemm import linear
 from lora.layers import LoraLinear
@@ -91,6 +92,8 @@ class Attention(nn.Module):
             self.q_norm = norm(self.head_dim, shape.rms_norm_eps)
             self.k_norm = norm(self.head_dim, shape.rms_norm_eps)
         self.scale = shape.attn_scale
+        self.fused: FusedOps | None = None
+        """Set by LlamaForFlatBatch.use_fused_ops: rope in place by the compiled op."""
 
     def forward(
         self,
@@ -108,7 +111,10 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # before rope, as Qwen3 does
-        q, k = apply_rope(q, k, cos, sin)
+        if self.fused is not None:
+            self.fused.rotary_(q, k, cos, sin)  # in place: q, k are this step's own tensors
+        else:
+            q, k = apply_rope(q, k, cos, sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metas[self.sliding_window],
                               self.scale, self.softcap)
         return self.o_proj(out.reshape(t, self.q_size), lora)
@@ -124,9 +130,15 @@ class MLP(nn.Module):
         self.gate_up_proj = LoraLinear(h, (("gate_proj", i), ("up_proj", i)), bias=b)
         self.down_proj = LoraLinear(i, (("down_proj", h),), bias=b)
         self.act = _ACTIVATIONS[shape.hidden_act]
+        self.silu = shape.hidden_act == "silu"
+        self.fused: FusedOps | None = None
+        """Set by LlamaForFlatBatch.use_fused_ops: SiLU-and-multiply by the compiled op."""
 
     def forward(self, x: torch.Tensor, lora: LoraBatchMetadata | None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x, lora)
+        if self.fused is not None and self.silu:
+            return self.down_proj(self.fused.silu_and_mul(gate_up), lora)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up, lora)
 
 
@@ -145,6 +157,18 @@ class DecoderLayer(nn.Module):
                 lora: LoraBatchMetadata | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ropes, kv_cache, metas, lora)
         return x + self.mlp(self.post_attention_layernorm(x), lora)
+
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor, ropes: RopeTables,
+                      kv_cache: tuple[torch.Tensor, torch.Tensor], metas: StepMetadata,
+                      lora: LoraBatchMetadata | None, fused: FusedOps,
+                      next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() with each residual add fused into the norm after it: h is
+        input_layernorm(residual) on entry; returns (next_norm(out), out) for this layer's
+        output ``out`` (the next layer's input norm, or the model's final one)."""
+        attn = self.self_attn(h, ropes, kv_cache, metas, lora)
+        norm = self.post_attention_layernorm
+        h, residual = fused.add_rms_norm(attn, residual, norm.weight, norm.eps)
+        return fused.add_rms_norm(self.mlp(h, lora), residual, next_norm.weight, next_norm.eps)
 
 
 class DecoderModel(nn.Module):
@@ -177,6 +201,23 @@ class LlamaForFlatBatch(nn.Module):
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.fused_ops: FusedOps | None = None
+        """The compiled ops in use (use_fused_ops), None: eager ops."""
+        self._fused_layers: list[DecoderLayer] = []
+        """The layers run by forward_fused (Llama-style layers and norms, with fused_ops)."""
+
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
+        """Run rope and SiLU-and-multiply through ``ops`` (None: the eager ops again), and for
+        Llama-style layers and norms the residual adds and RMSNorms too (other layer or norm
+        classes keep theirs: Gemma's norms scale by 1 + weight, after the cast)."""
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.fused = ops
+        self.fused_ops = ops
+        layers = [m for m in self.model.layers if isinstance(m, DecoderLayer)]
+        fusable = (ops is not None and self.norm_class is RMSNorm
+                   and len(layers) == len(self.model.layers))
+        self._fused_layers = layers if fusable else []
 
     def forward(
         self,
@@ -190,9 +231,25 @@ class LlamaForFlatBatch(nn.Module):
         cos = self.rope_cos[:, positions].to(x.dtype).unsqueeze(2)  # [K, T, 1, head_dim]
         sin = self.rope_sin[:, positions].to(x.dtype).unsqueeze(2)
         ropes = list(zip(cos.unbind(0), sin.unbind(0), strict=True))
+        if self._fused_layers and self.fused_ops is not None:
+            return self._forward_fused(x, ropes, kv_caches, metas, lora, self.fused_ops)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, ropes, kv_cache, metas, lora)
         return self.model.norm(x)
+
+    def _forward_fused(self, x: torch.Tensor, ropes: RopeTables,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: StepMetadata,
+                       lora: LoraBatchMetadata | None, fused: FusedOps) -> torch.Tensor:
+        layers = self._fused_layers
+        first = layers[0].input_layernorm
+        h, residual = fused.rms_norm(x, first.weight, first.eps), x
+        final = self.model.norm
+        assert isinstance(final, RMSNorm)  # a condition of _fused_layers
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final
+            h, residual = layer.forward_fused(h, residual, ropes, kv_cache, metas, lora, fused,
+                                              nxt)
+        return h
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         return self.model.embed_tokens(input_ids)
