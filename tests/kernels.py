@@ -1,20 +1,30 @@
-"""The compiled CPU decode kernel for tests: built once per session; a test that needs it
-fails in CI (CI=true) when it cannot be built, and is skipped elsewhere."""
+"""The compiled CPU kernels for tests: built once per session; a test that needs them fails
+in CI (CI=true) when they cannot be built, and is skipped elsewhere."""
 
 from __future__ import annotations
 
 import os
+from typing import TypeVar
 
 import pytest
 
-from engine.cpu_kernels import PagedDecodeOp, load_paged_decode
+from engine.cpu_kernels import FusedOps, PagedDecodeOp, load_fused_ops, load_paged_decode
+
+T = TypeVar("T")
 
 
-def compiled_decode_kernel() -> PagedDecodeOp:
-    kernel = load_paged_decode()
-    if kernel is None:
-        message = "the compiled CPU decode kernel could not be built (see the log)"
+def _required(built: T | None) -> T:
+    if built is None:
+        message = "the compiled CPU kernels could not be built (see the log)"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message)
         pytest.skip(message)
-    return kernel
+    return built
+
+
+def compiled_decode_kernel() -> PagedDecodeOp:
+    return _required(load_paged_decode())
+
+
+def compiled_fused_ops() -> FusedOps:
+    return _required(load_fused_ops())

@@ -5,28 +5,17 @@ rows; argument checks; and a whole model's hidden states with and without them."
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.attention import build_step_metadata
-from engine.cpu_kernels import FusedOps, load_fused_ops
 from engine.models.llama import RMSNorm, apply_rope
 from engine.models.loader import load_hf_config, load_model
+from tests.kernels import compiled_fused_ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _ops() -> FusedOps:
-    ops = load_fused_ops()
-    if ops is None:
-        message = "the compiled CPU kernels could not be built (see the log)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return ops
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -45,7 +34,7 @@ def _norm(dim: int, dtype: torch.dtype, seed: int) -> RMSNorm:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 def test_rms_norm_and_add_rms_norm_match_eager(dtype: torch.dtype, tokens: int) -> None:
-    ops = _ops()
+    ops = compiled_fused_ops()
     hidden = 96
     norm = _norm(hidden, dtype, tokens)
     wide = (torch.randn(tokens, hidden + 32) * 3).to(dtype)
@@ -61,7 +50,7 @@ def test_rms_norm_and_add_rms_norm_match_eager(dtype: torch.dtype, tokens: int) 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 128)])
 def test_rotary_in_place_matches_eager(dtype: torch.dtype, heads: int, kv_heads: int,
                                        head_dim: int) -> None:
-    ops = _ops()
+    ops = compiled_fused_ops()
     tokens = 11
     torch.manual_seed(heads)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
@@ -80,7 +69,7 @@ def test_rotary_in_place_matches_eager(dtype: torch.dtype, heads: int, kv_heads:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_eager(dtype: torch.dtype) -> None:
-    ops = _ops()
+    ops = compiled_fused_ops()
     inter = 72
     gate_up = (torch.randn(33, 2 * inter) * 6).to(dtype)
     gate_up[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 200.0])  # exp's clamps
@@ -90,7 +79,7 @@ def test_silu_and_mul_matches_eager(dtype: torch.dtype) -> None:
 
 
 def test_fused_ops_refuse_bad_arguments() -> None:
-    ops = _ops()
+    ops = compiled_fused_ops()
     weight = torch.ones(8)
     with pytest.raises(RuntimeError, match="contiguous rows"):
         ops.rms_norm(torch.zeros(8, 4).t(), torch.ones(4), 1e-5)
@@ -106,7 +95,7 @@ def test_fused_ops_refuse_bad_arguments() -> None:
 
 
 def test_model_hidden_states_with_and_without_fused_ops(tiny_model_dir: Path) -> None:
-    ops = _ops()
+    ops = compiled_fused_ops()
     model = load_model(str(tiny_model_dir), load_hf_config(str(tiny_model_dir)), torch.float32,
                        torch.device("cpu"), max_positions=256)
     shape = model.shape

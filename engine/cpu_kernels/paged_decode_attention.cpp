@@ -15,8 +15,9 @@
 //
 // Work is split into items (a sequence, or a sequence's kv head when sequences are fewer than
 // twice the threads), longest context first, handed out dynamically to torch's own threads
-// (at::parallel_for, no second OpenMP runtime). An item reads each K/V row once for all the
-// query heads that share it (grouped-query attention without repeating K/V).
+// (at::parallel_for; built with -fopenmp against the OpenMP runtime torch already loaded).
+// An item reads each K/V row once for all the query heads that share it (grouped-query
+// attention without repeating K/V).
 // Softmax is online (running max and sum per query head), one cache block at a time.
 
 #include <ATen/ATen.h>
@@ -97,6 +98,27 @@ inline Lanes transpose_sum16(const Lanes (&v)[16]) {
   return __builtin_shuffle(x[0], x[1], lo4) + __builtin_shuffle(x[0], x[1], hi4);
 }
 
+// Work items: a sequence's kv heads [kv0, kv0 + kv_per_item): all of them when there are
+// enough sequences to keep every thread busy (each position's K/V row, all kv heads side by
+// side in the cache, is then read once, front to back), else one kv head. Longest contexts
+// first, so the last items handed out are short ones.
+struct WorkItems {
+  int64_t kv_per_item;
+  int64_t items_per_seq;
+  std::vector<int64_t> order;
+
+  WorkItems(int64_t num_seqs, int64_t num_kv_heads, const int64_t* context_lens)
+      : kv_per_item(num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1),
+        items_per_seq(num_kv_heads / kv_per_item),
+        order(num_seqs * items_per_seq) {
+    std::iota(order.begin(), order.end(), 0);
+    const int64_t per = items_per_seq;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return context_lens[a / per] > context_lens[b / per];
+    });
+  }
+};
+
 // The float32 kernel for head_dim = 16 * kChunks, same semantics and work items as
 // decode_kernel below. Per cache block and query head: scores of 16 positions at a time
 // (transpose_sum16), softmax over the block's scores as vectors, then the weighted V rows
@@ -109,15 +131,9 @@ void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cach
                        int64_t block_size, int64_t table_width, double scale, double softcap,
                        int64_t window) {
   constexpr int64_t kDim = 16 * kChunks;
-  const int64_t threads = at::get_num_threads();
-  const int64_t kv_per_item = num_seqs >= 2 * threads ? num_kv_heads : 1;
-  const int64_t items_per_seq = num_kv_heads / kv_per_item;
-  const int64_t items = num_seqs * items_per_seq;
-  std::vector<int64_t> order(items);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return context_lens[a / items_per_seq] > context_lens[b / items_per_seq];
-  });
+  const WorkItems work(num_seqs, num_kv_heads, context_lens);
+  const int64_t kv_per_item = work.kv_per_item, items_per_seq = work.items_per_seq;
+  const int64_t items = static_cast<int64_t>(work.order.size());
   std::atomic<int64_t> next{0};
   const int64_t group = num_heads / num_kv_heads;
   const int64_t heads = kv_per_item * group;
@@ -128,11 +144,11 @@ void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cach
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t padded_block = (block_size + 15) / 16 * 16;
 
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(heads * kDim), acc(heads * kDim), scores(padded_block);
     std::vector<float> run_max(heads), run_sum(heads);
     for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-      const int64_t item = order[i];
+      const int64_t item = work.order[i];
       const int64_t n = item / items_per_seq, kv0 = (item % items_per_seq) * kv_per_item;
       const int64_t h0 = kv0 * group;
       const int64_t len = context_lens[n];
@@ -216,19 +232,9 @@ void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
                    int64_t head_dim, int64_t block_size, int64_t table_width, double scale,
                    double softcap, int64_t window) {
   if (kDim > 0) head_dim = kDim;  // a compile-time size: the loops over it unroll
-  // A work item is one sequence's kv heads [kv0, kv0 + kv_per_item): a whole sequence when
-  // there are enough sequences to keep every thread busy (each position's K/V row, all kv
-  // heads side by side in the cache, is then read once, front to back), else one kv head.
-  const int64_t threads = at::get_num_threads();
-  const int64_t kv_per_item = num_seqs >= 2 * threads ? num_kv_heads : 1;
-  const int64_t items_per_seq = num_kv_heads / kv_per_item;
-  const int64_t items = num_seqs * items_per_seq;
-  // Longest contexts first, so the last items handed out are short ones.
-  std::vector<int64_t> order(items);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return context_lens[a / items_per_seq] > context_lens[b / items_per_seq];
-  });
+  const WorkItems work(num_seqs, num_kv_heads, context_lens);
+  const int64_t kv_per_item = work.kv_per_item, items_per_seq = work.items_per_seq;
+  const int64_t items = static_cast<int64_t>(work.order.size());
   std::atomic<int64_t> next{0};
   const int64_t group = num_heads / num_kv_heads;
   const int64_t heads = kv_per_item * group;  // query heads of one item
@@ -239,12 +245,12 @@ void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
   const float qscale = fcap > 0.0f ? 1.0f : fscale;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     // Per thread: the item's queries (pre-scaled), accumulators, one block's scores.
     std::vector<float> qf(heads * head_dim), acc(heads * head_dim), scores(heads * block_size);
     std::vector<float> run_max(heads), run_sum(heads);
     for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-      const int64_t item = order[i];
+      const int64_t item = work.order[i];
       const int64_t n = item / items_per_seq, kv0 = (item % items_per_seq) * kv_per_item;
       const int64_t h0 = kv0 * group;  // first query head of the item
       const int64_t len = context_lens[n];
