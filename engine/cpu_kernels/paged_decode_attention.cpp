@@ -41,10 +41,6 @@ namespace {
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
-// q . k. The float version keeps 16 lanes in one vector (GCC/Clang vector extensions, one
-// AVX-512 register or two AVX2 ones) and sums them by halving shuffles: a plain loop's
-// reduction ends in 16 dependent scalar adds through memory, which costs more than the
-// multiplies at head_dim 64.
 using loragate_cpu::exp_lanes;
 using loragate_cpu::exp_scalar;
 using loragate_cpu::Lanes;
@@ -52,27 +48,12 @@ using loragate_cpu::load_lanes;
 using loragate_cpu::store_lanes;
 using LaneIndex = loragate_cpu::LaneInts;
 
+// q . k (the float kernel below computes 16 of them at once instead).
 template <typename scalar_t, int64_t kDim>
 inline float dot(const float* q, const scalar_t* k, int64_t head_dim) {
   float s = 0.0f;
   for (int64_t d = 0; d < head_dim; ++d) s += q[d] * to_float(k[d]);
   return s;
-}
-
-template <>
-inline float dot<float, 64>(const float* q, const float* k, int64_t) {
-  Lanes acc = {};
-  for (int64_t d = 0; d < 64; d += 16) {
-    Lanes a, b;
-    std::memcpy(&a, q + d, sizeof(Lanes));
-    std::memcpy(&b, k + d, sizeof(Lanes));
-    acc += a * b;
-  }
-  acc += __builtin_shuffle(acc, LaneIndex{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  acc += __builtin_shuffle(acc, LaneIndex{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
-  acc += __builtin_shuffle(acc, LaneIndex{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
-  acc += __builtin_shuffle(acc, LaneIndex{1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
-  return acc[0];
 }
 
 // Lane i of the result is the sum of v[i]'s 16 lanes: sixteen dot products finished at once
@@ -119,6 +100,41 @@ struct WorkItems {
   }
 };
 
+// One item's per-query-head state, kept per thread: the queries as float (pre-scaled), the
+// output accumulators and the online softmax's running max and sum. The item's query heads
+// are contiguous in q, out and lse: rows first_head .. first_head + heads.
+struct ItemState {
+  std::vector<float> qf, acc, run_max, run_sum;
+
+  ItemState(int64_t heads, int64_t dim)
+      : qf(heads * dim), acc(heads * dim), run_max(heads), run_sum(heads) {}
+
+  template <typename scalar_t>
+  void start(const scalar_t* q, int64_t first_head, float qscale) {
+    const int64_t dim = static_cast<int64_t>(qf.size() / run_max.size());
+    const scalar_t* src = q + first_head * dim;
+    for (size_t i = 0; i < qf.size(); ++i) qf[i] = to_float(src[i]) * qscale;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
+    std::fill(run_sum.begin(), run_sum.end(), 0.0f);
+  }
+
+  // out = acc / sum and lse = max + log(sum) per head (0 and -inf over no positions).
+  template <typename scalar_t>
+  void finish(scalar_t* out, float* lse, int64_t first_head) const {
+    const int64_t heads = static_cast<int64_t>(run_max.size());
+    const int64_t dim = static_cast<int64_t>(qf.size()) / heads;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float total = run_sum[h];
+      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+      scalar_t* dst = out + (first_head + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[h * dim + d] * inv);
+      lse[first_head + h] = total > 0.0f ? run_max[h] + std::log(total)
+                                         : -std::numeric_limits<float>::infinity();
+    }
+  }
+};
+
 // The float32 kernel for head_dim = 16 * kChunks, same semantics and work items as
 // decode_kernel below. Per cache block and query head: scores of 16 positions at a time
 // (transpose_sum16), softmax over the block's scores as vectors, then the weighted V rows
@@ -145,21 +161,19 @@ void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cach
   const int64_t padded_block = (block_size + 15) / 16 * 16;
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> qf(heads * kDim), acc(heads * kDim), scores(padded_block);
-    std::vector<float> run_max(heads), run_sum(heads);
+    ItemState state(heads, kDim);
+    std::vector<float>& qf = state.qf;
+    std::vector<float>& acc = state.acc;
+    std::vector<float>& run_max = state.run_max;
+    std::vector<float>& run_sum = state.run_sum;
+    std::vector<float> scores(padded_block);
     for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
       const int64_t item = work.order[i];
       const int64_t n = item / items_per_seq, kv0 = (item % items_per_seq) * kv_per_item;
       const int64_t h0 = kv0 * group;
       const int64_t len = context_lens[n];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* src = q + (n * num_heads + h0 + h) * kDim;
-        for (int64_t d = 0; d < kDim; ++d) qf[h * kDim + d] = src[d] * qscale;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(run_max.begin(), run_max.end(), kNegInf);
-      std::fill(run_sum.begin(), run_sum.end(), 0.0f);
+      state.start(q, n * num_heads + h0, qscale);
       for (int64_t b = lo / block_size; b * block_size < len; ++b) {
         const int64_t block = static_cast<int64_t>(block_tables[n * table_width + b]);
         const int64_t t0 = std::max<int64_t>(lo - b * block_size, 0);
@@ -214,13 +228,7 @@ void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cach
           for (int c = 0; c < kChunks; ++c) store_lanes(ah + 16 * c, a[c]);
         }
       }
-      for (int64_t h = 0; h < heads; ++h) {
-        const float total = run_sum[h];
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        float* dst = out + (n * num_heads + h0 + h) * kDim;
-        for (int64_t d = 0; d < kDim; ++d) dst[d] = acc[h * kDim + d] * inv;
-        lse[n * num_heads + h0 + h] = total > 0.0f ? run_max[h] + std::log(total) : kNegInf;
-      }
+      state.finish(out, lse, n * num_heads + h0);
     }
   });
 }
@@ -246,22 +254,20 @@ void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    // Per thread: the item's queries (pre-scaled), accumulators, one block's scores.
-    std::vector<float> qf(heads * head_dim), acc(heads * head_dim), scores(heads * block_size);
-    std::vector<float> run_max(heads), run_sum(heads);
+    // Per thread: the item's state and one block's scores.
+    ItemState state(heads, head_dim);
+    std::vector<float>& qf = state.qf;
+    std::vector<float>& acc = state.acc;
+    std::vector<float>& run_max = state.run_max;
+    std::vector<float>& run_sum = state.run_sum;
+    std::vector<float> scores(heads * block_size);
     for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
       const int64_t item = work.order[i];
       const int64_t n = item / items_per_seq, kv0 = (item % items_per_seq) * kv_per_item;
       const int64_t h0 = kv0 * group;  // first query head of the item
       const int64_t len = context_lens[n];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      for (int64_t h = 0; h < heads; ++h) {
-        const scalar_t* src = q + (n * num_heads + h0 + h) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = to_float(src[d]) * qscale;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(run_max.begin(), run_max.end(), kNegInf);
-      std::fill(run_sum.begin(), run_sum.end(), 0.0f);
+      state.start(q, n * num_heads + h0, qscale);
       for (int64_t b = lo / block_size; b * block_size < len; ++b) {
         const int64_t block = static_cast<int64_t>(block_tables[n * table_width + b]);
         const int64_t t0 = std::max<int64_t>(lo - b * block_size, 0);
@@ -309,15 +315,7 @@ void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v
           }
         }
       }
-      for (int64_t h = 0; h < heads; ++h) {
-        const float total = run_sum[h];
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        scalar_t* dst = out + (n * num_heads + h0 + h) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) {
-          dst[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv);
-        }
-        lse[n * num_heads + h0 + h] = total > 0.0f ? run_max[h] + std::log(total) : kNegInf;
-      }
+      state.finish(out, lse, n * num_heads + h0);
     }
   });
 }
