@@ -33,6 +33,7 @@ from engine.cascade_attention import (
 )
 from engine.cpu_kernels import PagedDecodeOp
 from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batches, decode_attention
+from engine.triton_attention import TritonAttentionPlan, build_triton_plan, triton_attention
 
 BlockTable = Sequence[int] | npt.NDArray[np.int64]
 """A request's cache blocks in position order: a list, or a row of the runner's array."""
@@ -66,6 +67,8 @@ class AttentionMetadata:
     cascade: CascadePlan | None = None
     """Set when the step runs cascade attention instead (then the fields above that only
     the reference path reads are left empty)."""
+    triton: TritonAttentionPlan | None = None
+    """Set when the step runs the Triton kernels (engine/triton_attention); likewise."""
 
 
 def build_step_metadata(
@@ -77,11 +80,20 @@ def build_step_metadata(
     cascade: bool = False,
     buffers: CopyBuffers | None = None,
     kernel: PagedDecodeOp | None = None,
+    triton_block_m: int | None = None,
 ) -> dict[int | None, AttentionMetadata]:
     """The step's metadata for each distinct sliding window (None: full attention) among
     the model's layers, all with one shared slot mapping. Arguments as for
-    build_attention_metadata; only the full-attention entry may plan cascade attention."""
+    build_attention_metadata; only the full-attention entry may plan cascade attention.
+    triton_block_m: run the Triton kernels (engine/triton_attention) with prefill tiles of
+    that many queries instead of the torch path; one plan then serves every window."""
     slot_mapping = _slot_mapping(decodes, prefills, block_size, device)
+    if triton_block_m is not None:
+        plan = build_triton_plan(decodes, prefills, block_size, None, device, triton_block_m)
+        return {window: AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(decodes),
+                                          decodes=[], prefills=[],
+                                          triton=plan.with_window(window))
+                for window in dict.fromkeys(windows)}
     return {window: build_attention_metadata(decodes, prefills, block_size, window, device,
                                              cascade, slot_mapping, buffers, kernel)
             for window in dict.fromkeys(windows)}
@@ -203,7 +215,8 @@ def paged_attention(
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Torch reference paged attention (or cascade attention when the metadata planned it).
+    """Torch reference paged attention (or cascade attention, or the Triton kernels, when
+    the metadata planned them).
 
     Semantics: writes k/v of every token into its cache slot, then each token attends
     causally (and within the sliding window, if any) to its request's whole context.
@@ -217,6 +230,8 @@ def paged_attention(
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
+    if meta.triton is not None:
+        return triton_attention(q, k_cache, v_cache, meta.triton, scale, softcap)
     if meta.cascade is not None:
         assert softcap is None, "cascade attention has no soft-capping"
         return cascade_attention(q, k, v, k_cache, v_cache, meta.cascade, scale)

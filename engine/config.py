@@ -10,6 +10,8 @@ from prefix_cache.adaptive import PrefixCachingMode
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+AttentionBackend = Literal["auto", "torch", "triton"]
+LoadFormat = Literal["safetensors", "dummy"]
 
 _GIB = 1 << 30
 
@@ -137,6 +139,16 @@ class EngineConfig:
     logs why and keeps the torch paths. Off: torch's flash kernel over contexts copied out of
     the cache and eager element-wise ops, the reference."""
 
+    attention_backend: AttentionBackend = "auto"
+    """"auto": the Triton paged attention kernels (engine/triton_attention) on a GPU, the
+    torch path (with native_kernels on a CPU) elsewhere. "triton" off a GPU needs
+    TRITON_INTERPRET=1 (the interpreter, for tests); "torch": the reference path everywhere."""
+
+    load_format: LoadFormat = "safetensors"
+    """"safetensors": the checkpoint's weights. "dummy": seeded random weights of the
+    config's shape built on the device, no weight files read (benchmarks of a model shape
+    without its weights, as vLLM's --load-format dummy)."""
+
     seed: int = 0
     """Seed of the generator used by sampled requests that give no seed of their own."""
 
@@ -180,6 +192,12 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got "
                              f"{self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got "
+                             f"{self.attention_backend!r}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format must be safetensors or dummy, got "
+                             f"{self.load_format!r}")
         if self.prefix_caching not in ("on", "off", "auto"):
             raise ValueError(f"prefix_caching must be 'on', 'off' or 'auto', got "
                              f"{self.prefix_caching!r}")

@@ -75,7 +75,8 @@ class LLMEngine:
             config.model, local_files_only=True)
         self.eos_token_ids = frozenset(self._eos_ids(config, self.tokenizer))
         model = load_model(config.model, hf_config, self.dtype, self.device, self.max_model_len,
-                           prepack_weights=config.prepack_weights)
+                           prepack_weights=config.prepack_weights,
+                           dummy_seed=config.seed if config.load_format == "dummy" else None)
         self.runner = ModelRunner(config, model, self.device, self.dtype, self.eos_token_ids)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, self.runner.num_swap_blocks,

@@ -19,6 +19,7 @@ from engine.models.llama import LlamaForFlatBatch
 from engine.paged_decode import CopyBuffers
 from engine.sampler import Sampler
 from engine.scheduler_output import SchedulerOutput
+from engine.triton_attention import default_block_m, resolve_attention_backend
 from lora.layers import LoraSlots
 from lora.ops import build_lora_metadata, resolve_backend
 
@@ -48,13 +49,16 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = config.block_size
+        triton = resolve_attention_backend(config.attention_backend, device) == "triton"
+        self.triton_block_m = default_block_m(device) if triton else None
         # Cascade attention has no score soft-capping (Gemma 2): such models never plan it.
-        self.cascade_attention = config.cascade_attention and model.shape.attn_softcap is None
+        self.cascade_attention = (config.cascade_attention and model.shape.attn_softcap is None
+                                  and not triton)
         self.layer_windows = tuple(dict.fromkeys(model.shape.layer_windows))
         self.copy_buffers = CopyBuffers()
         # Built (compiled on first use) here, on the engine's thread, not in the first step.
         native = config.native_kernels and device.type == "cpu"
-        self.decode_kernel = load_paged_decode() if native else None
+        self.decode_kernel = load_paged_decode() if native and not triton else None
         model.use_fused_ops(load_fused_ops() if native else None)
         per_block = kv_bytes_per_block(model, config.block_size, dtype)
         self.num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
@@ -119,7 +123,8 @@ class ModelRunner:
         meta = build_step_metadata(inputs.decodes, inputs.prefills, self.block_size,
                                    self.layer_windows, self.device,
                                    cascade=self.cascade_attention,
-                                   buffers=self.copy_buffers, kernel=self.decode_kernel)
+                                   buffers=self.copy_buffers, kernel=self.decode_kernel,
+                                   triton_block_m=self.triton_block_m)
         # The runs and rest layout serve only the torch path's fused op.
         lora = build_lora_metadata(
             inputs.token_slots, self.device,

@@ -96,16 +96,23 @@ def checkpoint_layout(model: nn.Module) -> dict[str, list[tuple[str, tuple[int, 
 
 def load_model(
     model_dir: str, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-    max_positions: int, prepack_weights: bool = False,
+    max_positions: int, prepack_weights: bool = False, dummy_seed: int | None = None,
 ) -> LlamaForFlatBatch:
     """Build the model on the meta device, then assign the checkpoint's tensors to it.
     prepack_weights: on a CPU in fp32, put every projection's weight (and the LM head's)
-    into oneDNN's layout (lora/cpu_gemm.py); a tied LM head then gets its own copy."""
+    into oneDNN's layout (lora/cpu_gemm.py); a tied LM head then gets its own copy.
+    dummy_seed: read no weight files; seeded random weights of the config's shape are built
+    on the device instead (matrices N(0, initializer_range), norm weights one, biases
+    zero)."""
     shape = ModelShape.from_hf_config(config)
     cos, sin = rope_tables(config, shape.head_dim, max_positions, shape.rope_kinds)
     model_class = GemmaForFlatBatch if shape.is_gemma else LlamaForFlatBatch
     with torch.device("meta"):
         model = model_class(shape, cos.to("meta"), sin.to("meta"))
+    if dummy_seed is not None:
+        params = _dummy_params(model, dummy_seed, float(getattr(config, "initializer_range", 0.02)),
+                               dtype, device)
+        return _finish(model, params, cos, sin, device, prepack_weights)
     state: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(Path(model_dir)):
         state.update(load_file(str(file), device="cpu"))
@@ -124,6 +131,29 @@ def load_model(
               else torch.cat([state.pop(key) for key, _ in parts])
               for name, parts in layout.items()}
     params = {k: v.to(device=device, dtype=dtype) for k, v in params.items()}
+    return _finish(model, params, cos, sin, device, prepack_weights)
+
+
+def _dummy_params(model: nn.Module, seed: int, std: float, dtype: torch.dtype,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """Random weights for every parameter of the meta-device model, generated on the
+    device itself (an 8B shape is 16 GB: no host copy, no files)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    params: dict[str, torch.Tensor] = {}
+    for name, meta in model.named_parameters():
+        if name.endswith("bias"):
+            params[name] = torch.zeros(meta.shape, dtype=dtype, device=device)
+        elif meta.dim() == 1:
+            params[name] = torch.ones(meta.shape, dtype=dtype, device=device)
+        else:
+            params[name] = torch.empty(meta.shape, dtype=dtype, device=device).normal_(
+                0.0, std, generator=generator)
+    return params
+
+
+def _finish(model: LlamaForFlatBatch, params: dict[str, torch.Tensor], cos: torch.Tensor,
+            sin: torch.Tensor, device: torch.device, prepack_weights: bool) -> LlamaForFlatBatch:
+    """Assign the weights and rope tables, switch to inference, prepack if asked."""
     model.load_state_dict(params, strict=True, assign=True)
     model.rope_cos = cos.to(device)
     model.rope_sin = sin.to(device)

@@ -1,0 +1,71 @@
+"""Triton helpers shared by the paged attention kernels, and the launch-side checks.
+
+The kernels reduce with ``tl.reduce`` over the combine functions below rather than with
+``tl.max`` / ``tl.sum``: those are @triton.jit functions of triton itself, decorated when triton
+is imported, and a kernel running in Triton's CPU interpreter cannot call a compiled helper.
+Helpers decorated here, at this module's import, are interpreted or compiled like the kernels
+that call them, so the interpreter works even when triton was imported before
+TRITON_INTERPRET was set (the same reason lora/ops/sgmv_triton.py keeps to builtins).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+"""log2(e): the kernels run their softmax in base 2 (exp2 is one instruction on GPUs)."""
+
+
+@triton.jit
+def maximum_combine(a, b):  # type: ignore[no-untyped-def]
+    """Combine function of a max reduction."""
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def add_combine(a, b):  # type: ignore[no-untyped-def]
+    """Combine function of a sum reduction."""
+    return a + b
+
+
+@triton.jit
+def soft_cap(scores, cap):  # type: ignore[no-untyped-def]
+    """cap * tanh(scores / cap) (Gemma 2's score soft-capping), with tanh written through
+    exp since triton.language has no tanh on every version: tanh(x) = 1 - 2 / (exp(2x) + 1),
+    which saturates to +-1 without overflow (exp overflowing to inf gives 1 exactly)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * scores / cap) + 1.0))
+
+
+def kernels_interpreted(kernel: object) -> bool:
+    """True when ``kernel`` was decorated under TRITON_INTERPRET=1 (Triton's CPU
+    interpreter), False when it compiles for the GPU."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def check_device(kernel: object, *tensors: torch.Tensor) -> None:
+    """The tensors must be on CUDA, or on the CPU with interpreted kernels."""
+    for t in tensors:
+        if t.device.type != "cuda" and not kernels_interpreted(kernel):
+            raise ValueError(f"Triton attention kernels need CUDA tensors, got {t.device}; on "
+                             "CPU set TRITON_INTERPRET=1 before engine.triton_attention's "
+                             "kernels are imported")
+
+
+def dot_in_fp32(kernel: object, dtype: torch.dtype) -> bool:
+    """Triton's interpreter keeps bf16 as raw 16-bit patterns and its tl.dot would multiply
+    those (triton-lang/triton#11584), so interpreted bf16 tiles are upcast before the dot.
+    Exact: bf16 products are exact in fp32. Native GPU runs keep bf16 for the tensor cores."""
+    return dtype == torch.bfloat16 and kernels_interpreted(kernel)
+
+
+def default_block_n(device: torch.device) -> int:
+    """Key positions per tile: 64 on a GPU; 16 in the interpreter, whose cost grows with the
+    tile and which tests with contexts of a few dozen positions."""
+    return 64 if device.type == "cuda" else 16
+
+
+def pow2_at_least(n: int, floor: int) -> int:
+    """The smallest power of two >= max(n, floor); tl.dot needs every dim >= 16."""
+    return max(floor, triton.next_power_of_2(max(n, 1)))
