@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-"""log2(e): the kernels run their softmax in base 2 (exp2 is one instruction on GPUs)."""
+LOG2E = tl.constexpr(1.4426950408889634)
+"""log2(e): the kernels run their softmax in base 2 (exp2 is one instruction on GPUs). A
+constexpr: compiled kernels may read no other kind of global."""
 
 
 @triton.jit
