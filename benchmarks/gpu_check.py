@@ -63,7 +63,8 @@ def _summary(record: dict[str, Any]) -> list[str]:
         lines.append(f"copy bandwidth: {bandwidth:.0f} GB/s")
     for row in record.get("decode_attention", []):
         lines.append(f"decode attention {row['seqs']:>3} seqs x {row['context']:>5}: "
-                     f"{row['us']:9.1f} us, {row['gb_per_s']:7.0f} GB/s, "
+                     f"{row['us']:9.1f} us ({row['us_with_launch']:.1f} us with launch), "
+                     f"{row['gb_per_s']:7.0f} GB/s, "
                      f"{100 * row['roofline_fraction']:5.1f}% of copy bandwidth")
     for row in record.get("sgmv", []):
         lines.append(f"sgmv {row['adapters']:>2} adapters x {row['tokens']} tokens: shrink "
@@ -78,10 +79,11 @@ def _summary(record: dict[str, Any]) -> list[str]:
     for key in ("engine_over_transformers", "adapters_over_base"):
         if key in engine:
             lines.append(f"{key}: {engine[key]:.2f}x")
-    if "decode_step" in engine:
-        d = engine["decode_step"]
-        lines.append(f"decode step at {d['seqs']} seqs: {d['step_ms']:.2f} ms, forward "
-                     f"{d['forward_ms']:.2f} ms ({d['step_over_forward']:.2f}x)")
+    for key in ("decode_step_eager", "decode_step"):
+        if key in engine:
+            d = engine[key]
+            lines.append(f"{key} at {d['seqs']} seqs: {d['step_ms']:.2f} ms, forward "
+                         f"{d['forward_ms']:.2f} ms ({d['step_over_forward']:.2f}x)")
     lines.extend(f"ERROR {name}: {err.splitlines()[-1] if err else ''}"
                  for name, err in record.get("errors", {}).items())
     return lines
@@ -159,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         record["engine_checks"] = checks
         with tempfile.TemporaryDirectory() as tmp:
             knobs: dict[str, Any]
+            shape: dict[str, Any]
             if cuda:
                 shape = eng.LLAMA3_8B_SHAPE
                 workload = eng.Workload.mixed(128, (64, 1024), (32, 256), 8000)

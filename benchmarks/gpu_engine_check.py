@@ -4,7 +4,8 @@
 - throughput of one mixed workload through the engine, and through transformers with static
   batching (padded batches, every sequence run to its batch's longest output: the way
   serving worked before continuous batching), counting only the tokens each request asked for;
-- the decode-only step time at a fixed batch against the model forward inside it;
+- the decode-only step time at a fixed batch against the model forward inside it, with the
+  decode graphs (engine/decode_graphs.py) and with every step eager;
 - the same workload with every request on one of 16 LoRA adapters against none.
 """
 
@@ -195,6 +196,11 @@ def engine_checks(work_dir: Path, shape: dict[str, Any], device: torch.device,
         engine, workload, [f"a{i}" for i in range(num_adapters)], tag="l")
     record["adapters_over_base"] = (record["engine_16_adapters"]["output_tok_per_s"]
                                     / record["engine"]["output_tok_per_s"])
+    # The same engine with its decode graphs set aside: every step eager.
+    graphs, engine.runner.decode_graphs = engine.runner.decode_graphs, None
+    record["decode_step_eager"] = decode_step_timing(engine, decode_seqs, decode_prompt,
+                                                     decode_steps, shape["vocab_size"])
+    engine.runner.decode_graphs = graphs
     record["decode_step"] = decode_step_timing(engine, decode_seqs, decode_prompt,
                                                decode_steps, shape["vocab_size"])
     del engine

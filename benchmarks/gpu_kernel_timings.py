@@ -36,6 +36,20 @@ def time_call(fn: Callable[[], object], device: torch.device, iters: int,
     return (time.perf_counter() - t0) / iters
 
 
+def device_time(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Mean seconds per call of the device work alone: on a GPU ``iters`` calls captured in
+    one CUDA graph and replayed (no host launch cost between kernels); elsewhere time_call."""
+    if device.type != "cuda":
+        return time_call(fn, device, iters)
+    fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    return time_call(graph.replay, device, 3, warmup=1) / iters
+
+
 def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
     """Bytes per second of a device-to-device copy, counting bytes read and written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).uniform_()
@@ -48,8 +62,8 @@ def decode_attention_timings(device: torch.device, bandwidth: float, seq_counts:
                              contexts: list[int], heads: int, kv_heads: int, head_dim: int,
                              page: int, dtype: torch.dtype, iters: int) -> list[dict[str, Any]]:
     """engine.triton_attention's decode kernel over shuffled blocks, each sequence count x
-    context length: time, bytes of K/V read, achieved bandwidth and its share of the copy
-    bandwidth."""
+    context length: device time (graph replay) and time per call with its host launch, bytes
+    of K/V read, achieved bandwidth and its share of the copy bandwidth."""
     from engine.triton_attention.decode import paged_decode_attention
 
     rows = []
@@ -68,9 +82,11 @@ def decode_attention_timings(device: torch.device, bandwidth: float, seq_counts:
 
             run = partial(paged_decode_attention, q, k_cache, v_cache, tables, lens, context,
                           1 / math.sqrt(head_dim), out=out)
-            seconds = time_call(run, device, iters)
+            seconds = device_time(run, device, iters)
+            launched = time_call(run, device, iters)
             nbytes = 2 * seqs * context * kv_heads * head_dim * k_cache.element_size()
             rows.append({"seqs": seqs, "context": context, "us": seconds * 1e6,
+                         "us_with_launch": launched * 1e6,
                          "kv_bytes": nbytes, "gb_per_s": nbytes / seconds / 1e9,
                          "roofline_fraction": nbytes / seconds / bandwidth})
             del k_cache, v_cache
@@ -80,8 +96,8 @@ def decode_attention_timings(device: torch.device, bandwidth: float, seq_counts:
 def sgmv_timings(device: torch.device, bandwidth: float, adapter_counts: list[int], hidden: int,
                  rank: int, tokens: int, dtype: torch.dtype, iters: int) -> list[dict[str, Any]]:
     """lora.ops' Triton shrink and expand for a decode batch of ``tokens`` rows spread
-    round-robin over each number of adapters: time and share of the memory roofline (the
-    adapters' weights plus the activations read and written)."""
+    round-robin over each number of adapters: device time (graph replay) and share of the
+    memory roofline (the adapters' weights plus the activations read and written)."""
     from lora.ops import build_lora_metadata
     from lora.ops.sgmv_triton import sgmv_expand, sgmv_shrink
 
@@ -97,8 +113,8 @@ def sgmv_timings(device: torch.device, bandwidth: float, adapter_counts: list[in
         elem = x.element_size()
         shrink_bytes = (used * rank * hidden + tokens * hidden + tokens * rank) * elem
         expand_bytes = (used * hidden * rank + tokens * rank + 2 * tokens * hidden) * elem
-        shrink_s = time_call(partial(sgmv_shrink, x, lora_a, meta, t), device, iters)
-        expand_s = time_call(partial(sgmv_expand, t, lora_b, meta, y), device, iters)
+        shrink_s = device_time(partial(sgmv_shrink, x, lora_a, meta, t), device, iters)
+        expand_s = device_time(partial(sgmv_expand, t, lora_b, meta, y), device, iters)
         rows.append({"adapters": count, "tokens": tokens, "hidden": hidden, "rank": rank,
                      "shrink_us": shrink_s * 1e6, "expand_us": expand_s * 1e6,
                      "shrink_roofline_fraction": shrink_bytes / shrink_s / bandwidth,

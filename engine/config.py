@@ -144,6 +144,13 @@ class EngineConfig:
     torch path (with native_kernels on a CPU) elsewhere. "triton" off a GPU needs
     TRITON_INTERPRET=1 (the interpreter, for tests); "torch": the reference path everywhere."""
 
+    cuda_graphs: bool = True
+    """With the Triton attention path: decode-only steps run on persistent buffers, and on a
+    GPU as CUDA graphs captured once per batch size (1, 2, 4, 8, then every 8 up to
+    max_num_seqs) on first use, which removes the per-kernel launch cost of an eager forward
+    (engine/decode_graphs.py). Steps with prefill chunks stay eager. Off: every step eager
+    (debugging, or to save the graphs' memory)."""
+
     load_format: LoadFormat = "safetensors"
     """"safetensors": the checkpoint's weights. "dummy": seeded random weights of the
     config's shape built on the device, no weight files read (benchmarks of a model shape

@@ -12,6 +12,7 @@ import torch
 from engine.attention import build_step_metadata
 from engine.config import EngineConfig
 from engine.cpu_kernels import load_fused_ops, load_paged_decode
+from engine.decode_graphs import DecodeGraphs
 from engine.input_batch import InputBatch
 from engine.kv_cache import blocks_for
 from engine.logits_processors import PenaltyCounts, RowState, adjust_logits
@@ -69,9 +70,13 @@ class ModelRunner:
             config.swap_space_bytes // per_block if config.preemption_mode == "swap" else 0)
         s = model.shape
         block_shape = (config.block_size, s.num_kv_heads, s.head_dim)
+        # Decode graphs pad their batches with rows that write to one spare block, past the
+        # blocks the cache manager hands out (self.num_blocks).
+        graphs = triton and config.cuda_graphs
+        cache_blocks = self.num_blocks + (1 if graphs else 0)
         self.kv_caches = [
-            (torch.zeros(self.num_blocks, *block_shape, dtype=dtype, device=device),
-             torch.zeros(self.num_blocks, *block_shape, dtype=dtype, device=device))
+            (torch.zeros(cache_blocks, *block_shape, dtype=dtype, device=device),
+             torch.zeros(cache_blocks, *block_shape, dtype=dtype, device=device))
             for _ in range(s.num_layers)
         ]
         pin = device.type == "cuda"
@@ -92,6 +97,14 @@ class ModelRunner:
         self.lora_slots = (LoraSlots(model.model.layers, s.lora_targets(), config.max_loras,
                                      config.max_lora_rank, dtype, device)
                            if config.max_loras else None)
+        self.decode_graphs = DecodeGraphs(
+            model, self.kv_caches, config.max_num_seqs, max_blocks, config.block_size,
+            self.layer_windows, config.max_model_len or s.max_position_embeddings,
+            pad_block=self.num_blocks, num_lora_slots=config.max_loras,
+            block_m=default_block_m(device), device=device, capture=True) if graphs else None
+        # Graph steps with adapters need the Triton LoRA kernels (the torch path reads the
+        # step's segments on the host, which a replay cannot change); else they run eagerly.
+        self.graph_lora = graphs and resolve_backend("auto", device) == "triton"
 
     def abandon(self, sched: SchedulerOutput) -> None:
         """A step that is not run (nothing to do) or failed (the scheduler rolls its
@@ -120,17 +133,25 @@ class ModelRunner:
             return out
         chunks = sorted(sched.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
         inputs = self.batch.prepare(chunks)
-        meta = build_step_metadata(inputs.decodes, inputs.prefills, self.block_size,
-                                   self.layer_windows, self.device,
-                                   cascade=self.cascade_attention,
-                                   buffers=self.copy_buffers, kernel=self.decode_kernel,
-                                   triton_block_m=self.triton_block_m)
-        # The runs and rest layout serve only the torch path's fused op.
-        lora = build_lora_metadata(
-            inputs.token_slots, self.device,
-            find_runs=resolve_backend("auto", self.device) == "torch") if inputs.has_lora else None
-        t1 = self._sync_time()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, lora)
+        graphs = self.decode_graphs
+        if (graphs is not None and graphs.handles(len(inputs.decodes), len(inputs.prefills))
+                and (self.graph_lora or not inputs.has_lora)):
+            t1 = self._sync_time()
+            hidden = graphs.forward(inputs.input_ids, inputs.positions, inputs.decodes,
+                                    inputs.token_slots if inputs.has_lora else None)
+        else:
+            meta = build_step_metadata(inputs.decodes, inputs.prefills, self.block_size,
+                                       self.layer_windows, self.device,
+                                       cascade=self.cascade_attention,
+                                       buffers=self.copy_buffers, kernel=self.decode_kernel,
+                                       triton_block_m=self.triton_block_m)
+            # The runs and rest layout serve only the torch path's fused op.
+            lora = build_lora_metadata(
+                inputs.token_slots, self.device,
+                find_runs=resolve_backend("auto", self.device) == "torch"
+            ) if inputs.has_lora else None
+            t1 = self._sync_time()
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, lora)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         t2 = self._sync_time()
         ids = [c.request_id for c in chunks if c.sample]

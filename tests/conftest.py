@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
 from gateway.redis_store import RedisStore
 from gateway.sqlite_store import STATE_PATH_ENV, SqliteStore
 from gateway.store import MemoryStore, StateStore
-from lora.targets import SUPPORTED_MODULES
 from tests.redis_server import shared_redis_url
+from tests.tiny_models import make_tiny_adapters, make_tiny_model
 
 # Gateways started by tests (in process or as children, which inherit this) keep tenants in
 # memory unless a test gives --state-path: none shares the user's ~/.cache/loragate/state.db
@@ -27,29 +26,17 @@ os.environ[STATE_PATH_ENV] = ":memory:"
 # (tests/test_demo_adapters_background.py runs that training on a tiny model).
 os.environ["LORAGATE_DEMO_ADAPTERS"] = "0"
 
-TINY_SPEC = DemoModelSpec(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-    num_kv_heads=2, max_position_embeddings=1024, initializer_range=0.05, seed=0,
-)
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer GQA Llama (hidden 64, vocab 512) with a trained BPE tokenizer."""
-    return make_demo_model(tmp_path_factory.mktemp("tiny-llama"), TINY_SPEC)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                   ) -> dict[str, Path]:
     """Two PEFT adapters of the tiny model: a0 (q/v, rank 8) and a1 (all seven targets)."""
-    root = tmp_path_factory.mktemp("tiny-adapters")
-    return {
-        "a0": make_peft_adapter(tiny_model_dir, root / "a0", rank=8,
-                                target_modules=("q_proj", "v_proj"), seed=100, b_scale=0.5),
-        "a1": make_peft_adapter(tiny_model_dir, root / "a1", rank=8,
-                                target_modules=SUPPORTED_MODULES, seed=101, b_scale=0.5),
-    }
+    return make_tiny_adapters(tiny_model_dir, tmp_path_factory.mktemp("tiny-adapters"))
 
 
 @pytest.fixture(params=["memory", "sqlite", "redis"])

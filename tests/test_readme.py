@@ -21,8 +21,8 @@ import pytest
 from engine.default_model import DEFAULT_MODEL_NAME
 from engine.demo_model import make_demo_adapters, make_demo_model
 from lora.demo_data import STYLES
-from tests.conftest import TINY_SPEC
 from tests.live_servers import start_engine, start_gateway
+from tests.tiny_models import TINY_SPEC
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCK = re.compile(r"(?:<!-- not-tested: (?P<why>[^>]*?) -->\n)?```(?P<lang>[a-z]*)\n"

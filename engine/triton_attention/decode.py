@@ -191,6 +191,8 @@ def paged_decode_attention(
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
+    if context_lens.stride(0) != 1 or block_tables.stride(1) != 1:
+        raise ValueError("context_lens and the rows of block_tables must be contiguous")
     if out is None:
         out = torch.empty_like(q)
     if n == 0:

@@ -1,7 +1,9 @@
 """The Triton attention kernels for this package's tests: interpreted off CUDA, native on CUDA.
 
 TRITON_INTERPRET=1 is read when @triton.jit decorates, so the fixture sets it (for this
-package only) and imports, or re-imports, the kernel modules under it.
+package only) and imports, or re-imports, the kernel modules under it. The tiny model
+fixtures are served here too (tests/tiny_models.py), so that a GPU box runs this package
+with `--confcutdir tests/triton_attention` and no server packages.
 """
 
 from __future__ import annotations
@@ -9,10 +11,13 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+
+from tests.tiny_models import make_tiny_adapters, make_tiny_model
 
 HAS_CUDA = torch.cuda.is_available()
 _MODULES = ("engine.triton_attention.jit_helpers", "engine.triton_attention.decode",
@@ -33,9 +38,25 @@ def kernels() -> Iterator[dict[str, ModuleType]]:
             if not HAS_CUDA and not helpers.kernels_interpreted(helpers.add_combine):
                 module = importlib.reload(module)  # decorated earlier without the interpreter
             modules[name.rpartition(".")[2]] = module
+        # The engine's LoRA kernels too, for the decode-graph tests with adapters.
+        sgmv = importlib.import_module("lora.ops.sgmv_triton")
+        if not HAS_CUDA and not sgmv.kernels_interpreted():
+            sgmv = importlib.reload(sgmv)
+        modules["sgmv"] = sgmv
         yield modules
 
 
 @pytest.fixture
 def device(kernels: dict[str, ModuleType]) -> torch.device:
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-triton"))
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> dict[str, Path]:
+    return make_tiny_adapters(tiny_model_dir, tmp_path_factory.mktemp("tiny-adapters-triton"))
