@@ -35,14 +35,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+TEST_PACKAGES = ("tests/triton_attention", "tests/lora_ops")
 
-def _gpu_tests(dry_run: bool) -> dict[str, Any]:
+
+def _gpu_tests(dry_run: bool, packages: list[str], keyword: str) -> dict[str, Any]:
     """pytest -m gpu over the kernel test packages, each with its own conftest only (the
     suite's root conftest needs the server packages)."""
     results = {}
-    for package in ("tests/triton_attention", "tests/lora_ops"):
+    for package in packages:
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                "--confcutdir", package, package]
+        if keyword:
+            cmd += ["-k", keyword]
         if dry_run:
             cmd.append("--collect-only")
         t0 = time.perf_counter()
@@ -50,7 +54,8 @@ def _gpu_tests(dry_run: bool) -> dict[str, Any]:
         lines = [line for line in proc.stdout.splitlines() if line.strip()]
         results[package] = {"returncode": proc.returncode, "seconds": time.perf_counter() - t0,
                             "summary": lines[-1] if lines else proc.stderr[-2000:],
-                            "failures": [line for line in lines if line.startswith("FAILED")]}
+                            "failures": [line for line in lines if line.startswith("FAILED")],
+                            "output_tail": "" if proc.returncode == 0 else proc.stdout[-6000:]}
     return results
 
 
@@ -94,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory for gpu_check.json, summary.txt")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes on the CPU under the Triton interpreter (for CI)")
+    parser.add_argument("--test-packages", default=",".join(TEST_PACKAGES),
+                        help="comma-separated test packages for pytest -m gpu")
+    parser.add_argument("--tests-k", default="", help="pytest -k expression to run a subset")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: "
                         "tests, kernels, engine")
     args = parser.parse_args(argv)
@@ -140,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = 1.0
 
     def tests() -> None:
-        record["gpu_tests"] = _gpu_tests(args.dry_run)
+        record["gpu_tests"] = _gpu_tests(args.dry_run,
+                                         [p for p in args.test_packages.split(",") if p],
+                                         args.tests_k)
 
     def kernels() -> None:
         nonlocal bandwidth

@@ -147,7 +147,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     """With the Triton attention path: decode-only steps run on persistent buffers, and on a
     GPU as CUDA graphs captured once per batch size (1, 2, 4, 8, then every 8 up to
-    max_num_seqs) on first use, which removes the per-kernel launch cost of an eager forward
+    max_num_seqs) at start-up, which removes the per-kernel launch cost of an eager forward
     (engine/decode_graphs.py). Steps with prefill chunks stay eager. Off: every step eager
     (debugging, or to save the graphs' memory)."""
 

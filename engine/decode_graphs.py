@@ -12,7 +12,8 @@ life, sized for the largest graph, and each step only writes its values into the
     context lengths, block tables          [max_batch], [max_batch, W]  int32, one copy
     LoRA rows grouped by slot              sorted rows + one segment per slot
 
-Batch sizes are bucketed (1, 2, 4, 8, then every 8); a step of n decodes runs the graph of
+Batch sizes are bucketed (1, 2, 4, 8, then every 8), all captured at start-up (on a GPU);
+a step of n decodes runs the graph of
 the smallest bucket >= n, its extra rows padded: they read and write one spare KV block the
 cache manager never hands out, and their outputs are dropped. The attention plan is built
 for the model's whole context length (a fixed number of splits; splits past a sequence's end
@@ -92,6 +93,25 @@ class DecodeGraphs:
         self._seg_slots = torch.arange(num_lora_slots, dtype=torch.int64, device=device)
         self._graphs: dict[tuple[int, bool], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def capture_all(self, with_lora: bool) -> None:
+        """Capture every batch size's graph now (engine start-up), without and, if asked,
+        with adapters, so that no step pays for a capture. Every row is a padding row while
+        capturing: the warm-up forward writes only to the spare block."""
+        big = self.sizes[-1]
+        self._np32[:big] = 1
+        self._np32[big:].reshape(big, self._width)[:, 0] = self.pad_block
+        self._np64[:big] = self.pad_block * self.block_size
+        self._np64[big:] = 0
+        if self._dev32 is not self._host32:
+            self._dev32.copy_(self._host32)
+            self._dev64.copy_(self._host64)
+        self._ids.zero_()
+        self._positions.zero_()
+        for size in self.sizes:
+            for lora in (False, True) if with_lora else (False,):
+                if (size, lora) not in self._graphs:
+                    self._graphs[size, lora] = self._build(size, lora)
 
     def handles(self, num_decodes: int, num_prefills: int) -> bool:
         return num_prefills == 0 and 0 < num_decodes <= self.sizes[-1]

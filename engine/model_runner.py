@@ -105,6 +105,8 @@ class ModelRunner:
         # Graph steps with adapters need the Triton LoRA kernels (the torch path reads the
         # step's segments on the host, which a replay cannot change); else they run eagerly.
         self.graph_lora = graphs and resolve_backend("auto", device) == "triton"
+        if self.decode_graphs is not None and self.decode_graphs.capture:
+            self.decode_graphs.capture_all(with_lora=self.graph_lora and config.max_loras > 0)
 
     def abandon(self, sched: SchedulerOutput) -> None:
         """A step that is not run (nothing to do) or failed (the scheduler rolls its

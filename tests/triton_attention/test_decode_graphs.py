@@ -31,9 +31,10 @@ def _run(model_dir: Path, adapters: dict[str, Path], device: str, **knobs: objec
     """Seven requests, three of them on adapters (the longest on none), greedy: decode
     steps of 1 to 7 rows with and without adapter rows, so the buckets pad and the LoRA
     segments change from step to step."""
+    knobs = {"max_loras": 2, "max_lora_rank": 8, **knobs}
     engine = LLMEngine.from_model(str(model_dir), device=device, block_size=8,
                                   num_kv_blocks=64, max_num_seqs=7, max_num_batched_tokens=64,
-                                  max_loras=2, max_lora_rank=8, **knobs)
+                                  **knobs)
     for name, path in adapters.items():
         engine.load_lora(name, str(path))
     g = torch.Generator().manual_seed(3)
