@@ -5,7 +5,8 @@
 ``--requests`` requests of ``--context`` tokens (a shared prefix plus a short tail of
 their own, so prefix caching keeps the warm-up prefill short) run until every one of them
 decodes; then the engine's own step timing (engine/metrics.py StepTiming) is read for
-``--steps`` decode steps: ``schedule`` (Scheduler.schedule, what it hands the runner
+``--steps`` decode steps, with and without the runner's persistent decode buffers
+(engine/decode_graphs.py), alternated: ``schedule`` (Scheduler.schedule, what it hands the runner
 included) and ``prepare`` (the runner applying that output and building the step's flat
 inputs and attention metadata). The forward itself is not part of the figure. The model is
 a tiny seeded demo model (engine/demo_model.py): the costs measured here do not depend on
@@ -32,13 +33,16 @@ TAIL = 64  # tokens of each request's own after the shared prefix
 BLOCK = 16
 
 
-def measure(requests: int, context: int, steps: int, model_dir: Path) -> dict[str, float]:
-    """Median and best schedule / prepare milliseconds of ``steps`` decode steps."""
+def measure(requests: int, context: int, steps: int, model_dir: Path,
+            static_buffers: bool = True) -> dict[str, float]:
+    """Median and best schedule / prepare milliseconds of ``steps`` decode steps.
+    static_buffers: decode steps on the runner's persistent buffers (engine/decode_graphs.py),
+    or off: inputs and attention metadata built anew each step."""
     engine = LLMEngine.from_model(
         str(model_dir), device="cpu", block_size=BLOCK, max_num_seqs=requests,
         max_num_batched_tokens=max(2048, requests), max_model_len=context + steps + 64,
         num_kv_blocks=(context + steps + 64) // BLOCK * requests + 64,
-        prefix_caching="on", cascade_attention=False)
+        prefix_caching="on", cascade_attention=False, cuda_graphs=static_buffers)
     shared = [10 + i % 400 for i in range(context - TAIL)]
     params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
     for i in range(requests):
@@ -56,6 +60,7 @@ def measure(requests: int, context: int, steps: int, model_dir: Path) -> dict[st
         schedule.append(timing.schedule * 1e3)
         prepare.append(timing.prepare * 1e3)
     return {"requests": requests, "context": context, "steps": steps,
+            "static_buffers": static_buffers,
             "schedule_ms_p50": round(statistics.median(schedule), 3),
             "prepare_ms_p50": round(statistics.median(prepare), 3),
             "schedule_ms_min": round(min(schedule), 3),
@@ -75,7 +80,10 @@ def main() -> None:
                          max_position_embeddings=args.context + args.steps + 64)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_demo_model(Path(tmp) / "model", spec)
-        print(json.dumps(measure(args.requests, args.context, args.steps, model_dir)))
+        # Alternated, twice each: the host is shared and noisy.
+        for static in (False, True, False, True):
+            print(json.dumps(measure(args.requests, args.context, args.steps, model_dir,
+                                     static)))
 
 
 if __name__ == "__main__":

@@ -145,11 +145,12 @@ class EngineConfig:
     TRITON_INTERPRET=1 (the interpreter, for tests); "torch": the reference path everywhere."""
 
     cuda_graphs: bool = True
-    """With the Triton attention path: decode-only steps run on persistent buffers, and on a
-    GPU as CUDA graphs captured once per batch size (1, 2, 4, 8, then every 8 up to
-    max_num_seqs) at start-up, which removes the per-kernel launch cost of an eager forward
-    (engine/decode_graphs.py). Steps with prefill chunks stay eager. Off: every step eager
-    (debugging, or to save the graphs' memory)."""
+    """Decode-only steps run on persistent buffers updated in place (engine/decode_graphs.py):
+    on a GPU (Triton attention) as CUDA graphs captured once per batch size (1, 2, 4, 8, then
+    every 8 up to max_num_seqs) at start-up, which removes the per-kernel launch cost of an
+    eager forward; on a CPU with the compiled decode kernel when cascade_attention is off.
+    Steps with prefill chunks stay eager. Off: every step builds its inputs anew and runs
+    eagerly (debugging, or to save the graphs' memory)."""
 
     load_format: LoadFormat = "safetensors"
     """"safetensors": the checkpoint's weights. "dummy": seeded random weights of the

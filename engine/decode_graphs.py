@@ -21,8 +21,9 @@ exit at once), and the LoRA metadata always has one segment per slot (empty ones
 once), so a replay is right for any mix of lengths and adapters, not only the one seen at
 capture. Steps with prefill chunks, or more decodes than the largest bucket, run eagerly.
 
-Off a GPU the same buffers and padding run without capture (the path tests exercise on a
-CPU with Triton's interpreter).
+Off a GPU the same buffers run without capture and without padding: on a CPU, attention is
+the compiled decode kernel of engine/cpu_kernels reading the same tables (or the Triton
+kernels in the interpreter, which tests use).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ import numpy.typing as npt
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cpu_kernels import PagedDecodeOp
 from engine.models.llama import LlamaForFlatBatch
+from engine.paged_decode import DecodeBatch
 from engine.triton_attention import TritonAttentionPlan
 from lora.ops import HostSegment, LoraBatchMetadata
 
@@ -64,7 +67,9 @@ class DecodeGraphs:
     def __init__(self, model: LlamaForFlatBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  max_num_seqs: int, max_blocks: int, block_size: int,
                  windows: Sequence[int | None], max_context: int, pad_block: int,
-                 num_lora_slots: int, block_m: int, device: torch.device, capture: bool) -> None:
+                 num_lora_slots: int, block_m: int, device: torch.device, capture: bool,
+                 cpu_kernel: PagedDecodeOp | None = None) -> None:
+        """cpu_kernel: attend with the compiled CPU decode kernel instead of Triton's."""
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = graph_batch_sizes(max_num_seqs)
@@ -76,13 +81,15 @@ class DecodeGraphs:
         self.block_m = block_m
         self.device = device
         self.capture = capture and device.type == "cuda"
+        self.cpu_kernel = cpu_kernel
         n, width = self.sizes[-1], max_blocks
         pin = device.type == "cuda"
-        # int32: context lengths, then block tables. int64: slots, then LoRA rows grouped
-        # by slot, then per slot its segment start and length.
+        # int32: context lengths, then block tables. int64: slots, context lengths again
+        # (the CPU kernel's type), LoRA rows grouped by slot, then per slot its segment
+        # start and length.
         self._width = width
         self._host32 = torch.zeros(n * (1 + width), dtype=torch.int32, pin_memory=pin)
-        self._host64 = torch.zeros(2 * n + 2 * num_lora_slots, dtype=torch.int64,
+        self._host64 = torch.zeros(3 * n + 2 * num_lora_slots, dtype=torch.int64,
                                    pin_memory=pin)
         self._np32: npt.NDArray[np.int32] = self._host32.numpy()
         self._np64: npt.NDArray[np.int64] = self._host64.numpy()
@@ -91,6 +98,7 @@ class DecodeGraphs:
         self._ids = torch.zeros(n, dtype=torch.int64, device=device)
         self._positions = torch.zeros(n, dtype=torch.int64, device=device)
         self._seg_slots = torch.arange(num_lora_slots, dtype=torch.int64, device=device)
+        self._rows = torch.arange(n, dtype=torch.int64, device=device)
         self._graphs: dict[tuple[int, bool], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
@@ -102,7 +110,8 @@ class DecodeGraphs:
         self._np32[:big] = 1
         self._np32[big:].reshape(big, self._width)[:, 0] = self.pad_block
         self._np64[:big] = self.pad_block * self.block_size
-        self._np64[big:] = 0
+        self._np64[big:2 * big] = 1
+        self._np64[2 * big:] = 0
         if self._dev32 is not self._host32:
             self._dev32.copy_(self._host32)
             self._dev64.copy_(self._host64)
@@ -116,24 +125,30 @@ class DecodeGraphs:
     def handles(self, num_decodes: int, num_prefills: int) -> bool:
         return num_prefills == 0 and 0 < num_decodes <= self.sizes[-1]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                decodes: Sequence[tuple[npt.NDArray[np.int64], int]],
-                token_slots: torch.Tensor | None) -> torch.Tensor:
-        """The step's hidden states [n, hidden] for n decodes: (block table, context
-        length) each, their token ids and positions (device), and their LoRA slots (host,
-        -1 for none) or None when no decode has an adapter."""
+    def stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              decodes: Sequence[tuple[npt.NDArray[np.int64], int]],
+              token_slots: torch.Tensor | None) -> tuple[int, int, bool]:
+        """Write a step of n decodes into the buffers: (block table, context length) each,
+        their token ids and positions (device), and their LoRA slots (host, -1 for none) or
+        None when no decode has an adapter. Returns what run() takes."""
         n = len(decodes)
-        size = next(s for s in self.sizes if s >= n)
+        # Uncaptured runs need no padding: the exact size is its own "bucket".
+        size = next(s for s in self.sizes if s >= n) if self.capture else n
         self._write(decodes, size, token_slots)
         self._ids[:n].copy_(input_ids)
         self._positions[:n].copy_(positions)
         if size > n:
             self._ids[n:size].zero_()
             self._positions[n:size].zero_()
-        key = (size, token_slots is not None)
-        entry = self._graphs.get(key)
+        return n, size, token_slots is not None
+
+    def run(self, staged: tuple[int, int, bool]) -> torch.Tensor:
+        """The staged step's hidden states [n, hidden]: a graph replay, or the forward on
+        the buffers where nothing is captured."""
+        n, size, with_lora = staged
+        entry = self._graphs.get((size, with_lora))
         if entry is None:
-            entry = self._graphs[key] = self._build(size, token_slots is not None)
+            entry = self._graphs[size, with_lora] = self._build(size, with_lora)
         if entry.graph is None:
             return self._run(size, entry)[:n]
         entry.graph.replay()
@@ -146,13 +161,15 @@ class DecodeGraphs:
         n, bs = len(decodes), self.block_size
         big = self.sizes[-1]
         lens, tables = self._np32[:big], self._np32[big:].reshape(big, self._width)
-        slots = self._np64[:self.sizes[-1]]
+        slots, lens64 = self._np64[:big], self._np64[big:2 * big]
         for i, (table, ctx) in enumerate(decodes):
             used = -(-ctx // bs)
             tables[i, :used] = table[:used]
             lens[i] = ctx
             slots[i] = table[(ctx - 1) // bs] * bs + (ctx - 1) % bs
+        lens64[:n] = lens[:n]
         lens[n:size] = 1
+        lens64[n:size] = 1
         tables[n:size, 0] = self.pad_block
         slots[n:size] = self.pad_block * bs
         if token_slots is not None:
@@ -164,9 +181,9 @@ class DecodeGraphs:
     def _write_lora(self, row_slots: npt.NDArray[np.int64]) -> None:
         """Rows grouped by slot (stable), and each slot's segment; padding rows have none."""
         big = self.sizes[-1]
-        sorted_rows = self._np64[big:2 * big]
-        starts = self._np64[2 * big:2 * big + self.num_lora_slots]
-        lengths = self._np64[2 * big + self.num_lora_slots:]
+        sorted_rows = self._np64[2 * big:3 * big]
+        starts = self._np64[3 * big:3 * big + self.num_lora_slots]
+        lengths = self._np64[3 * big + self.num_lora_slots:]
         order = np.argsort(row_slots, kind="stable")
         with_adapter = order[row_slots[order] >= 0]
         sorted_rows[:with_adapter.size] = with_adapter
@@ -176,24 +193,32 @@ class DecodeGraphs:
 
     def _build(self, size: int, with_lora: bool) -> _Graph:
         big, slots = self.sizes[-1], self.num_lora_slots
-        none = self._dev32[:0]
-        plan = TritonAttentionPlan(
-            num_decodes=size,
-            decode_block_tables=self._dev32[big:].view(big, self._width)[:size],
-            decode_context_lens=self._dev32[:size], max_decode_context=self.max_context,
-            prefill_block_tables=none.view(0, 1), tile_seq=none, tile_first=none,
-            query_start=none, query_len=none, start_pos=none, block_m=self.block_m)
-        metas = {w: AttentionMetadata(slot_mapping=self._dev64[:size], num_decodes=size,
-                                      decodes=[], prefills=[], triton=plan.with_window(w))
-                 for w in self.windows}
+        tables = self._dev32[big:].view(big, self._width)[:size]
+        if self.cpu_kernel is not None:
+            metas = {w: AttentionMetadata(
+                slot_mapping=self._dev64[:size], num_decodes=size, prefills=[],
+                decodes=[DecodeBatch(rows=self._rows[:size], block_tables=tables,
+                                     bias=self._rows[:0], lengths=self._dev64[big:big + size],
+                                     sliding_window=w, kernel=self.cpu_kernel)])
+                     for w in self.windows}
+        else:
+            none = self._dev32[:0]
+            plan = TritonAttentionPlan(
+                num_decodes=size, decode_block_tables=tables,
+                decode_context_lens=self._dev32[:size], max_decode_context=self.max_context,
+                prefill_block_tables=none.view(0, 1), tile_seq=none, tile_first=none,
+                query_start=none, query_len=none, start_pos=none, block_m=self.block_m)
+            metas = {w: AttentionMetadata(slot_mapping=self._dev64[:size], num_decodes=size,
+                                          decodes=[], prefills=[], triton=plan.with_window(w))
+                     for w in self.windows}
         lora = None
         if with_lora:
             # Every slot a segment, possibly empty: the kernels' grids never depend on the
             # step's mix of adapters, so one capture serves them all.
             lora = LoraBatchMetadata(
-                sorted_token_ids=self._dev64[big:big + size],
-                seg_starts=self._dev64[2 * big:2 * big + slots],
-                seg_lens=self._dev64[2 * big + slots:], seg_slots=self._seg_slots,
+                sorted_token_ids=self._dev64[2 * big:2 * big + size],
+                seg_starts=self._dev64[3 * big:3 * big + slots],
+                seg_lens=self._dev64[3 * big + slots:], seg_slots=self._seg_slots,
                 num_tokens=size, num_lora_tokens=0, num_segments=slots, max_seg_len=size,
                 host_segments=tuple(HostSegment(s, 0, 0, 0, False) for s in range(slots)),
                 padded_rows=self._seg_slots[:0], padded_valid=self._seg_slots[:0])

@@ -70,9 +70,13 @@ class ModelRunner:
             config.swap_space_bytes // per_block if config.preemption_mode == "swap" else 0)
         s = model.shape
         block_shape = (config.block_size, s.num_kv_heads, s.head_dim)
-        # Decode graphs pad their batches with rows that write to one spare block, past the
-        # blocks the cache manager hands out (self.num_blocks).
-        graphs = triton and config.cuda_graphs
+        # Decode-only steps run on persistent buffers (engine/decode_graphs.py) with the
+        # Triton kernels, or on a CPU with the compiled decode kernel when cascade attention
+        # (which plans each step's shared blocks anew) is off. Captured graphs pad their
+        # batches with rows that write to one spare block, past the blocks the cache manager
+        # hands out (self.num_blocks).
+        static_cpu = self.decode_kernel is not None and not self.cascade_attention
+        graphs = config.cuda_graphs and (triton or static_cpu)
         cache_blocks = self.num_blocks + (1 if graphs else 0)
         self.kv_caches = [
             (torch.zeros(cache_blocks, *block_shape, dtype=dtype, device=device),
@@ -101,7 +105,9 @@ class ModelRunner:
             model, self.kv_caches, config.max_num_seqs, max_blocks, config.block_size,
             self.layer_windows, config.max_model_len or s.max_position_embeddings,
             pad_block=self.num_blocks, num_lora_slots=config.max_loras,
-            block_m=default_block_m(device), device=device, capture=True) if graphs else None
+            block_m=default_block_m(device), device=device, capture=True,
+            cpu_kernel=self.decode_kernel if static_cpu and not triton else None,
+        ) if graphs else None
         # Graph steps with adapters need the Triton LoRA kernels (the torch path reads the
         # step's segments on the host, which a replay cannot change); else they run eagerly.
         self.graph_lora = graphs and resolve_backend("auto", device) == "triton"
@@ -138,9 +144,10 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (graphs is not None and graphs.handles(len(inputs.decodes), len(inputs.prefills))
                 and (self.graph_lora or not inputs.has_lora)):
+            staged = graphs.stage(inputs.input_ids, inputs.positions, inputs.decodes,
+                                  inputs.token_slots if inputs.has_lora else None)
             t1 = self._sync_time()
-            hidden = graphs.forward(inputs.input_ids, inputs.positions, inputs.decodes,
-                                    inputs.token_slots if inputs.has_lora else None)
+            hidden = graphs.run(staged)
         else:
             meta = build_step_metadata(inputs.decodes, inputs.prefills, self.block_size,
                                        self.layer_windows, self.device,

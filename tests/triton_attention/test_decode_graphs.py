@@ -71,7 +71,8 @@ def test_static_decode_path_matches_eager_with_adapters(
     graphed, on = _run(tiny_model_dir, tiny_adapters, device, attention_backend="triton")
     assert graphed.runner.decode_graphs is not None and graphed.runner.graph_lora
     used = set(graphed.runner.decode_graphs._graphs)
-    assert {(7, True), (1, False)} <= used, used  # all seven with adapters; the last alone
+    # Steps of several sizes with adapter rows; the last request alone, without.
+    assert (1, False) in used and len({size for size, lora in used if lora}) >= 3, used
     _, off = _run(tiny_model_dir, tiny_adapters, device, attention_backend="triton",
                   cuda_graphs=False)
     _same(on, off, 1e-5)
