@@ -126,15 +126,18 @@ class DecodeGraphs:
         return num_prefills == 0 and 0 < num_decodes <= self.sizes[-1]
 
     def stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
-              decodes: Sequence[tuple[npt.NDArray[np.int64], int]],
-              token_slots: torch.Tensor | None) -> tuple[int, int, bool]:
-        """Write a step of n decodes into the buffers: (block table, context length) each,
-        their token ids and positions (device), and their LoRA slots (host, -1 for none) or
-        None when no decode has an adapter. Returns what run() takes."""
+              decodes: Sequence[tuple[npt.NDArray[np.int64], int]], rows: Sequence[int],
+              tables: npt.NDArray[np.int64], token_slots: torch.Tensor | None
+              ) -> tuple[int, int, bool]:
+        """Write a step of n decodes into the buffers: (block table, context length) each
+        and their rows of ``tables`` (the runner's persistent block tables, as wide as these
+        buffers), their token ids and positions (device), and their LoRA slots (host, -1 for
+        none) or None when no decode has an adapter. Returns what run() takes."""
         n = len(decodes)
         # Uncaptured runs need no padding: the exact size is its own "bucket".
         size = next(s for s in self.sizes if s >= n) if self.capture else n
-        self._write(decodes, size, token_slots)
+        self._write(np.fromiter((ctx for _, ctx in decodes), np.int64, n),
+                    np.asarray(rows, dtype=np.int64), tables, size, token_slots)
         self._ids[:n].copy_(input_ids)
         self._positions[:n].copy_(positions)
         if size > n:
@@ -155,19 +158,19 @@ class DecodeGraphs:
         assert entry.hidden is not None
         return entry.hidden[:n]
 
-    def _write(self, decodes: Sequence[tuple[npt.NDArray[np.int64], int]], size: int,
+    def _write(self, context_lens: npt.NDArray[np.int64], rows: npt.NDArray[np.int64],
+               batch_tables: npt.NDArray[np.int64], size: int,
                token_slots: torch.Tensor | None) -> None:
-        """The step's values into the host buffers, padding rows n..size, then one copy each."""
-        n, bs = len(decodes), self.block_size
-        big = self.sizes[-1]
+        """The step's values into the host buffers (vectorized: one gather of the decodes'
+        table rows), padding rows n..size, then one copy each."""
+        n, bs, big = context_lens.size, self.block_size, self.sizes[-1]
         lens, tables = self._np32[:big], self._np32[big:].reshape(big, self._width)
         slots, lens64 = self._np64[:big], self._np64[big:2 * big]
-        for i, (table, ctx) in enumerate(decodes):
-            used = -(-ctx // bs)
-            tables[i, :used] = table[:used]
-            lens[i] = ctx
-            slots[i] = table[(ctx - 1) // bs] * bs + (ctx - 1) % bs
-        lens64[:n] = lens[:n]
+        tables[:n] = batch_tables[rows]
+        lens[:n] = context_lens
+        lens64[:n] = context_lens
+        last = context_lens - 1
+        slots[:n] = batch_tables[rows, last // bs] * bs + last % bs
         lens[n:size] = 1
         lens64[n:size] = 1
         tables[n:size, 0] = self.pad_block

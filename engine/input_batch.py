@@ -58,6 +58,8 @@ class StepInputs:
     """[S] int64 on the device: the last row of each chunk that samples."""
     decodes: list[tuple[npt.NDArray[np.int64], int]]
     """(block table, context length) of each one-token chunk."""
+    decode_rows: list[int]
+    """The decodes' rows of InputBatch.tables, in batch order."""
     prefills: list[tuple[npt.NDArray[np.int64], int, int]]
     """(block table, start position, tokens) of each longer chunk."""
     has_lora: bool
@@ -88,6 +90,12 @@ class InputBatch:
             request = self.requests.pop(request_id, None)
             if request is not None:
                 self._free_rows.append(request.row)
+
+    @property
+    def tables(self) -> npt.NDArray[np.int64]:
+        """[max_num_seqs, max_blocks] every running request's block table, at its row;
+        entries past a request's blocks are stale."""
+        return self._tables
 
     def block_table(self, request_id: str) -> npt.NDArray[np.int64]:
         """The request's block table: a view of its row, valid until the next apply()."""
@@ -127,6 +135,7 @@ class InputBatch:
         copy."""
         ids, pos, slots = (self._host_np[row] for row in (self._IDS, self._POS, self._SLOTS))
         decodes: list[tuple[npt.NDArray[np.int64], int]] = []
+        decode_rows: list[int] = []
         prefills: list[tuple[npt.NDArray[np.int64], int, int]] = []
         sample_rows: list[int] = []
         has_lora = False
@@ -139,6 +148,7 @@ class InputBatch:
                 ids[t] = request.token_ids[start]
                 pos[t] = start
                 decodes.append((table, start + 1))
+                decode_rows.append(request.row)
             else:
                 ids[t:t + n] = request.token_ids[start:start + n]
                 pos[t:t + n] = np.arange(start, start + n)
@@ -154,7 +164,7 @@ class InputBatch:
             input_ids=self._device[self._IDS, :t], positions=self._device[self._POS, :t],
             token_slots=self._host[self._SLOTS, :t],
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
-            decodes=decodes, prefills=prefills, has_lora=has_lora)
+            decodes=decodes, decode_rows=decode_rows, prefills=prefills, has_lora=has_lora)
 
     def row_states(self, request_ids: list[str]) -> list[RowState]:
         """What sampling needs of each request besides the logits."""

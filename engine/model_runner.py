@@ -145,6 +145,7 @@ class ModelRunner:
         if (graphs is not None and graphs.handles(len(inputs.decodes), len(inputs.prefills))
                 and (self.graph_lora or not inputs.has_lora)):
             staged = graphs.stage(inputs.input_ids, inputs.positions, inputs.decodes,
+                                  inputs.decode_rows, self.batch.tables,
                                   inputs.token_slots if inputs.has_lora else None)
             t1 = self._sync_time()
             hidden = graphs.run(staged)
