@@ -22,9 +22,11 @@ from engine.triton_attention.jit_helpers import (
     check_device,
     default_block_n,
     dot_in_fp32,
+    load_kv_tile,
     maximum_combine,
+    online_softmax_step,
     pow2_at_least,
-    soft_cap,
+    scaled_scores,
 )
 
 
@@ -78,7 +80,6 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
-    qk_scale = scale * LOG2E
 
     m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)   # running max, base 2
     l_i = tl.full((GROUP_PAD,), 0.0, dtype=tl.float32)             # running sum of exp2
@@ -87,26 +88,12 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        block = tl.load(table + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
-        row = offs_n % PAGE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_IN_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee")             # [G, BLOCK_N]
-        scores = (soft_cap(scores * scale, softcap) * LOG2E if USE_SOFTCAP
-                  else scores * qk_scale)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, offs_d, mask_d,
+                            kv_head, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh, PAGE, DOT_IN_FP32)
+        scores = scaled_scores(q, k, scale, softcap, USE_SOFTCAP)            # [G, BLOCK_N]
         scores = tl.where(mask_n[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(scores, 1, maximum_combine))
-        p = tl.math.exp2(scores - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.reduce(p, 1, add_combine)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc)
 
     filled = l_i > 0.0
     out = acc / tl.where(filled, l_i, 1.0)[:, None]

@@ -39,6 +39,56 @@ def soft_cap(scores, cap):  # type: ignore[no-untyped-def]
     return cap * (1.0 - 2.0 / (tl.exp(2.0 * scores / cap) + 1.0))
 
 
+@triton.jit
+def load_kv_tile(  # type: ignore[no-untyped-def]
+    k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, offs_d, mask_d, kv_head,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    PAGE: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+):
+    """K and V of one KV head at positions offs_n, through a block table.
+
+    Position p lives in cache block table[p // PAGE], row p % PAGE. Shapes: offs_n, mask_n
+    [BLOCK_N]; offs_d, mask_d [HEAD_DIM_PAD]; returns k, v [BLOCK_N, HEAD_DIM_PAD] in the
+    cache dtype (fp32 when DOT_IN_FP32), zero where masked.
+    """
+    block = tl.load(table + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
+    row = offs_n % PAGE
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_ks
+                + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vs
+                + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    if DOT_IN_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def scaled_scores(q, k, scale, softcap, USE_SOFTCAP: tl.constexpr):  # type: ignore[no-untyped-def]
+    """q @ k.T times scale, soft-capped when USE_SOFTCAP, in base 2 (times log2 e) for the
+    exp2 softmax. q [M, D], k [N, D] -> [M, N] float32 (exact fp32 products for fp32
+    inputs: "ieee"; ignored for fp16 / bf16)."""
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    return (soft_cap(scores * scale, softcap) * LOG2E if USE_SOFTCAP
+            else scores * (scale * LOG2E))
+
+
+@triton.jit
+def online_softmax_step(scores, v, m_i, l_i, acc):  # type: ignore[no-untyped-def]
+    """Fold one tile of masked base-2 scores [M, N] (-inf = masked) and its values [N, D]
+    into the running max m_i [M], sum l_i [M] and output acc [M, D] (all float32); returns
+    the new (m, l, acc). A row with every score so far masked keeps m = -inf; 0 is
+    subtracted instead, so no -inf - -inf makes a NaN."""
+    m_new = tl.maximum(m_i, tl.reduce(scores, 1, maximum_combine))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(scores - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.reduce(p, 1, add_combine)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
 def kernels_interpreted(kernel: object) -> bool:
     """True when ``kernel`` was decorated under TRITON_INTERPRET=1 (Triton's CPU
     interpreter), False when it compiles for the GPU."""

@@ -16,14 +16,13 @@ import triton
 import triton.language as tl
 
 from engine.triton_attention.jit_helpers import (
-    LOG2E,
-    add_combine,
     check_device,
     default_block_n,
     dot_in_fp32,
-    maximum_combine,
+    load_kv_tile,
+    online_softmax_step,
     pow2_at_least,
-    soft_cap,
+    scaled_scores,
 )
 
 
@@ -77,7 +76,6 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
-    qk_scale = scale * LOG2E
 
     end = pos0 + tl.minimum(first + BLOCK_M, q_len)     # one past the tile's last query
     start = end * 0
@@ -90,32 +88,17 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        block = tl.load(table + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
-        row = offs_n % PAGE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_IN_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee")            # [BLOCK_M, BLOCK_N]
-        scores = (soft_cap(scores * scale, softcap) * LOG2E if USE_SOFTCAP
-                  else scores * qk_scale)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, mask_n, offs_d, mask_d,
+                            kv_head, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh, PAGE, DOT_IN_FP32)
+        scores = scaled_scores(q, k, scale, softcap, USE_SOFTCAP)      # [BLOCK_M, BLOCK_N]
         allowed = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
-        scores = tl.where(allowed, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(scores, 1, maximum_combine))
-        # A row whose keys in this tile are all masked (windowed rows late in the tile, or
-        # rows past the chunk) keeps m = -inf; subtract 0 instead to avoid -inf - -inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(scores - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.reduce(p, 1, add_combine)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        # Windowed rows late in the tile, and rows past the chunk, may see no key in a
+        # tile: online_softmax_step keeps them finite.
+        m_i, l_i, acc = online_softmax_step(tl.where(allowed, scores, float("-inf")), v,
+                                            m_i, l_i, acc)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_on + head * stride_oh + offs_d[None, :],
