@@ -13,7 +13,8 @@ after each section so that a run cut short keeps what it measured:
    each against that bandwidth;
 3. the engine on a random-weight model of Llama-3-8B's shape: mixed-workload throughput
    against transformers' static batching, the decode step against the forward inside it at
-   64 sequences, and 16 LoRA adapters against none.
+   64 sequences (with every phase of the step), 16 LoRA adapters against none (alternated,
+   twice each), and 16 adapters against PEFT's per-adapter batching on a shorter workload.
 
 Needs torch, triton, transformers, safetensors, numpy, xxhash and pytest (the engine's server
 packages are not imported). --dry-run runs the same code on a CPU with tiny shapes so that CI
@@ -77,18 +78,21 @@ def _summary(record: dict[str, Any]) -> list[str]:
                      f"expand {row['expand_us']:.1f} us "
                      f"({100 * row['expand_roofline_fraction']:.0f}%)")
     engine = record.get("engine_checks", {})
-    for key in ("engine", "engine_16_adapters", "transformers_static"):
+    for key in ("engine", "engine_16_adapters", "transformers_static",
+                "engine_peft_workload", "peft_per_adapter"):
         if key in engine:
             lines.append(f"{key}: {engine[key]['seconds']:.1f} s, "
                          f"{engine[key]['output_tok_per_s']:.0f} output tok/s")
-    for key in ("engine_over_transformers", "adapters_over_base"):
+    for key in ("engine_over_transformers", "adapters_over_base", "adapters_over_peft"):
         if key in engine:
             lines.append(f"{key}: {engine[key]:.2f}x")
     for key in ("decode_step_eager", "decode_step"):
         if key in engine:
             d = engine[key]
             lines.append(f"{key} at {d['seqs']} seqs: {d['step_ms']:.2f} ms, forward "
-                         f"{d['forward_ms']:.2f} ms ({d['step_over_forward']:.2f}x)")
+                         f"{d['forward_ms']:.2f} ms ({d['step_over_forward']:.2f}x); schedule "
+                         f"{d['schedule_ms']:.2f}, prepare {d['prepare_ms']:.2f}, sample "
+                         f"{d['sample_ms']:.2f}, output {d['output_ms']:.2f} ms")
     lines.extend(f"ERROR {name}: {err.splitlines()[-1] if err else ''}"
                  for name, err in record.get("errors", {}).items())
     return lines
@@ -175,17 +179,21 @@ def main(argv: list[str] | None = None) -> int:
             if cuda:
                 shape = eng.LLAMA3_8B_SHAPE
                 workload = eng.Workload.mixed(128, (64, 1024), (32, 256), 8000)
+                # PEFT serves adapters one static batch at a time: 2 requests per adapter,
+                # short outputs, to keep its part near half a minute.
+                peft_workload = eng.Workload.mixed(32, (64, 1024), (16, 64), 8000, seed=1)
                 knobs = {"max_num_seqs": 64, "max_num_batched_tokens": 4096,
                          "kv_cache_memory_bytes": 40 << 30, "max_model_len": 2048}
-                eng.engine_checks(Path(tmp), shape, device, "bfloat16", workload, knobs, 64,
-                                  64, 512, 20, 16, 16, checks)
+                eng.engine_checks(Path(tmp), shape, device, "bfloat16", workload, peft_workload,
+                                  knobs, 64, 64, 512, 20, 16, 16, checks)
             else:
                 shape = eng.TINY_SHAPE
                 workload = eng.Workload.mixed(4, (4, 20), (2, 4), 500)
+                peft_workload = eng.Workload.mixed(4, (4, 20), (2, 3), 500, seed=1)
                 knobs = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "block_size": 8,
                          "num_kv_blocks": 64, "max_model_len": 256, "attention_backend": "triton"}
-                eng.engine_checks(Path(tmp), shape, device, "float32", workload, knobs, 4,
-                                  2, 8, 2, 2, 4, checks)
+                eng.engine_checks(Path(tmp), shape, device, "float32", workload, peft_workload,
+                                  knobs, 4, 2, 8, 2, 2, 4, checks)
 
     section("tests", tests)
     section("kernels", kernels)

@@ -26,8 +26,12 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert len(record["decode_attention"]) == 2 and len(record["sgmv"]) == 2
     checks = record["engine_checks"]
     assert checks["attention_backend"] == "triton"
-    for key in ("engine", "engine_16_adapters", "transformers_static"):
+    for key in ("engine", "engine_16_adapters", "transformers_static",
+                "engine_peft_workload", "peft_per_adapter"):
         assert checks[key]["output_tok_per_s"] > 0
+    assert [len(runs) for runs in checks["runs"].values()] == [2, 2]
+    assert checks["decode_step"]["sample_ms"] > 0
     assert checks["decode_step"]["step_ms"] >= checks["decode_step"]["forward_ms"] > 0
     summary = (tmp_path / "summary.txt").read_text()
     assert "decode attention" in summary and "engine_over_transformers" in summary
+    assert "adapters_over_peft" in summary
