@@ -16,9 +16,9 @@ after each section so that a run cut short keeps what it measured:
    64 sequences (with every phase of the step), 16 LoRA adapters against none (alternated,
    twice each), and 16 adapters against PEFT's per-adapter batching on a shorter workload.
 
-Needs torch, triton, transformers, safetensors, numpy, xxhash and pytest (the engine's server
-packages are not imported). --dry-run runs the same code on a CPU with tiny shapes so that CI
-keeps it from rotting; its figures mean nothing.
+Needs torch, triton, transformers, peft, safetensors, numpy, xxhash, tokenizers and pytest
+(the engine's server packages are not imported). --dry-run runs the same code on a CPU with
+tiny shapes so that CI keeps it from rotting; its figures mean nothing.
 """
 
 from __future__ import annotations
