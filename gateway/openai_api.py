@@ -39,6 +39,7 @@ from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, Sa
 from gateway.openai_stream import ClosingStream, collect, next_or_disconnect, sse
 from gateway.prompts import PromptEncoder
 from gateway.service import Claim, Gateway, Job, Outcome, new_request_id
+from gateway.token_bytes import TokenBytes
 
 
 def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokenizerBase
@@ -47,6 +48,7 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
     the prompt encoder and its tokenizer threads (gateway/prompts.py)."""
     router = APIRouter()
     prompts = PromptEncoder(tokenizer)
+    token_bytes = TokenBytes(tokenizer)  # one cache for every request's logprob bytes
 
     router.include_router(build_info_router(get_gateway, prompts))
 
@@ -60,7 +62,9 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                 PromptEncoder.check_chars(len(body.prompt), context, "prompt")
             return await prompts.encode_prompt(body.prompt, body.add_special_tokens)
 
-        fmt = ResponseFormatter("completions", body.model, tokenizer, body.logprobs)
+        fmt = ResponseFormatter("completions", body.model, tokenizer, body.logprobs,
+                                body.return_token_ids, body.return_tokens_as_token_ids,
+                                token_bytes)
         call = _Call(body, request, principal, "completions", body.max_tokens, "max_tokens",
                      body.logprobs)
         return await _serve(get_gateway(), call, encode, fmt)
@@ -74,7 +78,8 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
             return await prompts.encode_chat(body.template_messages(), body.template_options())
 
         top = (body.top_logprobs or 0) if body.logprobs else None
-        fmt = ResponseFormatter("chat", body.model, tokenizer, top)
+        fmt = ResponseFormatter("chat", body.model, tokenizer, top, body.return_token_ids,
+                                body.return_tokens_as_token_ids, token_bytes)
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         call = _Call(body, request, principal, "chat", body.requested_max_tokens(), param, top)
         return await _serve(get_gateway(), call, encode, fmt)
@@ -123,6 +128,7 @@ async def _serve(gateway: Gateway, req: _Call,
         context = gateway.context_length()
         prompt_ids = await encode(context)
         job = _job(gateway, claim, req, adapter, prompt_ids, context)
+        fmt.prompt_token_ids = job.request.prompt_token_ids
         await gateway.limiter.reserve(claim.ticket,
                                       len(prompt_ids) + job.request.params.max_tokens)
         return await _respond(gateway, job, req, fmt)

@@ -65,8 +65,6 @@ SHARED: Mapping[str, Unsupported] = {
                                                        "tokenizer joins them"),
     "prompt_logprobs": _off(reason="log-probs of generated tokens only"),
     "logits_processors": _off(reason="no custom logits processors"),
-    "return_tokens_as_token_ids": _off(False, reason="tokens are returned as text"),
-    "return_token_ids": _off(False, reason="tokens are returned as text"),
     "structured_outputs": _off(reason=_NO_STRUCTURED),
     "guided_json": _off(reason=_NO_STRUCTURED),
     "guided_regex": _off(reason=_NO_STRUCTURED),

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from transformers import PreTrainedTokenizerBase
 
 from engine.protocol import StreamChunk
+from gateway.token_bytes import TokenBytes
 
 Endpoint = Literal["completions", "chat"]
 # Engine finish reasons -> OpenAI's ("abort" and "error" never reach a successful response).
@@ -32,14 +33,25 @@ def finite_logprob(value: float) -> float:
 
 
 class ResponseFormatter:
-    """Builds one request's OpenAI objects; ``top_logprobs`` None means no logprobs."""
+    """Builds one request's OpenAI objects; ``top_logprobs`` None means no logprobs.
+
+    vLLM's extras: ``return_token_ids`` adds the prompt's token ids and the generated ones
+    (completions: both on the choice; chat: the prompt's on the response, the generated on
+    the choice; streamed: the prompt's in the first event only, each event its new ids);
+    ``tokens_as_ids`` names logprob tokens "token_id:<id>" instead of their text."""
 
     def __init__(self, endpoint: Endpoint, model: str, tokenizer: PreTrainedTokenizerBase,
-                 top_logprobs: int | None) -> None:
+                 top_logprobs: int | None, return_token_ids: bool = False,
+                 tokens_as_ids: bool = False, token_bytes: TokenBytes | None = None) -> None:
         self.endpoint = endpoint
         self.model = model
         self.tokenizer = tokenizer
         self.top_logprobs = top_logprobs
+        self.return_token_ids = return_token_ids
+        self.tokens_as_ids = tokens_as_ids
+        self.token_bytes = token_bytes or TokenBytes(tokenizer)
+        self.prompt_token_ids: list[int] = []
+        """Set once the prompt is tokenized (what the engine ran, truncation included)."""
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -75,7 +87,12 @@ class ResponseFormatter:
 
     # ------------------------------------------------------------------ logprobs
     def _token(self, token_id: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
         return str(self.tokenizer.decode([token_id]))
+
+    def _bytes(self, token_id: int) -> list[int]:
+        return list(self.token_bytes(token_id))
 
     def _alternatives(self, step: dict[int, float]) -> list[tuple[int, float]]:
         ranked = sorted(step.items(), key=lambda kv: kv[1], reverse=True)
@@ -100,9 +117,9 @@ class ResponseFormatter:
             token = self._token(token_id)
             content.append({
                 "token": token, "logprob": step.get(token_id),
-                "bytes": list(token.encode()),
+                "bytes": self._bytes(token_id),
                 "top_logprobs": [{"token": self._token(t), "logprob": lp,
-                                  "bytes": list(self._token(t).encode())}
+                                  "bytes": self._bytes(t)}
                                  for t, lp in self._alternatives(step)],
             })
         return {"content": content}
@@ -128,15 +145,29 @@ class ResponseFormatter:
             choice = {"index": 0, "text": text, "logprobs": logprobs,
                       "finish_reason": self.finish_reason}
             kind = "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage()}
+        response = {"id": self.id, "object": kind, "created": self.created,
+                    "model": self.model, "choices": [choice], "usage": self.usage()}
+        self._add_token_ids(response, choice, self.token_ids, first=True)
+        return response
+
+    def _add_token_ids(self, response: dict[str, Any], choice: dict[str, Any],
+                       token_ids: list[int], first: bool) -> None:
+        """vLLM's return_token_ids fields, where it puts them."""
+        if not self.return_token_ids:
+            return
+        choice["token_ids"] = list(token_ids)
+        if first:
+            where = response if self.endpoint == "chat" else choice
+            where["prompt_token_ids"] = list(self.prompt_token_ids)
 
     def stream_events(self, chunk: StreamChunk, include_usage: bool) -> list[dict[str, Any]]:
         """The SSE payloads for one engine chunk (none when it carries nothing)."""
         entries, text = self.add(chunk)
         finish = self.finish_reason if chunk.finished else None
-        if not text and not entries and finish is None and self._role_sent:
+        if (not text and not entries and finish is None and self._role_sent
+                and not (self.return_token_ids and chunk.delta_token_ids)):
             return []
+        first = not self._role_sent
         # Offsets count token strings, as in final(), so both report the same logprobs
         # (a token's string and its share of the text differ for partial UTF-8 and skipped
         # special tokens).
@@ -157,6 +188,7 @@ class ResponseFormatter:
             kind = "text_completion"
         event: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created,
                                  "model": self.model, "choices": [choice]}
+        self._add_token_ids(event, choice, chunk.delta_token_ids, first)
         if include_usage:
             event["usage"] = None
         return [event]

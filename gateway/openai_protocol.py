@@ -102,6 +102,10 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     priority: int = Field(default=0, ge=-1000, le=1000)
+    return_token_ids: bool = False
+    """vLLM's: the prompt's and the generated token ids beside the text."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: logprob tokens as "token_id:<id>" (for tokens that are not valid text)."""
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],

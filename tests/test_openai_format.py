@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from engine.protocol import StreamChunk
 from gateway.openai_format import LOGPROB_FLOOR, Endpoint, ResponseFormatter
+from gateway.token_bytes import TokenBytes
 
 
 def _chunk(tokenizer: Any) -> StreamChunk:
@@ -52,3 +53,19 @@ def test_non_finite_logprobs_come_out_as_finite_json(tiny_model_dir: Path,
     assert chosen == [LOGPROB_FLOOR, -0.25]
     # NaN and +inf are not logprobs at all: reported as the floor too.
     assert tops == [[-1.5, LOGPROB_FLOOR, LOGPROB_FLOOR], [-0.25, LOGPROB_FLOOR, LOGPROB_FLOOR]]
+
+
+def test_token_bytes_are_the_vocabulary_bytes(tiny_model_dir: Path) -> None:
+    """Byte-level BPE: each token's bytes joined give the text's UTF-8, also where a token
+    holds part of a character and decodes alone to U+FFFD."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    token_bytes = TokenBytes(tokenizer)
+    partial = 0
+    for text in ("naïve café", "emoji 😀 and 日本語", "plain words"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert b"".join(token_bytes(i) for i in ids) == text.encode()
+        partial += sum("\ufffd" in tokenizer.decode([i]) for i in ids)
+    assert partial > 0  # the case that encoding decoded text would get wrong
+    eos = tokenizer.eos_token_id
+    assert token_bytes(eos) == str(tokenizer.eos_token).encode()  # special: its text
+    assert token_bytes(len(tokenizer) + 10) == b""

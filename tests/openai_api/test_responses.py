@@ -269,12 +269,12 @@ def test_chat_logprobs_are_shaped_like_openai(client: openai.OpenAI, base_model:
     assert logprobs is not None and logprobs.content is not None
     assert len(logprobs.content) == MAX_TOKENS
     for entry in logprobs.content:
-        assert entry.bytes == list(entry.token.encode())
+        assert _spells(entry.bytes, entry.token)
         assert len(entry.top_logprobs) == 2
         first, second = entry.top_logprobs
         assert (first.token, first.logprob) == (entry.token, entry.logprob)  # greedy
         assert entry.logprob <= 0.0 and second.logprob <= first.logprob
-        assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs)
+        assert all(_spells(t.bytes, t.token) for t in entry.top_logprobs)
 
     chunks = list(client.chat.completions.create(**request, stream=True))
     streamed = [e for c in chunks if c.choices[0].logprobs is not None
@@ -286,6 +286,48 @@ def test_chat_logprobs_are_shaped_like_openai(client: openai.OpenAI, base_model:
     plain = client.chat.completions.create(**{**request, "top_logprobs": None})
     assert plain.choices[0].logprobs is not None
     assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content or [])
+
+
+def _spells(token_bytes: list[int] | None, token: str) -> bool:
+    """A token's bytes are its text's UTF-8, or part of a character (decoded alone: U+FFFD)."""
+    assert token_bytes is not None
+    return bytes(token_bytes) == token.encode() or "\ufffd" in token
+
+
+def test_return_token_ids_and_tokens_as_ids(client: openai.OpenAI, base_model: str,
+                                            tokenizer: PreTrainedTokenizerBase) -> None:
+    extra = {**NO_EOS, "return_token_ids": True}
+    request: dict[str, Any] = {"model": base_model, "prompt": "hello world",
+                               "max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": extra}
+    choice = client.completions.create(**request).choices[0]
+    fields = choice.model_extra or {}
+    assert fields["prompt_token_ids"] == tokenizer("hello world")["input_ids"]
+    generated = fields["token_ids"]
+    assert len(generated) == MAX_TOKENS
+    assert tokenizer.decode(generated, skip_special_tokens=True) == choice.text
+    events = [c.choices[0].model_extra or {} for c in
+              client.completions.create(**request, stream=True) if c.choices]
+    assert events[0]["prompt_token_ids"] == fields["prompt_token_ids"]
+    assert all("prompt_token_ids" not in e for e in events[1:])  # the first event only
+    assert [t for e in events for t in e.get("token_ids", [])] == generated
+
+    chat = client.chat.completions.create(
+        model=base_model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+        logprobs=True, extra_body=extra)
+    assert (chat.model_extra or {})["prompt_token_ids"]  # on the response, as vLLM puts it
+    ids = (chat.choices[0].model_extra or {})["token_ids"]
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content is not None and len(ids) == len(content) == MAX_TOKENS
+    # The tokens' bytes joined are the text's UTF-8 (special tokens are not in the text).
+    special = set(tokenizer.all_special_ids)
+    joined = b"".join(bytes(e.bytes or []) for e, i in zip(content, ids, strict=True)
+                      if i not in special)
+    assert joined.decode("utf-8", errors="replace") == chat.choices[0].message.content
+
+    as_ids = client.completions.create(**{**request, "logprobs": 1, "extra_body": {
+        **NO_EOS, "return_tokens_as_token_ids": True}}).choices[0]
+    assert as_ids.logprobs is not None and as_ids.logprobs.tokens is not None
+    assert as_ids.logprobs.tokens == [f"token_id:{i}" for i in generated]
 
 
 def _shape(entries: list[ChatCompletionTokenLogprob]) -> list[tuple[Any, ...]]:
