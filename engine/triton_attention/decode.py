@@ -12,6 +12,8 @@ attention's). With one split the first kernel writes the output directly.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -141,16 +143,19 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     tl.store(lse_ptr + seq * stride_ln + head * stride_lh, top + tl.log(total))
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The device's SM count (asked once: the eager path plans a split per layer call)."""
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def decode_partition_size(max_context: int, num_seqs: int, num_kv_heads: int,
                           device: torch.device, block_n: int) -> int:
     """Positions per split: one split when (sequences x KV heads) already gives every
     multiprocessor about four programs, else enough splits for that, but none under 256
     positions (a shorter split costs more in its merge than it saves). A multiple of block_n."""
     programs = num_seqs * num_kv_heads
-    if device.type == "cuda":
-        wanted = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        wanted = programs
+    wanted = 4 * _multiprocessors(device) if device.type == "cuda" else programs
     splits = max(1, -(-wanted // max(programs, 1)))
     size = max(256, -(-max_context // splits))
     return -(-size // block_n) * block_n
