@@ -17,6 +17,11 @@ request per layer. This path instead
 4. merges the partial results of each query row with their log-sum-exp weights (softmax
    over a union of disjoint key sets).
 
+A chunk with no cached context (a prompt's first chunk) has nothing to merge with: it is one
+causal call over its own K/V, written straight to the output. Measured on SmolLM2 with 8
+fresh 512-token prompts: 8.3 s of attention, merging and copies per run in pieces, against
+1.9 s as whole calls (torch's profiler, 2 threads).
+
 The blocks only one decode holds (its whole context when nothing is shared) skip step 2:
 all those private tails are one batched call per layer (engine/paged_decode.py) instead of
 one flash call per request.
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from engine.cpu_kernels import PagedDecodeOp
 from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batches, decode_attention
@@ -107,6 +113,8 @@ class CascadePlan:
     """[N] int64: every node's query rows, node after node (gathered once per layer)."""
     fresh: list[tuple[int, int]]
     """(first row, rows) of each prefill-chunk piece, attending causally to its own K/V."""
+    whole: list[tuple[int, int]]
+    """(first row, rows) of each chunk without cached context: one causal call, no merge."""
     merge_rows: torch.Tensor
     """[R] int64 flat-batch row of each partial result, in the order they are produced:
     each node's query rows once per span, then the fresh pieces' rows."""
@@ -186,8 +194,12 @@ def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
             start = stop
 
     fresh: list[tuple[int, int]] = []
+    whole: list[tuple[int, int]] = []
     for r in requests:
         if not r.fresh:
+            continue
+        if r.cached_len == 0:
+            whole.append((r.query_start, r.q_len))
             continue
         for lo in range(0, r.q_len, piece_rows):
             hi = min(r.q_len, lo + piece_rows)
@@ -207,6 +219,7 @@ def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
         node_rows=(torch.cat([node.query_rows for node in nodes]) if nodes
                    else torch.empty(0, dtype=torch.int64, device=device)),
         fresh=fresh,
+        whole=whole,
         merge_rows=torch.cat(merge_rows) if merge_rows else torch.empty(0, dtype=torch.int64),
         num_rows=num_rows,
         private=private,
@@ -276,8 +289,18 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out, lse = _FLASH_CPU(qf, kf, vf, 0.0, True, scale=scale)
         parts_out.append(out[0].transpose(0, 1))
         parts_lse.append(lse[0].transpose(0, 1))
-    return _merge(torch.cat(parts_out), torch.cat(parts_lse), plan.merge_rows, plan.num_rows,
-                  q.dtype)
+    # Rows of whole chunks get no partial result (0 / 0 in the merge): overwritten below.
+    result = (_merge(torch.cat(parts_out), torch.cat(parts_lse), plan.merge_rows,
+                     plan.num_rows, q.dtype) if parts_out
+              else q.new_empty(plan.num_rows, num_heads, head_dim))
+    for first, num in plan.whole:
+        rows = slice(first, first + num)
+        # 4-D inputs: torch's CPU SDPA takes its fused kernel only for those.
+        result[rows] = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None],
+            v[rows].transpose(0, 1)[None], is_causal=True, scale=scale,
+            enable_gqa=group > 1)[0].transpose(0, 1)
+    return result
 
 
 def _merge(outs: torch.Tensor, lses: torch.Tensor, rows: torch.Tensor, num_rows: int,

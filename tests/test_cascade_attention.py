@@ -121,14 +121,24 @@ def test_shared_blocks_are_read_once() -> None:
 
 
 def test_a_long_chunk_runs_in_pieces_over_its_earlier_rows() -> None:
-    # Rows 2-6 are one 5-row chunk: pieces of 2 rows; pieces 2 and 3 read rows 2-3 and 2-5
-    # of the step's own K/V without a mask, and each piece its own rows causally.
+    # Rows 2-6 are one 5-row chunk after 4 cached positions: pieces of 2 rows; pieces 2 and
+    # 3 read rows 2-3 and 2-5 of the step's own K/V without a mask, each piece its own rows
+    # causally, and all five rows the cached block (one node, a one-block copy).
+    plan = build_cascade_plan([CascadeRequest([0, 1], 4, 2, 5, fresh=True)], BLOCK, CPU,
+                              fresh_piece_rows=2)
+    assert plan.fresh == [(2, 2), (4, 2), (6, 1)] and plan.whole == []
+    assert [(n.query_rows.tolist(), n.spans) for n in plan.nodes] == [
+        ([2, 3, 4, 5, 6], [KeySpan("copy", 0, 4)]),
+        ([4, 5], [KeySpan("step", 2, 2)]), ([6], [KeySpan("step", 2, 4)])]
+    assert plan.merge_rows.tolist() == [2, 3, 4, 5, 6, 4, 5, 6, 2, 3, 4, 5, 6]
+
+
+def test_a_first_chunk_is_one_call_outside_the_merge() -> None:
+    # No cached context: nothing to merge with, so no pieces, no nodes, no merge rows.
     plan = build_cascade_plan([CascadeRequest([0, 1], 0, 2, 5, fresh=True)], BLOCK, CPU,
                               fresh_piece_rows=2)
-    assert plan.fresh == [(2, 2), (4, 2), (6, 1)]
-    assert [(n.query_rows.tolist(), n.spans) for n in plan.nodes] == [
-        ([4, 5], [KeySpan("step", 2, 2)]), ([6], [KeySpan("step", 2, 4)])]
-    assert plan.merge_rows.tolist() == [4, 5, 6, 2, 3, 4, 5, 6]
+    assert plan.whole == [(2, 5)] and plan.fresh == [] and plan.nodes == []
+    assert plan.merge_rows.numel() == 0
 
 
 def test_sliding_window_keeps_the_reference_path() -> None:
