@@ -19,8 +19,10 @@ request per layer. This path instead
 
 A chunk with no cached context (a prompt's first chunk) has nothing to merge with: it is one
 causal call over its own K/V, written straight to the output. Measured on SmolLM2 with 8
-fresh 512-token prompts: 8.3 s of attention, merging and copies per run in pieces, against
-1.9 s as whole calls (torch's profiler, 2 threads).
+fresh 512-token prompts (torch's profiler, 2 threads): on a quiet host the pieces' smaller
+attention (0.64 s against 0.79 s) was eaten by their merges and copies (4.18 s against
+4.04 s of CPU for the whole prefill); with another job on the cores, the 7 calls and merges
+per layer cost far more (22.1 s against 14.4 s).
 
 The blocks only one decode holds (its whole context when nothing is shared) skip step 2:
 all those private tails are one batched call per layer (engine/paged_decode.py) instead of
