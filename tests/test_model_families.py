@@ -123,22 +123,26 @@ def family_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
     def build(kind: str) -> Path:
         if kind not in built:
-            out = tmp_path_factory.mktemp(kind)
-            tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-            torch.manual_seed(7)
-            model = AutoModelForCausalLM.from_config(_config(kind, len(tok)))
-            _randomise_trivial_weights(model)
-            model.save_pretrained(str(out))
-            tok.save_pretrained(str(out))
-            if kind not in TIED:
-                assert model.lm_head.weight.data_ptr() != (
-                    model.get_input_embeddings().weight.data_ptr())
-            if kind == "llama3-rope":
-                _legacy_rope_format(out)
-            built[kind] = out
+            built[kind] = save_family(kind, tiny_model_dir, tmp_path_factory.mktemp(kind))
         return built[kind]
 
     return build
+
+
+def save_family(kind: str, tiny_model_dir: Path, out: Path) -> Path:
+    """A seeded tiny checkpoint of that family, with the tiny model's tokenizer, in out."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(_config(kind, len(tok)))
+    _randomise_trivial_weights(model)
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    if kind not in TIED:
+        assert model.lm_head.weight.data_ptr() != (
+            model.get_input_embeddings().weight.data_ptr())
+    if kind == "llama3-rope":
+        _legacy_rope_format(out)
+    return out
 
 
 def _engine(model_dir: Path, **overrides: object) -> LLMEngine:

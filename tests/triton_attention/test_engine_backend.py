@@ -68,17 +68,10 @@ def test_windowed_and_capped_families_on_triton_attention(
     # Sliding windows far shorter than the prompts (Mistral), soft-capped scores and
     # alternating windows (Gemma 2), per-layer windows and ropes (Gemma 3): the kernels'
     # window and cap paths end to end, against transformers.
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from tests.parity import shared_prefix_workload
-    from tests.test_model_families import _config, _engine, _randomise_trivial_weights, _run
+    from tests.test_model_families import _engine, _run, save_family
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(_config(kind, len(tokenizer)))
-    _randomise_trivial_weights(model)
-    model.save_pretrained(str(tmp_path))
-    tokenizer.save_pretrained(str(tmp_path))
+    save_family(kind, tiny_model_dir, tmp_path)
     engine = _engine(tmp_path, attention_backend="triton", max_loras=0)
     items = shared_prefix_workload(6, seed=21)
     outputs = _run(engine, [(w.request_id, w.prompt, min(w.max_tokens, 6), w.arrival_step,
