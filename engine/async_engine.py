@@ -296,7 +296,8 @@ class AsyncEngine:
                     yield StreamChunk(
                         request_id, out.delta_token_ids, out.delta_text, *usage,
                         (out.finish_reason or "stop") if out.finished else None, logprobs,
-                        None if out.error is None else EngineError(out.error))
+                        None if out.error is None else EngineError(out.error),
+                        out.prompt_logprobs)
         except EngineInternalError as exc:
             yield StreamChunk.failed(request_id, EngineError(str(exc)), *usage)
         except TimeoutError:

@@ -124,7 +124,7 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks of the request's longest cached prefix, capped so that at least
         one token is left to compute. No side effects; empty when caching is off."""
-        if not self.tracker.enabled:
+        if not self.tracker.enabled or not request.reads_prefix_cache:
             return []
         hit = self.pool.match(self._update_hashes(request))
         return hit[:(request.num_tokens - 1) // self.block_size]
@@ -132,7 +132,8 @@ class KVCacheManager:
     def next_block_in_flight(self, request: Request, num_hit_blocks: int) -> bool:
         """True when the block after the hit is being computed by another request."""
         hashes = request.block_hashes
-        if not self.tracker.enabled or num_hit_blocks >= len(hashes):
+        if (not self.tracker.enabled or num_hit_blocks >= len(hashes)
+                or not request.reads_prefix_cache):
             return False
         owner = self._in_flight.get(hashes[num_hit_blocks])
         return owner is not None and owner != request.request_id

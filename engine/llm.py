@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.prompt_logprobs import PromptLogprob
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -68,10 +69,14 @@ class LLM:
             self.engine.add(request)
 
         results: list[RequestOutput | None] = [None] * len(requests)
+        scored: dict[str, list[PromptLogprob | None]] = {}
         with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    if out.prompt_logprobs is not None:  # reported once, maybe before the end
+                        scored[out.request_id] = out.prompt_logprobs
                     if out.finished:
+                        out.prompt_logprobs = scored.get(out.request_id)
                         results[order[out.request_id]] = out
                         bar.update(1)
         assert all(r is not None for r in results)

@@ -20,6 +20,7 @@ from engine.metrics import EngineMetrics, EngineStats, PrefixCacheStats, StepTim
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_hf_config, load_model, resolve_dtype
 from engine.models.shape import ModelShape
+from engine.prompt_logprobs import PromptLogprob
 from engine.request import Request, RequestOutput, RequestStatus, RequestTiming
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -51,6 +52,7 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
     num_tokens_reported: int = 0
+    prompt_logprobs_reported: bool = False
 
 
 class LLMEngine:
@@ -300,6 +302,7 @@ class LLMEngine:
             return failed + [self._fail(r, STEP_FAILED_MESSAGE) for r in culprits]
         self.isolation.succeeded(sched)
         t2 = time.perf_counter()
+        self._store_prompt_logprobs(result.prompt_logprobs)
         updated = self.scheduler.update(sched, result.sampled)
         now = time.monotonic()
         outputs = failed + [self._on_new_token(self._tracked[r.request_id], result.logprobs,
@@ -313,6 +316,14 @@ class LLMEngine:
                        forward=result.forward_seconds, sample=result.sample_seconds,
                        output=t3 - t2))
         return outputs
+
+    def _store_prompt_logprobs(self, scored: dict[str, tuple[int, list[PromptLogprob]]]
+                               ) -> None:
+        for request_id, (first, entries) in scored.items():
+            request = self._tracked[request_id].request
+            if not request.prompt_logprobs:
+                request.prompt_logprobs = [None] * request.num_prompt_tokens
+            request.prompt_logprobs[first:first + len(entries)] = entries
 
     def _on_new_token(self, tracked: _Tracked, logprobs: dict[str, dict[int, float]],
                       now: float) -> RequestOutput:
@@ -340,6 +351,12 @@ class LLMEngine:
             del self._tracked[request.request_id]
             self.metrics.num_requests_finished += 1
         delta_text = tracked.detokenizer.take_delta(finished_here)
+        prompt_logprobs = None
+        # Reported once, with the first token: sampling it needed the whole prompt scored.
+        if (request.sampling_params.prompt_logprobs is not None and new_ids
+                and not tracked.prompt_logprobs_reported):
+            tracked.prompt_logprobs_reported = True
+            prompt_logprobs = request.prompt_logprobs or [None] * request.num_prompt_tokens
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -351,6 +368,7 @@ class LLMEngine:
             finish_reason=request.finish_reason if finished_here else None,
             logprobs=list(request.output_logprobs)
             if request.sampling_params.logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
             timing=request.timing,
         )
 

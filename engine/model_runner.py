@@ -18,6 +18,7 @@ from engine.kv_cache import blocks_for
 from engine.logits_processors import PenaltyCounts, RowState, adjust_logits
 from engine.models.llama import LlamaForFlatBatch
 from engine.paged_decode import CopyBuffers
+from engine.prompt_logprobs import PromptLogprob, plan_prompt_rows, score_prompt_rows
 from engine.sampler import Sampler
 from engine.scheduler_output import SchedulerOutput
 from engine.triton_attention import default_block_m, resolve_attention_backend
@@ -31,6 +32,8 @@ class RunnerOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
+    """Per request asking for them: (first prompt position scored, one entry per position)."""
     prepare_seconds: float = 0.0
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
@@ -163,6 +166,10 @@ class ModelRunner:
             t1 = self._sync_time()
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, lora)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        prompt_rows = plan_prompt_rows(chunks, self.batch.requests)
+        if prompt_rows:
+            out.prompt_logprobs = score_prompt_rows(hidden, prompt_rows, self.batch.requests,
+                                                    self.model.compute_logits)
         t2 = self._sync_time()
         ids = [c.request_id for c in chunks if c.sample]
         rows = self.batch.row_states(ids)

@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+from engine.prompt_logprobs import PromptLogprob
 from engine.sampling_params import SamplingParams
 from lora.manager import AdapterInfo
 from prefix_cache.cache import PrefixUpdate
@@ -148,7 +149,9 @@ class StreamChunk:
     ``finish_reason`` set ("stop", "length", "abort", or "error" with ``error``).
 
     ``logprobs`` holds one {token id: logprob} map per new token (None unless asked for);
-    ``prompt_tokens`` / ``completion_tokens`` are the request's usage so far."""
+    ``prompt_logprobs`` one entry per prompt position (None at the first), on one chunk only
+    (the first that carries a token) and only when asked for; ``prompt_tokens`` /
+    ``completion_tokens`` are the request's usage so far."""
 
     request_id: str
     delta_token_ids: list[int]
@@ -158,6 +161,7 @@ class StreamChunk:
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
     error: EngineError | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -177,13 +181,18 @@ class StreamChunk:
                 "finish_reason": self.finish_reason, "logprobs": logprobs,
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
-                "error": None if self.error is None else self.error.to_json()}
+                "error": None if self.error is None else self.error.to_json(),
+                "prompt_logprobs": None if self.prompt_logprobs is None else [
+                    None if p is None else {"token_id": p.token_id, "logprob": p.logprob,
+                                            "rank": p.rank, "top": [list(t) for t in p.top]}
+                    for p in self.prompt_logprobs]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StreamChunk:
         """From an NDJSON line of the engine's stream (KeyError / ValueError / TypeError
         when it is not one)."""
         logprobs = data.get("logprobs")
+        scored = data.get("prompt_logprobs")
         error = data.get("error")
         finish = data.get("finish_reason")
         if data.get("finished") and finish is None:
@@ -194,7 +203,12 @@ class StreamChunk:
             int(data.get("completion_tokens") or 0), finish,
             None if logprobs is None else [{int(k): float(v) for k, v in step.items()}
                                            for step in logprobs],
-            None if not error else EngineError.from_json(error))
+            None if not error else EngineError.from_json(error),
+            None if scored is None else [
+                None if p is None else PromptLogprob(
+                    int(p["token_id"]), float(p["logprob"]), int(p["rank"]),
+                    tuple((int(t), float(lp)) for t, lp in p["top"]))
+                for p in scored])
 
 
 class ChunkStream:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.prompt_logprobs import PromptLogprob
 from engine.sampling_params import SamplingParams
 from prefix_cache.hashing import ExtraKey
 
@@ -62,6 +63,8 @@ class Request:
     timing: RequestTiming = field(default_factory=lambda: RequestTiming(arrival=0.0))
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
+    """One entry per prompt position once scored (None at position 0), when asked for."""
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -78,6 +81,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False while the prompt still needs its logprobs: they are computed, not read."""
+        return self.sampling_params.prompt_logprobs is None or bool(self.output_token_ids)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -114,5 +122,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    """Set once, on the first output after the prompt was scored (when asked for)."""
     timing: RequestTiming | None = None
     error: str | None = None

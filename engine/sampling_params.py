@@ -53,6 +53,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    """None: none; k >= 0: each prompt token's logprob (after the first), its rank, and the
+    k most likely tokens at its position (the model's raw distribution). Such a request
+    computes its whole prompt: it takes nothing from the prefix cache, as vLLM does."""
     n: int = 1
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -105,6 +109,10 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer between 0 and 20, got "
                              f"{self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer between 0 and 20, got "
+                             f"{self.prompt_logprobs!r}")
         if len(self.stop) > MAX_STOP_STRINGS or any(
                 not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LENGTH for s in self.stop):
             raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of "

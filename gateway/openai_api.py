@@ -19,22 +19,22 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerBase
 
 from engine.http.errors import ApiError
-from engine.protocol import GenerateRequest
+from engine.protocol import ChunkStream, GenerateRequest
 from engine.sampling_params import SamplingParams
 from gateway.access_log import AccessRecord, record_of
 from gateway.auth import Principal
+from gateway.batch_stream import BatchStream
 from gateway.caller import Caller
 from gateway.config import GatewayConfig
 from gateway.exposure import instance_tag
 from gateway.info_api import build_info_router
-from gateway.openai_format import Endpoint, ResponseFormatter
+from gateway.openai_format import Endpoint, PromptEcho, ResponseFormatter
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.openai_stream import ClosingStream, collect, next_or_disconnect, sse
 from gateway.prompts import PromptEncoder
@@ -47,41 +47,61 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
     """Routes over the gateway the app builds at startup (hence the getter). The router owns
     the prompt encoder and its tokenizer threads (gateway/prompts.py)."""
     router = APIRouter()
-    prompts = PromptEncoder(tokenizer)
+    prompts_encoder = PromptEncoder(tokenizer)
     token_bytes = TokenBytes(tokenizer)  # one cache for every request's logprob bytes
 
-    router.include_router(build_info_router(get_gateway, prompts))
+    router.include_router(build_info_router(get_gateway, prompts_encoder))
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request,
                           principal: Caller) -> Response:
-        async def encode(context: int) -> list[int]:
-            if not isinstance(body.prompt, str):  # ids (a text list became its one text)
-                return cast(list[int], body.prompt)  # bounded by the context in _job
-            if body.truncate_prompt_tokens is None:  # else longer is fine: it will be cut
-                PromptEncoder.check_chars(len(body.prompt), context, "prompt")
-            return await prompts.encode_prompt(body.prompt, body.add_special_tokens)
+        async def encode(context: int) -> list[PromptEcho]:
+            truncating = body.truncate_prompt_tokens is not None
+            prompts = []
+            for prompt in body.prompt:
+                if not isinstance(prompt, str):  # ids, bounded by the context in _job
+                    ids = prompt
+                else:
+                    if not truncating:  # else longer is fine: it will be cut
+                        PromptEncoder.check_chars(len(prompt), context, "prompt")
+                    ids = await prompts_encoder.encode_prompt(prompt, body.add_special_tokens)
+                if truncating:
+                    ids = ids[-(body.truncate_prompt_tokens or 0):]
+                # The echo is the text as sent, or what the engine runs when that differs.
+                text = "" if not body.echo else prompt if isinstance(prompt, str) and \
+                    not truncating else str(tokenizer.decode(ids))
+                prompts.append(PromptEcho(ids, text))
+            return prompts
 
         fmt = ResponseFormatter("completions", body.model, tokenizer, body.logprobs,
                                 body.return_token_ids, body.return_tokens_as_token_ids,
-                                token_bytes)
-        call = _Call(body, request, principal, "completions", body.max_tokens, "max_tokens",
-                     body.logprobs)
+                                token_bytes, echo=body.echo,
+                                prompt_logprobs=body.prompt_logprobs,
+                                drop_output=body.max_tokens == 0)
+        call = _Call(body, request, principal, "completions",
+                     body.max_tokens or (1 if body.max_tokens == 0 else None), "max_tokens",
+                     body.logprobs, body.engine_prompt_logprobs())
         return await _serve(get_gateway(), call, encode, fmt)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                principal: Caller) -> Response:
-        async def encode(context: int) -> list[int]:
+        async def encode(context: int) -> list[PromptEcho]:
             if body.truncate_prompt_tokens is None:
                 PromptEncoder.check_chars(body.prompt_chars(), context, "messages")
-            return await prompts.encode_chat(body.template_messages(), body.template_options())
+            ids = await prompts_encoder.encode_chat(body.template_messages(),
+                                                    body.template_options())
+            if body.truncate_prompt_tokens is not None:
+                ids = ids[-body.truncate_prompt_tokens:]
+            return [PromptEcho(ids)]
 
         top = (body.top_logprobs or 0) if body.logprobs else None
         fmt = ResponseFormatter("chat", body.model, tokenizer, top, body.return_token_ids,
-                                body.return_tokens_as_token_ids, token_bytes)
+                                body.return_tokens_as_token_ids, token_bytes,
+                                prompt_logprobs=body.prompt_logprobs)
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        call = _Call(body, request, principal, "chat", body.requested_max_tokens(), param, top)
+        call = _Call(body, request, principal, "chat", body.requested_max_tokens(), param, top,
+                     body.prompt_logprobs)
         return await _serve(get_gateway(), call, encode, fmt)
 
     return router
@@ -89,7 +109,7 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
 
 @dataclass(frozen=True)
 class _Call:
-    """What _serve needs of one validated request besides its prompt."""
+    """What _serve needs of one validated request besides its prompts."""
 
     body: SamplingFields
     http: Request
@@ -98,25 +118,28 @@ class _Call:
     max_tokens: int | None
     max_tokens_param: str
     logprobs: int | None
+    prompt_logprobs: int | None = None
 
 
 async def _serve(gateway: Gateway, req: _Call,
-                 encode: Callable[[int], Awaitable[list[int]]], fmt: ResponseFormatter
+                 encode: Callable[[int], Awaitable[list[PromptEcho]]], fmt: ResponseFormatter
                  ) -> Response:
     """Admit, then the expensive work (tokenizing), then dispatch. The claim taken at
     admission is settled exactly once whatever happens: here for anything raised before a
-    response exists, else by the response (see _respond)."""
-    job: Job | None = None
+    response exists, else by the response (see _respond). A batch of prompts is one
+    admission, one claim and one response: a job (engine request) per prompt."""
+    jobs: list[Job] = []
     access = record_of(req.http)
     if access is not None:
         access.tenant = req.principal.tenant_id
         access.end_user = req.body.safety_identifier or req.body.user
 
         def fill(record: AccessRecord) -> None:
-            if job is not None:
-                record.prompt_tokens = fmt.prompt_tokens or len(job.request.prompt_token_ids)
+            if jobs:
+                record.prompt_tokens = fmt.prompt_tokens or sum(
+                    len(job.request.prompt_token_ids) for job in jobs)
                 record.completion_tokens = fmt.completion_tokens
-                record.first_token_at = job.first_token_at
+                record.first_token_at = jobs[0].first_token_at
         access.finish = fill
     claim = await gateway.admit(req.principal)
     label = "none"  # the adapter, once the model resolved
@@ -126,17 +149,18 @@ async def _serve(gateway: Gateway, req: _Call,
         if access is not None:
             access.adapter = label
         context = gateway.context_length()
-        prompt_ids = await encode(context)
-        job = _job(gateway, claim, req, adapter, prompt_ids, context)
-        fmt.prompt_token_ids = job.request.prompt_token_ids
-        await gateway.limiter.reserve(claim.ticket,
-                                      len(prompt_ids) + job.request.params.max_tokens)
-        return await _respond(gateway, job, req, fmt)
+        prompts = await encode(context)
+        jobs.extend(_job(gateway, claim, req, adapter, prompt.token_ids, context)
+                    for prompt in prompts)
+        fmt.start(prompts)
+        await gateway.limiter.reserve(claim.ticket, sum(
+            len(job.request.prompt_token_ids) + job.request.params.max_tokens for job in jobs))
+        return await _respond(gateway, jobs, req, fmt)
     except BaseException as exc:
         gateway.settle(claim, 0, _outcome(exc))
         status = exc.status if isinstance(exc, ApiError) else \
             499 if isinstance(exc, asyncio.CancelledError) else 500
-        instance = job.instance_id if job is not None else None
+        instance = jobs[0].instance_id if jobs else None
         gateway.metrics.requests.labels(req.endpoint, str(status), label,
                                         instance or "none").inc()
         raise
@@ -154,8 +178,6 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
          prompt_ids: list[int], context: int) -> Job:
     body = req.body
     param = "messages" if req.endpoint == "chat" else "prompt"
-    if body.truncate_prompt_tokens is not None:
-        prompt_ids = prompt_ids[-body.truncate_prompt_tokens:]
     if not prompt_ids:
         raise ApiError(400, "prompt is empty after tokenization", param=param)
     if len(prompt_ids) >= context:
@@ -178,7 +200,8 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(0, body.top_k or 0),  # -1 (vLLM's "off") is the engine's 0
             seed=body.seed, stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos,
-            logprobs=req.logprobs, **body.sampling_extras())
+            logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
+            **body.sampling_extras())
     except ValueError as exc:  # the edge bounds every field; this is the engine's own check
         raise ApiError(400, str(exc)) from None
     request = GenerateRequest(
@@ -189,12 +212,20 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
     return Job(request, req.endpoint, claim)
 
 
-async def _respond(gateway: Gateway, job: Job, req: _Call, fmt: ResponseFormatter
+async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseFormatter
                    ) -> Response:
-    """Dispatch; errors before the engine took the job propagate to _serve. From then on
-    the response settles the claim as served: a whole response here, a stream when it ends
-    (ClosingStream)."""
-    stream = await next_or_disconnect(req.http, gateway.open(job))
+    """Dispatch; errors before the engines took every job propagate to _serve (the streams
+    already opened are closed, aborting their requests). From then on the response settles
+    the claim as served: a whole response here, a stream when it ends (ClosingStream)."""
+    opened: list[ChunkStream] = []
+    try:
+        for job in jobs:
+            opened.append(await next_or_disconnect(req.http, gateway.open(job)))
+    except BaseException:
+        await BatchStream(opened).aclose()
+        raise
+    streams = BatchStream(opened)
+    job = jobs[0]
     headers = _route_headers(job, gateway.config)
 
     def settle() -> None:
@@ -202,13 +233,13 @@ async def _respond(gateway: Gateway, job: Job, req: _Call, fmt: ResponseFormatte
                        job.adapter)
 
     if req.body.stream:
-        events = sse(gateway, job, stream, fmt, req.body.include_usage)
-        return ClosingStream(events, stream, settle, headers=headers)
+        events = sse(gateway, jobs, streams, fmt, req.body.include_usage)
+        return ClosingStream(events, streams, settle, headers=headers)
     try:
-        result = await next_or_disconnect(req.http, collect(gateway, job, stream, fmt))
+        result = await next_or_disconnect(req.http, collect(gateway, jobs, streams, fmt))
     finally:
         settle()
-        await stream.aclose()  # normally closed by collect; not if it never started
+        await streams.aclose()  # normally closed by collect; not if it never started
     gateway.metrics.requests.labels(job.endpoint, "200", job.adapter or "base",
                                     job.instance_id or "none").inc()
     return JSONResponse(result, headers=headers)

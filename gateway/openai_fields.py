@@ -63,7 +63,6 @@ SHARED: Mapping[str, Unsupported] = {
     "length_penalty": _off(1, reason="no beam search"),
     "spaces_between_special_tokens": _off(True, reason="special tokens are decoded as the "
                                                        "tokenizer joins them"),
-    "prompt_logprobs": _off(reason="log-probs of generated tokens only"),
     "logits_processors": _off(reason="no custom logits processors"),
     "structured_outputs": _off(reason=_NO_STRUCTURED),
     "guided_json": _off(reason=_NO_STRUCTURED),
@@ -79,7 +78,6 @@ SHARED: Mapping[str, Unsupported] = {
 
 COMPLETIONS: Mapping[str, Unsupported] = {
     **SHARED,
-    "echo": _off(False, reason="the prompt is not echoed"),
     "suffix": _off("", reason="no fill-in-the-middle"),
 }
 """POST /v1/completions."""

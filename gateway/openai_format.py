@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.prompt_logprobs import PromptLogprob
 from engine.protocol import StreamChunk
 from gateway.token_bytes import TokenBytes
 
@@ -32,17 +34,59 @@ def finite_logprob(value: float) -> float:
     return min(0.0, max(LOGPROB_FLOOR, value))
 
 
+@dataclass
+class PromptEcho:
+    """What a choice's prompt contributes to its response: its token ids (as the engine
+    ran them) and, for ``echo``, its text."""
+
+    token_ids: list[int]
+    text: str = ""
+
+
+Entry = tuple[int, dict[int, float] | None]
+"""A token and its logprob map ({token: logprob}, the token's own included); None for the
+first prompt token, which nothing predicts."""
+
+
+@dataclass
+class _Choice:
+    """One choice's accumulated state (a prompt of a batch, or the one prompt)."""
+
+    prompt: PromptEcho
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    started: bool = False
+    """Its first event was built (the role, the echoed prompt and the prompt's ids)."""
+    text_offset: int = 0
+    """text_offset of its next streamed token (completions)."""
+
+
 class ResponseFormatter:
     """Builds one request's OpenAI objects; ``top_logprobs`` None means no logprobs.
 
     vLLM's extras: ``return_token_ids`` adds the prompt's token ids and the generated ones
     (completions: both on the choice; chat: the prompt's on the response, the generated on
     the choice; streamed: the prompt's in the first event only, each event its new ids);
-    ``tokens_as_ids`` names logprob tokens "token_id:<id>" instead of their text."""
+    ``tokens_as_ids`` names logprob tokens "token_id:<id>" instead of their text;
+    ``prompt_logprobs`` (k) adds vLLM's per-position maps of the prompt tokens (completions:
+    on the choice; chat: on the response). OpenAI's ``echo`` (completions) puts the prompt's
+    text before the generated text and, with logprobs, its tokens before the generated ones
+    (the first with a null logprob); ``drop_output`` (echo with max_tokens 0) reports the
+    prompt alone, the one token the engine generated left out.
+
+    A batch of prompts is one choice per prompt (``start``); chunks name their choice by
+    index."""
 
     def __init__(self, endpoint: Endpoint, model: str, tokenizer: PreTrainedTokenizerBase,
                  top_logprobs: int | None, return_token_ids: bool = False,
-                 tokens_as_ids: bool = False, token_bytes: TokenBytes | None = None) -> None:
+                 tokens_as_ids: bool = False, token_bytes: TokenBytes | None = None,
+                 echo: bool = False, prompt_logprobs: int | None = None,
+                 drop_output: bool = False) -> None:
         self.endpoint = endpoint
         self.model = model
         self.tokenizer = tokenizer
@@ -50,35 +94,67 @@ class ResponseFormatter:
         self.return_token_ids = return_token_ids
         self.tokens_as_ids = tokens_as_ids
         self.token_bytes = token_bytes or TokenBytes(tokenizer)
-        self.prompt_token_ids: list[int] = []
-        """Set once the prompt is tokenized (what the engine ran, truncation included)."""
+        self.echo = echo
+        self.prompt_logprobs = prompt_logprobs
+        self.drop_output = drop_output
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprob_entries: list[tuple[int, dict[int, float]]] = []
-        self.finish_reason: str | None = None
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self._role_sent = False
-        self._text_offset = 0  # text_offset of the next streamed token (completions)
+        self.choices = [_Choice(PromptEcho([]))]
+
+    def start(self, prompts: list[PromptEcho]) -> None:
+        """One choice per prompt, set once the prompts are tokenized (what the engines run,
+        truncation included)."""
+        self.choices = [_Choice(p) for p in prompts]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(c.prompt_tokens for c in self.choices)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
 
     # ------------------------------------------------------------- accumulation
-    def add(self, chunk: StreamChunk) -> tuple[list[tuple[int, dict[int, float]]], str]:
-        """Take one engine chunk; returns its logprob entries and text."""
-        ids = chunk.delta_token_ids
-        self.token_ids.extend(ids)
-        text = chunk.delta_text
-        self.text.append(text)
-        entries = [(token_id, {k: finite_logprob(v) for k, v in step.items()})
-                   for token_id, step in zip(ids, chunk.logprobs or [], strict=False)]
-        self.logprob_entries.extend(entries)
-        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
-        self.completion_tokens = chunk.completion_tokens or self.completion_tokens
+    def add(self, chunk: StreamChunk, index: int = 0) -> tuple[list[Entry], str]:
+        """Take one engine chunk of choice ``index``; returns its new logprob entries and
+        text (the echoed prompt's first, on the choice's first chunk)."""
+        choice = self.choices[index]
+        choice.prompt_tokens = chunk.prompt_tokens or choice.prompt_tokens
+        if chunk.prompt_logprobs is not None:
+            choice.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finish_reason is not None:
-            self.finish_reason = _FINISH.get(chunk.finish_reason, "stop")
+            choice.finish_reason = "length" if self.drop_output else \
+                _FINISH.get(chunk.finish_reason, "stop")
+        entries: list[Entry] = []
+        text = ""
+        if self.echo and not choice.text:
+            text = choice.prompt.text
+            if self.top_logprobs is not None:
+                entries = self._prompt_entries(choice)
+        if not self.drop_output:
+            ids = chunk.delta_token_ids
+            choice.token_ids.extend(ids)
+            text += chunk.delta_text
+            entries += [(token_id, {k: finite_logprob(v) for k, v in step.items()})
+                        for token_id, step in zip(ids, chunk.logprobs or [], strict=False)]
+            choice.completion_tokens = chunk.completion_tokens or choice.completion_tokens
+        choice.text.append(text)
+        choice.entries.extend(entries)
         return entries, text
+
+    def _prompt_entries(self, choice: _Choice) -> list[Entry]:
+        scored = choice.prompt_logprobs or []
+        entries: list[Entry] = []
+        for pos, token_id in enumerate(choice.prompt.token_ids):
+            entry = scored[pos] if pos < len(scored) else None
+            if entry is None:
+                entries.append((token_id, None))
+                continue
+            step = {t: finite_logprob(lp) for t, lp in entry.top}
+            step[token_id] = finite_logprob(entry.logprob)
+            entries.append((token_id, step))
+        return entries
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens,
@@ -98,22 +174,26 @@ class ResponseFormatter:
         ranked = sorted(step.items(), key=lambda kv: kv[1], reverse=True)
         return ranked[: self.top_logprobs or 0]
 
-    def _completion_logprobs(self, entries: list[tuple[int, dict[int, float]]],
-                             offset: int) -> dict[str, Any]:
-        tokens, token_logprobs, tops, offsets = [], [], [], []
+    def _completion_logprobs(self, entries: list[Entry], offset: int) -> dict[str, Any]:
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for token_id, step in entries:
             token = self._token(token_id)
             tokens.append(token)
-            token_logprobs.append(step.get(token_id))
-            tops.append({self._token(t): lp for t, lp in self._alternatives(step)})
+            token_logprobs.append(None if step is None else step.get(token_id))
+            tops.append(None if step is None else
+                        {self._token(t): lp for t, lp in self._alternatives(step)})
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
 
-    def _chat_logprobs(self, entries: list[tuple[int, dict[int, float]]]) -> dict[str, Any]:
+    def _chat_logprobs(self, entries: list[Entry]) -> dict[str, Any]:
         content = []
         for token_id, step in entries:
+            assert step is not None, "chat never echoes its prompt"
             token = self._token(token_id)
             content.append({
                 "token": token, "logprob": step.get(token_id),
@@ -124,71 +204,96 @@ class ResponseFormatter:
             })
         return {"content": content}
 
-    def _logprobs(self, entries: list[tuple[int, dict[int, float]]], offset: int = 0
-                  ) -> dict[str, Any] | None:
+    def _logprobs(self, entries: list[Entry], offset: int = 0) -> dict[str, Any] | None:
         if self.top_logprobs is None:
             return None
         if self.endpoint == "chat":
             return self._chat_logprobs(entries)
         return self._completion_logprobs(entries, offset)
 
+    def _vllm_prompt_logprobs(self, choice: _Choice) -> list[dict[str, Any] | None] | None:
+        """vLLM's prompt_logprobs: per position, the prompt token's and the k most likely
+        tokens' {logprob, rank, decoded_token}, keyed by token id."""
+        if self.prompt_logprobs is None:
+            return None
+        out: list[dict[str, Any] | None] = []
+        for entry in choice.prompt_logprobs or [None] * len(choice.prompt.token_ids):
+            if entry is None:
+                out.append(None)
+                continue
+            position = {str(t): {"logprob": finite_logprob(lp), "rank": rank,
+                                 "decoded_token": self._token(t)}
+                        for rank, (t, lp) in enumerate(entry.top[:self.prompt_logprobs], 1)}
+            position[str(entry.token_id)] = {"logprob": finite_logprob(entry.logprob),
+                                             "rank": entry.rank,
+                                             "decoded_token": self._token(entry.token_id)}
+            out.append(position)
+        return out
+
     # ------------------------------------------------------------------- objects
     def final(self) -> dict[str, Any]:
-        text = "".join(self.text)
-        logprobs = self._logprobs(self.logprob_entries)
-        if self.endpoint == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
-                                                              "content": text},
-                                      "logprobs": logprobs, "finish_reason": self.finish_reason}
-            kind = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs,
-                      "finish_reason": self.finish_reason}
-            kind = "text_completion"
-        response = {"id": self.id, "object": kind, "created": self.created,
-                    "model": self.model, "choices": [choice], "usage": self.usage()}
-        self._add_token_ids(response, choice, self.token_ids, first=True)
+        kind = "chat.completion" if self.endpoint == "chat" else "text_completion"
+        response: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created,
+                                    "model": self.model, "choices": []}
+        for index, choice in enumerate(self.choices):
+            text = "".join(choice.text)
+            logprobs = self._logprobs(choice.entries)
+            if self.endpoint == "chat":
+                body: dict[str, Any] = {"index": index,
+                                        "message": {"role": "assistant", "content": text},
+                                        "logprobs": logprobs,
+                                        "finish_reason": choice.finish_reason}
+            else:
+                body = {"index": index, "text": text, "logprobs": logprobs,
+                        "finish_reason": choice.finish_reason}
+            self._add_prompt_fields(response, body, choice, choice.token_ids, first=True)
+            response["choices"].append(body)
+        response["usage"] = self.usage()
         return response
 
-    def _add_token_ids(self, response: dict[str, Any], choice: dict[str, Any],
-                       token_ids: list[int], first: bool) -> None:
-        """vLLM's return_token_ids fields, where it puts them."""
-        if not self.return_token_ids:
-            return
-        choice["token_ids"] = list(token_ids)
-        if first:
-            where = response if self.endpoint == "chat" else choice
-            where["prompt_token_ids"] = list(self.prompt_token_ids)
+    def _add_prompt_fields(self, response: dict[str, Any], body: dict[str, Any],
+                           choice: _Choice, token_ids: list[int], first: bool) -> None:
+        """vLLM's return_token_ids and prompt_logprobs fields, where vLLM puts them."""
+        where = response if self.endpoint == "chat" else body
+        if self.return_token_ids:
+            body["token_ids"] = list(token_ids)
+            if first:
+                where["prompt_token_ids"] = list(choice.prompt.token_ids)
+        if self.prompt_logprobs is not None and first:
+            where["prompt_logprobs"] = self._vllm_prompt_logprobs(choice)
 
-    def stream_events(self, chunk: StreamChunk, include_usage: bool) -> list[dict[str, Any]]:
-        """The SSE payloads for one engine chunk (none when it carries nothing)."""
-        entries, text = self.add(chunk)
-        finish = self.finish_reason if chunk.finished else None
-        if (not text and not entries and finish is None and self._role_sent
-                and not (self.return_token_ids and chunk.delta_token_ids)):
+    def stream_events(self, chunk: StreamChunk, include_usage: bool, index: int = 0
+                      ) -> list[dict[str, Any]]:
+        """The SSE payloads for one engine chunk of choice ``index`` (none when it carries
+        nothing)."""
+        choice = self.choices[index]
+        entries, text = self.add(chunk, index)
+        finish = choice.finish_reason if chunk.finished else None
+        new_ids = [] if self.drop_output else chunk.delta_token_ids
+        if (not text and not entries and finish is None and choice.started
+                and not (self.return_token_ids and new_ids)):
             return []
-        first = not self._role_sent
+        first = not choice.started
+        choice.started = True
         # Offsets count token strings, as in final(), so both report the same logprobs
         # (a token's string and its share of the text differ for partial UTF-8 and skipped
         # special tokens).
-        logprobs = self._logprobs(entries, self._text_offset)
+        logprobs = self._logprobs(entries, choice.text_offset)
         if logprobs is not None and self.endpoint == "completions":
-            self._text_offset += sum(len(token) for token in logprobs["tokens"])
+            choice.text_offset += sum(len(token) for token in logprobs["tokens"])
         if self.endpoint == "chat":
-            delta: dict[str, Any] = {"content": text}
-            if not self._role_sent:
-                delta = {"role": "assistant", "content": text}
-                self._role_sent = True
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
-                                      "finish_reason": finish}
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
+                {"content": text}
+            body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
+                                    "finish_reason": finish}
             kind = "chat.completion.chunk"
         else:
-            self._role_sent = True
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            body = {"index": index, "text": text, "logprobs": logprobs,
+                    "finish_reason": finish}
             kind = "text_completion"
         event: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created,
-                                 "model": self.model, "choices": [choice]}
-        self._add_token_ids(event, choice, chunk.delta_token_ids, first)
+                                 "model": self.model, "choices": [body]}
+        self._add_prompt_fields(event, body, choice, new_ids, first)
         if include_usage:
             event["usage"] = None
         return [event]

@@ -27,6 +27,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SkipValidation,
+    StrictBool,
     StrictStr,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
@@ -46,6 +47,8 @@ SEED_LIMIT = 2**64
 MAX_PROMPT_TOKEN_IDS = 2**20
 """Longer than any context we serve: refused before the ids are looked at (the real bound
 is the context, checked once it is known)."""
+MAX_BATCH_PROMPTS = 128
+"""Most prompts in one /v1/completions batch (each becomes an engine request)."""
 MAX_MODEL_NAME = 512
 MAX_CONTENT_PARTS = 4096
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -123,6 +126,9 @@ class SamplingFields(BaseModel):
                          Field(max_length=MAX_TOKEN_LIST)] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1, lt=INT32_LIMIT)
     """Keep only the prompt's last this many tokens (after the chat template, if any)."""
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """vLLM's: each prompt token's logprob and the k most likely tokens at its position
+    (completions: on each choice; chat: on the response). Not with stream, as in vLLM."""
 
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.SHARED
     """The endpoint's table of fields accepted at their neutral value only."""
@@ -140,6 +146,13 @@ class SamplingFields(BaseModel):
                              ) -> StreamOptions | None:
         if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed with stream=true")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs is not available with stream=true")
         return value
 
     @field_validator("stop")
@@ -192,13 +205,22 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+Prompt = str | list[int]
+"""One prompt of /v1/completions: a text or its token ids."""
+
+
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions: one prompt, as text or as token ids."""
+    """POST /v1/completions: a prompt (text or token ids) or a batch of them (a list of
+    texts or of token-id lists), one choice per prompt in the batch's order."""
 
     # All checks in the validators below: pydantic's own would take another pass over a
     # list of millions of ids (on the event loop) and report every bad item.
-    prompt: Annotated[StrictStr | list[TokenId] | list[StrictStr], SkipValidation]
-    max_tokens: MaxTokens | None = 16
+    prompt: Annotated[list[Prompt], SkipValidation]
+    """Always a list of prompts once validated (a single prompt is a batch of one)."""
+    echo: StrictBool = False
+    """Return the prompt before the completion (with logprobs: its tokens' logprobs too)."""
+    max_tokens: Annotated[int, Field(ge=0, lt=INT32_LIMIT)] | None = 16
+    """0 only with echo: the prompt is scored and returned, nothing generated."""
     logprobs: int | None = Field(default=None, ge=0, le=5)
     add_special_tokens: bool = True
     """Tokenize a text prompt with the tokenizer's special tokens (e.g. BOS), as vLLM does."""
@@ -207,29 +229,59 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
-        """A text, or a list of token ids; one error for a bad list, however long."""
+        """A text, token ids, or a batch of either; one error for a bad list, however
+        long."""
         if isinstance(value, str):
-            return value
+            return [value]
         if not isinstance(value, list):
-            raise ValueError("prompt must be a string or a list of token ids")
-        if value and isinstance(value[0], str):
-            if len(value) != 1:
-                raise ValueError("one prompt per request: batch prompts are not supported")
-            return value[0]
-        if len(value) > MAX_PROMPT_TOKEN_IDS:
-            raise ValueError(f"a prompt holds at most {MAX_PROMPT_TOKEN_IDS} token ids")
-        if not set(map(type, value)) <= {int}:
-            raise ValueError("a prompt of token ids must be a list of integers")
-        if value and (min(value) < 0 or max(value) >= INT32_LIMIT):
-            raise ValueError(f"token ids must be in [0, {INT32_LIMIT})")
-        return value
+            raise ValueError("prompt must be a string, a list of token ids, or a list of "
+                             "either (a batch)")
+        if not value or isinstance(value[0], int):
+            return [_token_ids(value)]
+        if len(value) > MAX_BATCH_PROMPTS:
+            raise ValueError(f"a batch holds at most {MAX_BATCH_PROMPTS} prompts")
+        if all(isinstance(p, str) for p in value):
+            return value
+        if all(isinstance(p, list) for p in value):
+            if sum(len(p) for p in value) > MAX_PROMPT_TOKEN_IDS:
+                raise ValueError(f"a batch holds at most {MAX_PROMPT_TOKEN_IDS} token ids")
+            return [_token_ids(p) for p in value]
+        raise ValueError("a batch of prompts is a list of strings or a list of token-id lists")
 
     @field_validator("prompt")
     @classmethod
-    def _prompt_text(cls, value: str | list[int]) -> str | list[int]:
-        if not value:
+    def _prompt_text(cls, value: list[Prompt]) -> list[Prompt]:
+        if any(not p for p in value):
             raise ValueError("prompt must not be empty")
-        return valid_text(value) if isinstance(value, str) else value
+        for p in value:
+            if isinstance(p, str):
+                valid_text(p)
+        return value
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _nothing_to_generate(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens=0 needs echo=true (the prompt is all the answer)")
+        return value
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine must compute: vLLM's prompt_logprobs, or echo's logprobs."""
+        echoed = self.logprobs if self.echo else None
+        if echoed is None or self.prompt_logprobs is None:
+            return echoed if self.prompt_logprobs is None else self.prompt_logprobs
+        return max(echoed, self.prompt_logprobs)
+
+
+def _token_ids(value: list[Any]) -> list[int]:
+    """A prompt of token ids, checked in one pass (ValueError for the first bad one)."""
+    if len(value) > MAX_PROMPT_TOKEN_IDS:
+        raise ValueError(f"a prompt holds at most {MAX_PROMPT_TOKEN_IDS} token ids")
+    if not set(map(type, value)) <= {int}:
+        raise ValueError("a prompt of token ids must be a list of integers")
+    if value and (min(value) < 0 or max(value) >= INT32_LIMIT):
+        raise ValueError(f"token ids must be in [0, {INT32_LIMIT})")
+    return value
 
 
 class TextPart(BaseModel):

@@ -1,8 +1,8 @@
-"""Relaying a dispatched job's engine chunks to its client: one whole response, or SSE
-events ending with ``data: [DONE]`` (an engine failure after the stream started is an
-``error`` event carrying only this request's own error; a whole response that ends in one
-gets the status of its code, engine/protocol.py ERROR_STATUS). Every float sent is finite, as
-JSON requires.
+"""Relaying a dispatched request's engine chunks (one stream per prompt of a batch) to its
+client: one whole response, or SSE events ending with ``data: [DONE]`` (an engine failure
+after the stream started is an ``error`` event carrying only this request's own error; a
+whole response that ends in one gets the status of its code, engine/protocol.py
+ERROR_STATUS). Every float sent is finite, as JSON requires.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from fastapi.sse import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.http.errors import ApiError
-from engine.protocol import ChunkStream, EngineError, StreamChunk
+from engine.protocol import EngineError, StreamChunk
+from gateway.batch_stream import BatchStream
 from gateway.openai_format import ResponseFormatter
 from gateway.service import Gateway, Job
 
@@ -29,13 +30,13 @@ DISCONNECT_POLL_S = 0.25
 class ClosingStream(EventSourceResponse):
     """An SSE response that closes its generators and settles its claim when it ends,
     however it ends: a client that leaves while an event is being sent would otherwise
-    leave them suspended (engine request running, claim held) until garbage collection,
+    leave them suspended (engine requests running, claim held) until garbage collection,
     and a response that never started would never settle."""
 
-    def __init__(self, events: AsyncGenerator[bytes, None], stream: ChunkStream,
+    def __init__(self, events: AsyncGenerator[bytes, None], streams: BatchStream,
                  settle: Callable[[], None], headers: dict[str, str]) -> None:
         super().__init__(events, headers=headers)
-        self._closers = (events.aclose, stream.aclose)
+        self._closers = (events.aclose, streams.aclose)
         self._settle = settle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -68,39 +69,40 @@ async def next_or_disconnect(request: Request, awaitable: Any) -> Any:
             task.cancel()
 
 
-async def collect(gateway: Gateway, job: Job, stream: ChunkStream, fmt: ResponseFormatter
-                  ) -> dict[str, Any]:
-    async with contextlib.aclosing(stream):
-        timer = _Timer(gateway, job)
-        async for chunk in stream:
+async def collect(gateway: Gateway, jobs: list[Job], streams: BatchStream,
+                  fmt: ResponseFormatter) -> dict[str, Any]:
+    timer = _Timer(gateway, jobs[0])
+    async with contextlib.aclosing(aiter(streams)) as chunks:
+        async for index, chunk in chunks:
             timer.tick(chunk)
             if chunk.error is not None:
                 error = chunk.error
                 raise ApiError(error.status, error.message, code=error.code, headers=(
                     {"Retry-After": str(gateway.config.retry_after_s)}
                     if error.status in (429, 503) else None))
-            fmt.add(chunk)
-        timer.done()
+            fmt.add(chunk, index)
+    timer.done()
     return fmt.final()
 
 
-async def sse(gateway: Gateway, job: Job, stream: ChunkStream, fmt: ResponseFormatter,
+async def sse(gateway: Gateway, jobs: list[Job], streams: BatchStream, fmt: ResponseFormatter,
               include_usage: bool) -> AsyncGenerator[bytes, None]:
     status = "200"
+    job = jobs[0]
     try:
-        async with contextlib.aclosing(stream):
-            timer = _Timer(gateway, job)
-            async for chunk in stream:
+        timer = _Timer(gateway, job)
+        async with contextlib.aclosing(aiter(streams)) as chunks:
+            async for index, chunk in chunks:
                 timer.tick(chunk)
                 if chunk.error is not None:
                     status = "500"
                     yield _event({"error": _own_error(chunk.error)})
                     break
-                for event in fmt.stream_events(chunk, include_usage):
+                for event in fmt.stream_events(chunk, include_usage, index):
                     yield _event(event)
-            timer.done()
-            if include_usage and status == "200":
-                yield _event(fmt.usage_event())
+        timer.done()
+        if include_usage and status == "200":
+            yield _event(fmt.usage_event())
         yield b"data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
         status = "499"

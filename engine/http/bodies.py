@@ -20,6 +20,7 @@ class SamplingBody(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=256)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     min_tokens: int = 0

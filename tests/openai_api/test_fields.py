@@ -52,7 +52,7 @@ ACTIVE: dict[str, Any] = {
     "n": 2, "response_format": {"type": "json_object"}, "store": True, "metadata": {"k": "v"},
     "service_tier": "flex", "prompt_cache_retention": "24h", "best_of": 3,
     "use_beam_search": True, "length_penalty": 0.5, "spaces_between_special_tokens": False,
-    "prompt_logprobs": 1, "logits_processors": ["x"],
+    "logits_processors": ["x"],
     "structured_outputs": {"json": {}}, "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'",
     "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
@@ -115,7 +115,7 @@ def test_vendor_extensions_are_ignored() -> None:
 
 @pytest.mark.parametrize("endpoint, name", [("chat", "response_format"), ("chat", "tools"),
                                             ("completions", "best_of"),
-                                            ("completions", "echo")])
+                                            ("chat", "echo")])
 def test_the_server_answers_400_naming_the_field(gateway: LiveServer, client: openai.OpenAI,
                                                  base_model: str, endpoint: str,
                                                  name: str) -> None:
