@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +25,7 @@ from engine.prompt_logprobs import PromptLogprob
 from engine.request import Request, RequestOutput, RequestStatus, RequestTiming
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import GrammarCompiler
 from lora.adapter import LoraAdapter
 from lora.manager import AdapterInfo, LoraManager
 from prefix_cache.adaptive import AdaptiveConfig
@@ -95,6 +97,8 @@ class LLMEngine:
         self.last_step_idle = False
         """The last step scheduled nothing (e.g. every request waits for an adapter load)."""
         self._arrival_counter = itertools.count()
+        self._grammars: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         self.isolation = FaultIsolation()
 
     @classmethod
@@ -160,6 +164,8 @@ class LLMEngine:
         if params.bad_words and not params.bad_words_token_ids:
             params = replace(params, bad_words_token_ids=self._bad_words_ids(params.bad_words))
         self.validate(prompt_ids, params, lora)
+        grammar = None if params.structured is None else \
+            self._grammar_compiler().compile(params.structured)
         lora_identity = None
         if lora is not None:
             if self.lora is None:
@@ -176,7 +182,17 @@ class LLMEngine:
             lora_name=lora,
             extra_keys=request_extra_keys(lora=lora_identity, cache_salt=cache_salt),
             timing=RequestTiming(arrival=arrival_time or time.monotonic()),
+            grammar=grammar,
         )
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first structured request (reading the vocabulary takes a moment);
+        any thread may ask first."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_shape.vocab_size,
+                                                 self.eos_token_ids)
+            return self._grammars
 
     def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each word as the tokenizer spells it alone and after a space (as vLLM does: in a
@@ -205,6 +221,8 @@ class LLMEngine:
         self.scheduler.add(request)
         # Per-request sampling state is made here, so nothing about it can fail in a step.
         self.runner.sampler.prepare(request.request_id, params)
+        if request.grammar is not None:
+            self.runner.grammars.prepare(request.request_id, request.grammar)
         self._tracked[request.request_id] = _Tracked(
             request, IncrementalDetokenizer(self.tokenizer, params.stop,
                                             params.skip_special_tokens,
@@ -217,7 +235,7 @@ class LLMEngine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
-        self.runner.sampler.release([request_id])
+        self.runner.release([request_id])
         return self._output(self._tracked[request_id], finished_here=True)
 
     # --------------------------------------------------------------------- adapters
@@ -269,7 +287,7 @@ class LLMEngine:
     def _fail(self, request_id: str, error: str) -> RequestOutput:
         """End one request with an error (its final output carries it)."""
         self.scheduler.finish(request_id, "error")
-        self.runner.sampler.release([request_id])
+        self.runner.release([request_id])
         out = self._output(self._tracked[request_id], finished_here=True)
         out.error = error
         return out

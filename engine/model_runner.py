@@ -21,6 +21,7 @@ from engine.paged_decode import CopyBuffers
 from engine.prompt_logprobs import PromptLogprob, plan_prompt_rows, score_prompt_rows
 from engine.sampler import Sampler
 from engine.scheduler_output import SchedulerOutput
+from engine.structured_output import GrammarMatchers
 from engine.triton_attention import default_block_m, resolve_attention_backend
 from lora.layers import LoraSlots
 from lora.ops import build_lora_metadata, resolve_backend
@@ -93,6 +94,7 @@ class ModelRunner:
             for _ in range(s.num_layers)
         ] if self.num_swap_blocks else []
         self.sampler = Sampler(config.seed, device)
+        self.grammars = GrammarMatchers(config.max_num_seqs)
         self.stop_token_ids = stop_token_ids
         """The model's end-of-sequence ids (banned, with a request's own, under min_tokens)."""
         self.penalty_counts = PenaltyCounts(config.max_num_seqs, s.vocab_size, device)
@@ -117,18 +119,24 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.capture:
             self.decode_graphs.capture_all(with_lora=self.graph_lora and config.max_loras > 0)
 
+    def release(self, request_ids: list[str]) -> None:
+        """Drop the per-request sampling state (generators, grammar matchers) of requests
+        that ended."""
+        self.sampler.release(request_ids)
+        self.grammars.release(request_ids)
+
     def abandon(self, sched: SchedulerOutput) -> None:
         """A step that is not run (nothing to do) or failed (the scheduler rolls its
         requests back to recompute): forget every request it ended, preempted or scheduled,
         whether or not execute() got to apply it. Those that run again come back whole."""
-        self.sampler.release(sched.finished_request_ids)
+        self.release(sched.finished_request_ids)
         self.batch.forget(sched.finished_request_ids + sched.preempted_request_ids
                           + [c.request_id for c in sched.chunks])
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
-        self.sampler.release(sched.finished_request_ids)
+        self.release(sched.finished_request_ids)
         t0 = time.perf_counter()
         self.batch.apply(sched)
         for new in sched.new_requests:
@@ -175,8 +183,10 @@ class ModelRunner:
         rows = self.batch.row_states(ids)
         tokens, logprobs = self.sampler.sample(
             logits, ids, rows,
-            lambda raw: adjust_logits(raw, rows, self.stop_token_ids, self.penalty_counts))
+            lambda raw: self.grammars.mask(
+                adjust_logits(raw, rows, self.stop_token_ids, self.penalty_counts), raw, ids))
         self._count_penalized(rows, tokens)
+        self.grammars.accept(ids, tokens)
         for request_id, token, lp in zip(ids, tokens, logprobs, strict=True):
             self.batch.append_sampled(request_id, token)
             out.sampled[request_id] = token

@@ -123,9 +123,11 @@ class GenerateRequest:
     def to_json(self) -> dict[str, Any]:
         params = {f.name: getattr(self.params, f.name) for f in fields(SamplingParams)
                   if f.name != "n"}
+        structured = self.params.structured
         return {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
                 "params": {**params, "stop": list(self.params.stop),
-                           "stop_token_ids": list(self.params.stop_token_ids)},
+                           "stop_token_ids": list(self.params.stop_token_ids),
+                           "structured": None if structured is None else structured.to_json()},
                 "lora": self.adapter, "cache_salt": self.cache_salt,
                 "priority": self.priority, "deadline": self.deadline}
 

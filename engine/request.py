@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.prompt_logprobs import PromptLogprob
 from engine.sampling_params import SamplingParams
@@ -69,6 +70,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    grammar: Any = None
+    """Its compiled structured-output grammar (xgrammar's CompiledGrammar), if any."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutput
+
 MAX_SEED = 2**64
 """Seeds are in [0, MAX_SEED): what a torch generator accepts."""
 MAX_INT_FIELD = 2**31 - 1
@@ -74,6 +76,8 @@ class SamplingParams:
     """Words never generated; tokenized by the engine into bad_words_token_ids."""
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     """Token sequences never generated (bad_words as the engine's tokenizer spells them)."""
+    structured: StructuredOutput | None = None
+    """What the text must match (engine/structured_output.py); a dict is accepted too."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string is a common slip: accept it as one stop
@@ -87,6 +91,11 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
         object.__setattr__(self, "bad_words_token_ids",
                            tuple(tuple(word) for word in self.bad_words_token_ids))
+        if isinstance(self.structured, dict):
+            object.__setattr__(self, "structured", StructuredOutput(**self.structured))
+        if self.structured is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured outputs: the "
+                             "grammar's end is an end-of-sequence token")
         if self.top_k == -1:  # vLLM's spelling of "disabled"
             object.__setattr__(self, "top_k", 0)
         if self.n != 1:

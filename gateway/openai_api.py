@@ -201,7 +201,7 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
             top_k=max(0, body.top_k or 0),  # -1 (vLLM's "off") is the engine's 0
             seed=body.seed, stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos,
             logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
-            **body.sampling_extras())
+            structured=body.structured_output(), **body.sampling_extras())
     except ValueError as exc:  # the edge bounds every field; this is the engine's own check
         raise ApiError(400, str(exc)) from None
     request = GenerateRequest(

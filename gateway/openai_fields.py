@@ -44,14 +44,12 @@ def _off(*neutral: Any, reason: str = "") -> Unsupported:
     return Unsupported(neutral, reason or "not implemented yet")
 
 
-_NO_STRUCTURED = "structured outputs (JSON schema, regex, grammar) are not implemented yet"
 _NO_TOOLS = "tool calling is not implemented yet"
 _NO_STORE = "loragate stores no completions"
 
 SHARED: Mapping[str, Unsupported] = {
     # OpenAI
     "n": _off(1, reason="one choice per request (send several requests for several samples)"),
-    "response_format": _off({"type": "text"}, reason=_NO_STRUCTURED),
     "store": _off(False, reason=_NO_STORE),
     "metadata": _off(reason=_NO_STORE + " (metadata tags stored completions)"),
     "service_tier": _off("auto", "default", reason="one tier"),
@@ -64,13 +62,9 @@ SHARED: Mapping[str, Unsupported] = {
     "spaces_between_special_tokens": _off(True, reason="special tokens are decoded as the "
                                                        "tokenizer joins them"),
     "logits_processors": _off(reason="no custom logits processors"),
-    "structured_outputs": _off(reason=_NO_STRUCTURED),
-    "guided_json": _off(reason=_NO_STRUCTURED),
-    "guided_regex": _off(reason=_NO_STRUCTURED),
-    "guided_choice": _off(reason=_NO_STRUCTURED),
-    "guided_grammar": _off(reason=_NO_STRUCTURED),
-    "guided_decoding_backend": _off(reason=_NO_STRUCTURED),
-    "guided_whitespace_pattern": _off(reason=_NO_STRUCTURED),
+    "guided_decoding_backend": _off("auto", "xgrammar",
+                                    reason="structured outputs use xgrammar"),
+    "guided_whitespace_pattern": _off(reason="JSON follows xgrammar's whitespace rules"),
     "kv_transfer_params": _off(reason="no disaggregated prefill"),
     "vllm_xargs": _off(reason="no vLLM plugins"),
 }

@@ -8,7 +8,7 @@ names the field, with one short error per field however large the value (a huge 
 items must not become a huge error body).
 
 Fields of OpenAI's and vLLM's schemas that we do not implement (gateway/openai_fields.py)
-are accepted only at their neutral value (n=1, echo=false, penalties 0, no response_format...):
+are accepted only at their neutral value (n=1, no tools, ...):
 anything else is a 400 naming the field, never a silent difference. Fields in neither place
 are ignored, as OpenAI-compatible servers do, so clients that send vendor extensions keep
 working. Our own extras: cache_salt, priority, top_k, ignore_eos; vLLM's sampling extras as vLLM
@@ -17,6 +17,7 @@ names them (repetition_penalty, min_p, min_tokens, stop_token_ids, bad_words, ..
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
@@ -35,6 +36,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
 from gateway.openai_fields import Unsupported
 
@@ -62,6 +64,14 @@ MAX_TOKEN_LIST = 4096
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    """A JSON schema as the engine takes it (text); ValueError when it is too long."""
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    if len(text) > MAX_SPEC_CHARS:
+        raise ValueError(f"a JSON schema may have at most {MAX_SPEC_CHARS} characters")
+    return text
+
+
 def valid_text(text: str) -> str:
     """`text` unchanged, or ValueError when it holds a lone UTF-16 surrogate (JSON allows
     "\\ud800"; such a string cannot be encoded as UTF-8, so nothing downstream can use it)."""
@@ -83,6 +93,42 @@ class StreamOptions(BaseModel):
 Stop = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_LENGTH)] | Annotated[
     list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_LENGTH)]],
     Field(max_length=MAX_STOP_STRINGS)]
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema object."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[Text, Field(max_length=256)] = "response"
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs object: exactly one constraint."""
+
+    model_config = ConfigDict(extra="ignore")
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
+    choice: Annotated[list[Annotated[Text, Field(min_length=1)]],
+                      Field(min_length=1, max_length=1024)] | None = None
+    grammar: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(BaseModel):
@@ -129,6 +175,15 @@ class SamplingFields(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     """vLLM's: each prompt token's logprob and the k most likely tokens at its position
     (completions: on each choice; chat: on the response). Not with stream, as in vLLM."""
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields; at most one constraint per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
+    guided_choice: Annotated[list[Annotated[Text, Field(min_length=1)]],
+                             Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
 
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.SHARED
     """The endpoint's table of fields accepted at their neutral value only."""
@@ -194,6 +249,53 @@ class SamplingFields(BaseModel):
             "allowed_token_ids": tuple(self.allowed_token_ids or ()),
             "bad_words": tuple(self.bad_words or ()),
         }
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingFields:
+        given = [name for name, spec in self._constraints() if spec is not None]
+        if len(given) > 1:
+            raise ValueError(f"one structured output constraint per request, got "
+                             f"{', '.join(given)}")
+        return self
+
+    def _constraints(self) -> list[tuple[str, StructuredOutput | None]]:
+        """Each structured-output field and the constraint it asks for (None: none)."""
+        fmt, so = self.response_format, self.structured_outputs
+        from_format = None
+        if fmt is not None and fmt.type == "json_object":
+            from_format = StructuredOutput("json_object")
+        elif fmt is not None and fmt.json_schema is not None:
+            from_format = StructuredOutput("json", _schema_text(fmt.json_schema.schema_))
+        from_vllm = None
+        if so is not None:
+            options = [StructuredOutput("json", _schema_text(so.json_))
+                       if so.json_ is not None else None,
+                       StructuredOutput("regex", so.regex) if so.regex is not None else None,
+                       StructuredOutput("choice", choices=tuple(so.choice))
+                       if so.choice is not None else None,
+                       StructuredOutput("grammar", so.grammar)
+                       if so.grammar is not None else None,
+                       StructuredOutput("json_object") if so.json_object else None]
+            chosen = [o for o in options if o is not None]
+            if len(chosen) > 1:
+                raise ValueError("structured_outputs takes one of json, regex, choice, "
+                                 "grammar, json_object")
+            from_vllm = chosen[0] if chosen else None
+        return [
+            ("response_format", from_format), ("structured_outputs", from_vllm),
+            ("guided_json", None if self.guided_json is None else
+             StructuredOutput("json", _schema_text(self.guided_json))),
+            ("guided_regex", None if self.guided_regex is None else
+             StructuredOutput("regex", self.guided_regex)),
+            ("guided_choice", None if self.guided_choice is None else
+             StructuredOutput("choice", choices=tuple(self.guided_choice))),
+            ("guided_grammar", None if self.guided_grammar is None else
+             StructuredOutput("grammar", self.guided_grammar)),
+        ]
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The request's one structured-output constraint, if any."""
+        return next((spec for _, spec in self._constraints() if spec is not None), None)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

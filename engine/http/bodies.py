@@ -32,6 +32,16 @@ class SamplingBody(BaseModel):
     allowed_token_ids: list[int] = Field(default_factory=list, max_length=4096)
     bad_words: list[str] = Field(default_factory=list, max_length=4096)
     bad_words_token_ids: list[list[int]] = Field(default_factory=list, max_length=4096)
+    structured: StructuredBody | None = None
+
+
+class StructuredBody(BaseModel):
+    """engine/structured_output.py StructuredOutput."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: str
+    spec: str = ""
+    choices: list[str] = Field(default_factory=list, max_length=1024)
 
 
 class GenerateBody(BaseModel):

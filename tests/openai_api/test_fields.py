@@ -49,13 +49,11 @@ BASE: dict[str, dict[str, Any]] = {
 
 ACTIVE: dict[str, Any] = {
     # A value of each unsupported field that would change the answer if it were honoured.
-    "n": 2, "response_format": {"type": "json_object"}, "store": True, "metadata": {"k": "v"},
+    "n": 2, "store": True, "metadata": {"k": "v"},
     "service_tier": "flex", "prompt_cache_retention": "24h", "best_of": 3,
     "use_beam_search": True, "length_penalty": 0.5, "spaces_between_special_tokens": False,
     "logits_processors": ["x"],
-    "structured_outputs": {"json": {}}, "guided_json": {"type": "object"},
-    "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'",
-    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " ",
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "echo": True, "suffix": "end",
     "add_special_tokens": "flip",  # per endpoint: the opposite of what it does (below)
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
@@ -113,7 +111,8 @@ def test_vendor_extensions_are_ignored() -> None:
     assert "x_trace" not in request.model_dump()
 
 
-@pytest.mark.parametrize("endpoint, name", [("chat", "response_format"), ("chat", "tools"),
+@pytest.mark.parametrize("endpoint, name", [("chat", "guided_decoding_backend"),
+                                            ("chat", "tools"),
                                             ("completions", "best_of"),
                                             ("chat", "echo")])
 def test_the_server_answers_400_naming_the_field(gateway: LiveServer, client: openai.OpenAI,

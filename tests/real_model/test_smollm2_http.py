@@ -7,11 +7,18 @@ from pathlib import Path
 
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from engine.default_model import DEFAULT_MODEL_NAME
 from engine.request import RequestOutput
 from tests.live_servers import start_serve
 from tests.real_model.conftest import MAX_TOKENS, NUM_KV_BLOCKS, QUESTIONS
+
+
+class City(BaseModel):
+    name: str = Field(max_length=40)
+    country: str = Field(max_length=40)
+
 
 ASKED = 2  # of QUESTIONS: each answer is a dozen decode steps of a 30-layer model on a CPU
 
@@ -33,5 +40,11 @@ def test_serve_without_model_answers_like_the_engine(
                     messages=[{"role": "user", "content": question}])
                 choice = reply.choices[0]
                 assert (choice.message.content, choice.finish_reason) == (out.text, "stop")
+            # Structured output as the openai SDK asks for it: a pydantic model, parsed back.
+            parsed = client.chat.completions.parse(
+                model=DEFAULT_MODEL_NAME, max_tokens=80, temperature=0, response_format=City,
+                messages=[{"role": "user", "content": "Name the capital of France as JSON."}])
+            city = parsed.choices[0].message.parsed
+            assert isinstance(city, City) and parsed.choices[0].finish_reason == "stop"
     finally:
         assert server.stop() == 0, server.log()[-3000:]

@@ -1,0 +1,146 @@
+"""Structured outputs: the generated text is held to a JSON schema, any JSON object, a
+regular expression, one of fixed choices, or an EBNF grammar, by masking at every step the
+tokens that cannot continue a valid text (xgrammar: grammars compiled against the
+tokenizer's vocabulary once and cached, a matcher per request, token bitmasks applied to
+the batch's logits).
+
+The spec is validated and compiled when the request is made (an invalid schema is the
+caller's error, before the request enters the engine); the matcher advances with each
+sampled token and lives until the request finishes, so a request preempted and recomputed
+keeps its place in the grammar. The grammar's end is an end-of-sequence token, which ends
+the request as any other would.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+COMPILED_CACHE = 256
+"""Distinct specs kept compiled (RAG and tool traffic repeats a handful of schemas)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the generated text must match. ``kind``: "json" (``spec`` a JSON schema, as
+    text), "json_object" (any JSON object), "regex" (``spec``), "choice" (exactly one of
+    ``choices``) or "grammar" (``spec`` in xgrammar's EBNF, GBNF-style)."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, got "
+                             f"{self.kind!r}")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_SPEC_CHARS:
+            raise ValueError(f"a structured output spec is a string of at most "
+                             f"{MAX_SPEC_CHARS} characters")
+        if self.kind in ("json", "regex", "grammar") and not self.spec:
+            raise ValueError(f"structured output {self.kind!r} needs its spec")
+        if self.kind == "choice" and (
+                not self.choices or len(self.choices) > MAX_CHOICES
+                or any(not isinstance(c, str) or not c for c in self.choices)):
+            raise ValueError(f"a choice needs 1 to {MAX_CHOICES} non-empty strings")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "spec": self.spec, "choices": list(self.choices)}
+
+
+def _choice_grammar(choices: Iterable[str]) -> str:
+    # JSON string literals are valid EBNF string literals in xgrammar (same escapes).
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputs for one tokenizer (thread-safe: requests are made on
+    other threads than the engine's)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        import xgrammar
+
+        self._xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
+        self.vocab_size = vocab_size
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self.compile = lru_cache(maxsize=COMPILED_CACHE)(self._compile)
+
+    def _compile(self, spec: StructuredOutput) -> Any:
+        """The compiled grammar; ValueError naming what is wrong with the spec."""
+        try:
+            if spec.kind == "json":
+                json.loads(spec.spec)  # a clear error for text that is not JSON at all
+                return self._compiler.compile_json_schema(spec.spec)
+            if spec.kind == "json_object":  # an object, not any JSON value (OpenAI's)
+                return self._compiler.compile_json_schema('{"type": "object"}')
+            if spec.kind == "regex":
+                return self._compiler.compile_regex(spec.spec)
+            if spec.kind == "choice":
+                return self._compiler.compile_grammar(_choice_grammar(spec.choices))
+            return self._compiler.compile_grammar(spec.spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the JSON schema is not valid JSON: {exc.msg}") from None
+        except (RuntimeError, ValueError) as exc:  # xgrammar reports bad specs so
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "invalid"
+            raise ValueError(f"invalid {spec.kind} for structured output: {first}") from None
+
+
+class GrammarMatchers:
+    """The runner's matchers, one per running request that has a grammar, and the bitmask
+    buffer of a step."""
+
+    def __init__(self, max_rows: int) -> None:
+        self._matchers: dict[str, Any] = {}
+        self._max_rows = max_rows
+        self._bitmask: torch.Tensor | None = None
+
+    def prepare(self, request_id: str, compiled: Any) -> None:
+        import xgrammar
+
+        self._matchers[request_id] = xgrammar.GrammarMatcher(compiled)
+        if self._bitmask is None:
+            self._bitmask = xgrammar.allocate_token_bitmask(
+                self._max_rows, compiled.tokenizer_info.vocab_size)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._matchers.pop(request_id, None)
+
+    def mask(self, logits: torch.Tensor, raw: torch.Tensor, request_ids: list[str]
+             ) -> torch.Tensor:
+        """``logits`` [N, V] (already adjusted) with the grammar-forbidden tokens of each
+        constrained row set to -inf; a copy when ``logits`` is ``raw`` (whose values the
+        logprobs report)."""
+        rows = [i for i, r in enumerate(request_ids) if r in self._matchers]
+        if not rows:
+            return logits
+        import xgrammar
+
+        assert self._bitmask is not None
+        if logits is raw:
+            logits = logits.clone()
+        for i in rows:
+            self._matchers[request_ids[i]].fill_next_token_bitmask(self._bitmask, i)
+        xgrammar.apply_token_bitmask_inplace(logits, self._bitmask[:len(request_ids)].to(
+            logits.device), indices=rows)
+        return logits
+
+    def accept(self, request_ids: list[str], tokens: list[int]) -> None:
+        for request_id, token in zip(request_ids, tokens, strict=True):
+            matcher = self._matchers.get(request_id)
+            if matcher is not None and not matcher.is_terminated() \
+                    and not matcher.accept_token(token):
+                log.warning("request %s: token %d is outside its grammar", request_id, token)

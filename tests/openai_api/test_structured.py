@@ -1,0 +1,109 @@
+"""Structured outputs through the live gateway and engine (the tiny random model: whatever
+it prefers, the grammar decides what may come out): choices, regular expressions, JSON
+objects and schemas, EBNF grammars, in every spelling a client may use (OpenAI's
+response_format, vLLM's structured_outputs and guided_*), streamed or not, and clear 400s
+for specs that are wrong or conflict."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.live_servers import LiveServer
+from tests.openai_api.helpers import MESSAGES
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"], "additionalProperties": False}
+
+
+def _chat(client: openai.OpenAI, base_model: str, **extra: Any) -> tuple[str, str]:
+    reply = client.chat.completions.create(model=base_model, messages=MESSAGES, max_tokens=60,
+                                           temperature=0.7, seed=7, extra_body=extra)
+    choice = reply.choices[0]
+    return choice.message.content or "", choice.finish_reason
+
+
+@pytest.mark.parametrize("extra", [
+    {"guided_choice": ["alpha", "beta", "gamma"]},
+    {"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}},
+])
+def test_a_choice_is_one_of_the_choices(client: openai.OpenAI, base_model: str,
+                                        extra: dict[str, Any]) -> None:
+    for _ in range(3):
+        text, finish = _chat(client, base_model, **extra)
+        assert (text, finish) in {("alpha", "stop"), ("beta", "stop"), ("gamma", "stop")}
+
+
+def test_a_regex_is_matched_whole(client: openai.OpenAI, base_model: str) -> None:
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    done = client.completions.create(model=base_model, prompt="code:", max_tokens=20,
+                                     temperature=1.0, seed=3,
+                                     extra_body={"guided_regex": pattern})
+    assert re.fullmatch(pattern, done.choices[0].text)
+    assert done.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "json_schema",
+                         "json_schema": {"name": "c", "schema": SCHEMA, "strict": True}}},
+    {"guided_json": SCHEMA},
+    {"structured_outputs": {"json": json.dumps(SCHEMA)}},
+])
+def test_json_matches_its_schema(client: openai.OpenAI, base_model: str,
+                                 extra: dict[str, Any]) -> None:
+    text, finish = _chat(client, base_model, **extra)
+    if finish == "stop":  # "length": the random model filled max_tokens with whitespace
+        value = json.loads(text)
+        assert set(value) == {"color", "ok"} and value["color"] in ("red", "green", "blue")
+        assert isinstance(value["ok"], bool)
+    else:
+        assert text.lstrip().startswith("{")
+
+
+def test_a_grammar_and_a_streamed_constraint(client: openai.OpenAI, base_model: str) -> None:
+    grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    text, finish = _chat(client, base_model, guided_grammar=grammar)
+    assert re.fullmatch(r"yes|no|maybe [0-9]", text) and finish == "stop"
+    streamed = client.chat.completions.create(
+        model=base_model, messages=MESSAGES, max_tokens=20, stream=True,
+        extra_body={"structured_outputs": {"regex": "[A-Z][a-z]{1,5}!"}})
+    whole = "".join(e.choices[0].delta.content or "" for e in streamed if e.choices)
+    assert re.fullmatch("[A-Z][a-z]{1,5}!", whole)
+
+
+def test_json_object_is_an_object(client: openai.OpenAI, base_model: str) -> None:
+    text, finish = _chat(client, base_model, response_format={"type": "json_object"})
+    assert text.lstrip().startswith("{")
+    if finish == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("body", [
+    {"guided_regex": "([a-z"},                                     # not a regex
+    {"guided_json": "{not json"},                                  # not JSON
+    {"guided_grammar": "root ::= undefined_rule"},                 # not a grammar
+    {"guided_choice": []},
+    {"guided_regex": "a+", "guided_choice": ["a"]},                # two constraints
+    {"structured_outputs": {"regex": "a+", "choice": ["a"]}},
+    {"response_format": {"type": "json_schema"}},                  # no schema
+    {"guided_regex": "a+", "ignore_eos": True},                    # never ends
+])
+def test_bad_structured_output_requests_are_400(gateway: LiveServer, base_model: str,
+                                                body: dict[str, Any]) -> None:
+    answer = httpx.post(gateway.url + "/v1/chat/completions", timeout=30.0, json={
+        "model": base_model, "messages": MESSAGES, "max_tokens": 4, **body})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_xgrammar_backend_name_is_accepted(client: openai.OpenAI, base_model: str) -> None:
+    text, _ = _chat(client, base_model, guided_choice=["x", "y"],
+                    guided_decoding_backend="xgrammar")
+    assert text in ("x", "y")

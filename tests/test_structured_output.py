@@ -1,0 +1,75 @@
+"""Structured outputs in the engine: the grammar holds through preemption (recompute and
+swap: a matcher keeps its place while its request waits), across requests with and without
+a constraint in one batch, and the spec is checked before the request is admitted."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
+
+PATTERN = r"[a-z]{20,40}\.[0-9]{2,5}"
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_the_grammar_holds_through_preemption(tiny_model_dir: Path,
+                                              preemption_mode: str) -> None:
+    # 12 blocks of 16 for 12 requests of ~70-token prompts plus their outputs: preemption.
+    engine = LLMEngine.from_model(
+        str(tiny_model_dir), num_kv_blocks=12, block_size=16, max_num_batched_tokens=64,
+        max_num_seqs=12, preemption_mode=preemption_mode, swap_space_bytes=1 << 20)
+    rng = random.Random(5)
+    constrained = StructuredOutput("regex", PATTERN)
+    for i in range(12):
+        prompt = [rng.randrange(5, 500) for _ in range(rng.randint(40, 70))]
+        engine.add_request(f"r{i}", prompt, SamplingParams(
+            max_tokens=60, temperature=1.0, seed=i,
+            structured=constrained if i % 3 else None))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert engine.stats().num_preemptions > 0
+    for i in range(12):
+        out = finished[f"r{i}"]
+        if i % 3:
+            assert re.fullmatch(PATTERN, out.text), out.text
+            assert out.finish_reason == "stop"
+    engine.step()  # the runner hears of the last finished requests in the next step
+    assert not engine.runner.grammars._matchers  # every matcher released
+
+
+def test_a_bad_spec_is_refused_before_admission(tiny_model_dir: Path) -> None:
+    engine = LLMEngine.from_model(str(tiny_model_dir), num_kv_blocks=8)
+    for spec in (StructuredOutput("regex", "(unclosed"), StructuredOutput("json", "{x"),
+                 StructuredOutput("grammar", "root ::= missing")):
+        with pytest.raises(ValueError, match=r"structured output|JSON schema"):
+            engine.make_request("r", [5, 6, 7], SamplingParams(structured=spec))
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"kind": "xml"}, "kind"), ({"kind": "json"}, "needs its spec"),
+    ({"kind": "choice"}, "choice"), ({"kind": "choice", "choices": ("a", "")}, "choice"),
+    ({"kind": "regex", "spec": "a" * 70000}, "at most"),
+])
+def test_structured_output_is_validated(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StructuredOutput(**kwargs)  # type: ignore[arg-type]
+
+
+def test_structured_output_with_ignore_eos_is_refused() -> None:
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured=StructuredOutput("regex", "a+"))
+    params = SamplingParams(structured={"kind": "choice",  # type: ignore[arg-type]
+                                        "choices": ["a"]})
+    assert params.structured == StructuredOutput("choice", choices=("a",))
+    assert json.loads(json.dumps(params.structured.to_json()))["choices"] == ["a"]
