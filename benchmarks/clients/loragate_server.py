@@ -1,0 +1,122 @@
+"""A `loragate serve` subprocess for a client benchmark: started on a free loopback port, ready
+once GET /health answers 200, and always stopped (its whole process group) on the way out.
+
+The server runs exactly as a user starts it, in its own process and session, so the client
+under test (lm-eval) talks to it over real HTTP like to any OpenAI-compatible server. Its
+state lives in memory only (``--state-path ""``): no tenant from an earlier gateway on this
+machine can turn the open mode off, and the admin key (a fresh random one) is what the
+client sends as its API key, which the gateway accepts as the operator's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 300.0  # first start on a new machine compiles the CPU kernels (~30 s)
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Server:
+    """A running server: where to reach it, and the key to reach it with."""
+
+    base_url: str
+    api_key: str
+    model_name: str
+    log_path: Path
+    startup_s: float
+
+    def log_size(self) -> int:
+        """Bytes of the server's log so far: a mark for ``completions_by_status``."""
+        return self.log_path.stat().st_size
+
+    def completions_by_status(self, since: int) -> dict[str, int]:
+        """{HTTP status: count} of the POST /v1/completions the access log recorded after the
+        mark ``since`` (one line per request, written when it ends)."""
+        with self.log_path.open("rb") as log:
+            log.seek(since)
+            lines = log.read().decode(errors="replace").splitlines()
+        counts: dict[str, int] = {}
+        for line in lines:
+            _, found, rest = line.partition("POST /v1/completions ")
+            if found:
+                status = rest.split(" ", 1)[0]
+                counts[status] = counts.get(status, 0) + 1
+        return counts
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (the server binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def serve_command(model_dir: Path, port: int, api_key: str, model_name: str) -> list[str]:
+    """`loragate serve` for one in-process engine computing in float32, the dtype of the
+    transformers reference the check compares against."""
+    return [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--served-model-name", model_name, "--admin-key", api_key, "--state-path", ""]
+
+
+def wait_ready(process: subprocess.Popen[bytes], url: str, log_path: Path,
+               timeout_s: float) -> float:
+    """Seconds until GET /health answers 200; RuntimeError if the server exits or times out."""
+    start = time.monotonic()
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() - start < timeout_s:
+            if process.poll() is not None:
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+                raise RuntimeError(f"loragate exited with {process.returncode}; "
+                                   f"{log_path}:\n{tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(url + "/health").status_code == 200:
+                    return time.monotonic() - start
+            time.sleep(0.5)  # polling a process we do not control: nothing to wait on
+    raise RuntimeError(f"loragate at {url} not ready after {timeout_s:g} s; see {log_path}")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's process group, SIGKILL if it outlives STOP_TIMEOUT_S."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    with contextlib.suppress(ProcessLookupError):  # children that outlived their parent
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def running_server(model_dir: Path, model_name: str, log_path: Path,
+                   env: dict[str, str]) -> Iterator[Server]:
+    """A ready server on a free port for the duration of the block, stopped afterwards even
+    when the block (or the start-up) raises."""
+    port, api_key = free_port(), secrets.token_urlsafe(24)
+    repo_root = Path(__file__).resolve().parents[2]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(serve_command(model_dir, port, api_key, model_name),
+                                   stdout=log, stderr=subprocess.STDOUT,
+                                   env={**env, "PYTHONUNBUFFERED": "1"},
+                                   cwd=repo_root, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        startup_s = wait_ready(process, url, log_path, STARTUP_TIMEOUT_S)
+        yield Server(url, api_key, model_name, log_path, startup_s)
+    finally:
+        stop(process)
