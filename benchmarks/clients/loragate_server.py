@@ -11,18 +11,15 @@ client sends as its API key, which the gateway accepts as the operator's.
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from benchmarks.peers.serving import stop_server, wait_healthy
+from gateway.serve import free_port
 
 STARTUP_TIMEOUT_S = 300.0  # first start on a new machine compiles the CPU kernels (~30 s)
 STOP_TIMEOUT_S = 30.0
@@ -57,49 +54,12 @@ class Server:
         return counts
 
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (the server binds it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def serve_command(model_dir: Path, port: int, api_key: str, model_name: str) -> list[str]:
     """`loragate serve` for one in-process engine computing in float32, the dtype of the
     transformers reference the check compares against."""
     return [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--served-model-name", model_name, "--admin-key", api_key, "--state-path", ""]
-
-
-def wait_ready(process: subprocess.Popen[bytes], url: str, log_path: Path,
-               timeout_s: float) -> float:
-    """Seconds until GET /health answers 200; RuntimeError if the server exits or times out."""
-    start = time.monotonic()
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() - start < timeout_s:
-            if process.poll() is not None:
-                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-                raise RuntimeError(f"loragate exited with {process.returncode}; "
-                                   f"{log_path}:\n{tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(url + "/health").status_code == 200:
-                    return time.monotonic() - start
-            time.sleep(0.5)  # polling a process we do not control: nothing to wait on
-    raise RuntimeError(f"loragate at {url} not ready after {timeout_s:g} s; see {log_path}")
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to the server's process group, SIGKILL if it outlives STOP_TIMEOUT_S."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    with contextlib.suppress(ProcessLookupError):  # children that outlived their parent
-        os.killpg(process.pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -116,7 +76,7 @@ def running_server(model_dir: Path, model_name: str, log_path: Path,
                                    cwd=repo_root, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        startup_s = wait_ready(process, url, log_path, STARTUP_TIMEOUT_S)
+        startup_s = wait_healthy(process, url, log_path, STARTUP_TIMEOUT_S)
         yield Server(url, api_key, model_name, log_path, startup_s)
     finally:
-        stop(process)
+        stop_server(process, STOP_TIMEOUT_S)

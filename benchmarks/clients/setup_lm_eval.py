@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.peers.setup_venv import run_plan
+
 LM_EVAL_VERSION = "0.4.9"
 PACKAGE = f"lm-eval[api]=={LM_EVAL_VERSION}"
 CONSTRAINTS = ("torch==2.13.0",  # the local CPU build, not the CUDA wheels
@@ -69,11 +71,7 @@ def ensure_venv(venv: Path = DEFAULT_VENV) -> Path:
     with tempfile.TemporaryDirectory(prefix="lm-eval-constraints-") as tmp:
         constraints = Path(tmp) / "constraints.txt"
         constraints.write_text("\n".join(CONSTRAINTS) + "\n")
-        for command in install_plan(venv, constraints):
-            if command[1:3] == ["-m", "venv"] and (venv / "bin" / "python").exists():
-                continue
-            print("+ " + " ".join(command), flush=True)
-            subprocess.run(command, check=True)
+        run_plan(venv, install_plan(venv, constraints))
     if installed_version(venv) != LM_EVAL_VERSION:
         raise SystemExit(f"lm-eval {LM_EVAL_VERSION} does not import from {venv} after "
                          f"installing")

@@ -70,6 +70,16 @@ def install_plan(venv: Path, device: Device) -> list[list[str]]:
     return [*plan, [*pip, "install", CPU_PACKAGE], [*pip, "uninstall", "-y", *CPU_CONFLICTS]]
 
 
+def run_plan(venv: Path, commands: list[list[str]]) -> None:
+    """Run install commands in order, echoing each; creating the venv is skipped when it
+    exists (a half-made venv is completed, not recreated)."""
+    for command in commands:
+        if command[1:3] == ["-m", "venv"] and (venv / "bin" / "python").exists():
+            continue
+        print("+ " + " ".join(command), flush=True)
+        subprocess.run(command, check=True)
+
+
 def ensure_venv(venv: Path, device: Device | None = None) -> Path:
     """The venv path, after creating it if it does not already hold vLLM VLLM_VERSION."""
     found = installed_version(venv)
@@ -80,11 +90,7 @@ def ensure_venv(venv: Path, device: Device | None = None) -> Path:
         print(f"{venv} holds vLLM {found}; installing {VLLM_VERSION} over it", flush=True)
     chosen = device or detect_device()
     venv.parent.mkdir(parents=True, exist_ok=True)
-    for command in install_plan(venv, chosen):
-        if command[1:3] == ["-m", "venv"] and (venv / "bin" / "python").exists():
-            continue
-        print("+ " + " ".join(command), flush=True)
-        subprocess.run(command, check=True)
+    run_plan(venv, install_plan(venv, chosen))
     if installed_version(venv) != VLLM_VERSION:
         raise SystemExit(f"vLLM {VLLM_VERSION} does not import from {venv} after installing")
     print(f"vLLM {VLLM_VERSION} ({chosen}) ready in {venv}", flush=True)
