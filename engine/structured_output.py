@@ -39,6 +39,9 @@ class StructuredOutput:
     kind: str
     spec: str = ""
     choices: tuple[str, ...] = field(default_factory=tuple)
+    any_whitespace: bool = True
+    """JSON kinds: whitespace between tokens as JSON allows; False: compact JSON only (a
+    small model can otherwise spend its whole budget on whitespace)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(self.choices))
@@ -56,7 +59,8 @@ class StructuredOutput:
             raise ValueError(f"a choice needs 1 to {MAX_CHOICES} non-empty strings")
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "spec": self.spec, "choices": list(self.choices)}
+        return {"kind": self.kind, "spec": self.spec, "choices": list(self.choices),
+                "any_whitespace": self.any_whitespace}
 
 
 def _choice_grammar(choices: Iterable[str]) -> str:
@@ -81,11 +85,12 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutput) -> Any:
         """The compiled grammar; ValueError naming what is wrong with the spec."""
         try:
-            if spec.kind == "json":
-                json.loads(spec.spec)  # a clear error for text that is not JSON at all
-                return self._compiler.compile_json_schema(spec.spec)
-            if spec.kind == "json_object":  # an object, not any JSON value (OpenAI's)
-                return self._compiler.compile_json_schema('{"type": "object"}')
+            if spec.kind in ("json", "json_object"):
+                # json_object: an object, not any JSON value (OpenAI's meaning).
+                schema = spec.spec if spec.kind == "json" else '{"type": "object"}'
+                json.loads(schema)  # a clear error for text that is not JSON at all
+                return self._compiler.compile_json_schema(
+                    schema, any_whitespace=spec.any_whitespace)
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.spec)
             if spec.kind == "choice":

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from engine.http.errors import ApiError
@@ -24,10 +24,13 @@ from gateway.caller import Caller
 from gateway.openai_protocol import (
     MAX_MODEL_NAME,
     MAX_PROMPT_TOKEN_IDS,
+    MAX_TOOLS,
     ChatCompletionRequest,
     ChatMessage,
+    NamedToolChoice,
     Text,
     TokenId,
+    ToolDefinition,
 )
 from gateway.prompts import PromptEncoder
 from gateway.service import Gateway
@@ -45,6 +48,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     """Only True: the template ends with the assistant's turn opened, as in chat requests."""
     return_token_strs: bool = False
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    """With messages: the tools a chat request offers (rendered as it renders them)."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -98,9 +104,13 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
             PromptEncoder.check_chars(len(body.prompt), context, "prompt")
             ids = await prompts.encode_prompt(body.prompt)
         else:
-            chat = ChatCompletionRequest(model=body.model, messages=body.messages or [])
+            try:
+                chat = ChatCompletionRequest(model=body.model, messages=body.messages or [],
+                                             tools=body.tools, tool_choice=body.tool_choice)
+            except ValidationError as exc:  # tools and tool_choice that do not agree
+                raise ApiError(400, exc.errors()[0]["msg"], param="tool_choice") from None
             PromptEncoder.check_chars(chat.prompt_chars(), context, "messages")
-            ids = await prompts.encode_chat(chat.template_messages())
+            ids = await prompts.encode_chat_request(chat)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": context, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)

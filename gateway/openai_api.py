@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.http.errors import ApiError
 from engine.protocol import ChunkStream, GenerateRequest
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 from gateway.access_log import AccessRecord, record_of
 from gateway.auth import Principal
 from gateway.batch_stream import BatchStream
@@ -80,7 +81,7 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                                 drop_output=body.max_tokens == 0)
         call = _Call(body, request, principal, "completions",
                      body.max_tokens or (1 if body.max_tokens == 0 else None), "max_tokens",
-                     body.logprobs, body.engine_prompt_logprobs())
+                     body.logprobs, body.engine_prompt_logprobs(), body.structured_output())
         return await _serve(get_gateway(), call, encode, fmt)
 
     @router.post("/v1/chat/completions")
@@ -89,8 +90,7 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
         async def encode(context: int) -> list[PromptEcho]:
             if body.truncate_prompt_tokens is None:
                 PromptEncoder.check_chars(body.prompt_chars(), context, "messages")
-            ids = await prompts_encoder.encode_chat(body.template_messages(),
-                                                    body.template_options())
+            ids = await prompts_encoder.encode_chat_request(body)
             if body.truncate_prompt_tokens is not None:
                 ids = ids[-body.truncate_prompt_tokens:]
             return [PromptEcho(ids)]
@@ -98,10 +98,10 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
         top = (body.top_logprobs or 0) if body.logprobs else None
         fmt = ResponseFormatter("chat", body.model, tokenizer, top, body.return_token_ids,
                                 body.return_tokens_as_token_ids, token_bytes,
-                                prompt_logprobs=body.prompt_logprobs)
+                                prompt_logprobs=body.prompt_logprobs, tools=body.tool_plan())
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         call = _Call(body, request, principal, "chat", body.requested_max_tokens(), param, top,
-                     body.prompt_logprobs)
+                     body.prompt_logprobs, body.structured_constraint())
         return await _serve(get_gateway(), call, encode, fmt)
 
     return router
@@ -119,6 +119,7 @@ class _Call:
     max_tokens_param: str
     logprobs: int | None
     prompt_logprobs: int | None = None
+    constraint: StructuredOutput | None = None
 
 
 async def _serve(gateway: Gateway, req: _Call,
@@ -201,7 +202,7 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
             top_k=max(0, body.top_k or 0),  # -1 (vLLM's "off") is the engine's 0
             seed=body.seed, stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos,
             logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
-            structured=body.structured_output(), **body.sampling_extras())
+            structured=req.constraint, **body.sampling_extras())
     except ValueError as exc:  # the edge bounds every field; this is the engine's own check
         raise ApiError(400, str(exc)) from None
     request = GenerateRequest(

@@ -44,7 +44,7 @@ def _off(*neutral: Any, reason: str = "") -> Unsupported:
     return Unsupported(neutral, reason or "not implemented yet")
 
 
-_NO_TOOLS = "tool calling is not implemented yet"
+_NO_TOOLS = "the legacy functions API: use tools and tool_choice"
 _NO_STORE = "loragate stores no completions"
 
 SHARED: Mapping[str, Unsupported] = {
@@ -78,9 +78,6 @@ COMPLETIONS: Mapping[str, Unsupported] = {
 
 CHAT: Mapping[str, Unsupported] = {
     **SHARED,
-    "tools": _off(reason=_NO_TOOLS),
-    "tool_choice": _off("none", reason=_NO_TOOLS),
-    "parallel_tool_calls": _off(reason=_NO_TOOLS + " (OpenAI refuses it without tools too)"),
     "functions": _off(reason=_NO_TOOLS),
     "function_call": _off("none", reason=_NO_TOOLS),
     "audio": _off(reason="text only"),

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.prompt_logprobs import PromptLogprob
 from engine.protocol import StreamChunk
 from gateway.token_bytes import TokenBytes
+from gateway.tool_calls import ToolPlan
 
 Endpoint = Literal["completions", "chat"]
 # Engine finish reasons -> OpenAI's ("abort" and "error" never reach a successful response).
@@ -64,6 +65,8 @@ class _Choice:
     """Its first event was built (the role, the echoed prompt and the prompt's ids)."""
     text_offset: int = 0
     """text_offset of its next streamed token (completions)."""
+    content_sent: int = 0
+    """Characters of its text streamed as content (chat with tools holds calls back)."""
 
 
 class ResponseFormatter:
@@ -86,7 +89,7 @@ class ResponseFormatter:
                  top_logprobs: int | None, return_token_ids: bool = False,
                  tokens_as_ids: bool = False, token_bytes: TokenBytes | None = None,
                  echo: bool = False, prompt_logprobs: int | None = None,
-                 drop_output: bool = False) -> None:
+                 drop_output: bool = False, tools: ToolPlan | None = None) -> None:
         self.endpoint = endpoint
         self.model = model
         self.tokenizer = tokenizer
@@ -97,6 +100,8 @@ class ResponseFormatter:
         self.echo = echo
         self.prompt_logprobs = prompt_logprobs
         self.drop_output = drop_output
+        self.tools = tools if tools is not None and tools.active else None
+        """Chat with tools the model may call: its text is parsed for calls."""
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -239,10 +244,14 @@ class ResponseFormatter:
             text = "".join(choice.text)
             logprobs = self._logprobs(choice.entries)
             if self.endpoint == "chat":
-                body: dict[str, Any] = {"index": index,
-                                        "message": {"role": "assistant", "content": text},
+                content, calls = self._calls(choice, text)
+                message: dict[str, Any] = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = calls
+                body: dict[str, Any] = {"index": index, "message": message,
                                         "logprobs": logprobs,
-                                        "finish_reason": choice.finish_reason}
+                                        "finish_reason": "tool_calls" if calls else
+                                        choice.finish_reason}
             else:
                 body = {"index": index, "text": text, "logprobs": logprobs,
                         "finish_reason": choice.finish_reason}
@@ -250,6 +259,32 @@ class ResponseFormatter:
             response["choices"].append(body)
         response["usage"] = self.usage()
         return response
+
+    def _calls(self, choice: _Choice, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool_calls) of a finished chat choice; calls only from an output that
+        ended by itself (one cut at max_tokens is content)."""
+        if self.tools is None or choice.finish_reason != "stop":
+            return text, []
+        return self.tools.parse(text)
+
+    def _content_delta(self, choice: _Choice, finished: bool
+                       ) -> tuple[str, list[dict[str, Any]]]:
+        """Chat with tools: the content that may be streamed now and, at the end, the
+        calls (as stream deltas)."""
+        assert self.tools is not None
+        text = "".join(choice.text)
+        if not finished:
+            upto = max(choice.content_sent, self.tools.streamable_prefix(text))
+            delta, choice.content_sent = text[choice.content_sent:upto], upto
+            return delta, []
+        content, calls = self._calls(choice, text)
+        if not calls:
+            rest = text[choice.content_sent:]
+        else:  # the content is the text outside the calls, of which a prefix was sent
+            rest = "" if content is None else self.tools.outside_calls(text)[
+                choice.content_sent:].rstrip()
+        choice.content_sent = len(text)
+        return rest, [{"index": i, **call} for i, call in enumerate(calls)]
 
     def _add_prompt_fields(self, response: dict[str, Any], body: dict[str, Any],
                            choice: _Choice, token_ids: list[int], first: bool) -> None:
@@ -282,8 +317,14 @@ class ResponseFormatter:
         if logprobs is not None and self.endpoint == "completions":
             choice.text_offset += sum(len(token) for token in logprobs["tokens"])
         if self.endpoint == "chat":
+            calls: list[dict[str, Any]] = []
+            if self.tools is not None:
+                text, calls = self._content_delta(choice, finish is not None)
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
                 {"content": text}
+            if calls:
+                delta["tool_calls"] = calls
+                finish = "tool_calls"
             body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": finish}
             kind = "chat.completion.chunk"

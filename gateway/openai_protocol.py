@@ -39,6 +39,7 @@ from pydantic import (
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
 from gateway.openai_fields import Unsupported
+from gateway.tool_calls import CLOSE_TAG, OPEN_TAG, Function, ToolPlan
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -62,6 +63,14 @@ the prompt is built or tokenized, not what the template renders."""
 MAX_TOKEN_LIST = 4096
 """Most entries of logit_bias, allowed_token_ids, bad_words, stop_token_ids."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as templates take them: the object, or the text if not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _schema_text(schema: dict[str, Any] | str) -> str:
@@ -129,6 +138,8 @@ class StructuredOutputs(BaseModel):
                       Field(min_length=1, max_length=1024)] | None = None
     grammar: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    """JSON kinds: compact JSON only (no whitespace between tokens)."""
 
 
 class SamplingFields(BaseModel):
@@ -268,14 +279,17 @@ class SamplingFields(BaseModel):
             from_format = StructuredOutput("json", _schema_text(fmt.json_schema.schema_))
         from_vllm = None
         if so is not None:
-            options = [StructuredOutput("json", _schema_text(so.json_))
+            compact = so.disable_any_whitespace
+            options = [StructuredOutput("json", _schema_text(so.json_),
+                                        any_whitespace=not compact)
                        if so.json_ is not None else None,
                        StructuredOutput("regex", so.regex) if so.regex is not None else None,
                        StructuredOutput("choice", choices=tuple(so.choice))
                        if so.choice is not None else None,
                        StructuredOutput("grammar", so.grammar)
                        if so.grammar is not None else None,
-                       StructuredOutput("json_object") if so.json_object else None]
+                       StructuredOutput("json_object", any_whitespace=not compact)
+                       if so.json_object else None]
             chosen = [o for o in options if o is not None]
             if len(chosen) > 1:
                 raise ValueError("structured_outputs takes one of json, regex, choice, "
@@ -392,12 +406,61 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+ToolName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+MAX_TOOLS = 128
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: ToolName
+    arguments: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)]
+    """A JSON object, as text (OpenAI's encoding)."""
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant message made (in the history the client sends back)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: Annotated[Text, Field(max_length=256)] = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: ToolName
+    description: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: ToolName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None \
         = None
     name: Text | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    """An assistant message's calls."""
+    tool_call_id: Annotated[Text, Field(max_length=256)] | None = None
+    """A tool message's answer to this call."""
 
     @field_validator("content")
     @classmethod
@@ -428,7 +491,32 @@ class ChatCompletionRequest(SamplingFields):
     """Render the last (assistant) message open-ended, so the model continues it."""
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
     """Extra variables for the model's chat template (e.g. enable_thinking)."""
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    """False: at most one call per answer (enforced when tool_choice is required)."""
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.CHAT
+
+    @model_validator(mode="after")
+    def _tools_consistent(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not "
+                             f"among the tools")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        plan = self.tool_plan()
+        if plan.constraint() is not None and self.structured_output() is not None:
+            raise ValueError("a forced tool call cannot be combined with another structured "
+                             "output constraint")
+        return self
+
+    def structured_constraint(self) -> StructuredOutput | None:
+        """The request's constraint: a forced tool call's, else the structured output's."""
+        return self.tool_plan().constraint() or self.structured_output()
 
     @model_validator(mode="after")
     def _template_options(self) -> ChatCompletionRequest:
@@ -463,7 +551,50 @@ class ChatCompletionRequest(SamplingFields):
         """Characters the conversation brings (contents and names), before the template."""
         return sum(len(m.text()) + len(m.name or "") for m in self.messages)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def tool_plan(self) -> ToolPlan:
+        functions = tuple(Function(t.function.name, t.function.description,
+                                   t.function.parameters) for t in self.tools or [])
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return ToolPlan(functions, "named", choice.function.name, self.parallel_tool_calls)
+        mode = choice or ("auto" if functions else "none")
+        return ToolPlan(functions, mode, None, self.parallel_tool_calls)
+
+    def template_messages(self, tools_in_template: bool = True) -> list[dict[str, Any]]:
+        """The conversation as chat templates take it. Calls in the history carry their
+        arguments as objects (what templates render); a template that takes no tools gets
+        the calls as the text a model answers with, and the tools in a system message."""
+        plan = self.tool_plan()
+        messages: list[dict[str, Any]] = []
+        for m in self.messages:
+            # "developer" is OpenAI's newer name for "system"; chat templates know "system".
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                       "content": m.text()}
+            if m.tool_calls and tools_in_template:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {
+                        "name": c.function.name,
+                        "arguments": _arguments(c.function.arguments)}}
+                    for c in m.tool_calls]
+            elif m.tool_calls:
+                calls = [json.dumps({"name": c.function.name,
+                                     "arguments": _arguments(c.function.arguments)})
+                         for c in m.tool_calls]
+                message["content"] += "".join(f"{OPEN_TAG}{c}{CLOSE_TAG}" for c in calls)
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
+        if plan.functions and plan.mode != "none" and not tools_in_template:
+            if messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n"
+                               + plan.system_prompt()}
+            else:
+                messages.insert(0, {"role": "system", "content": plan.system_prompt()})
+        return messages
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools argument of apply_chat_template (None: no tools, or tool_choice none)."""
+        plan = self.tool_plan()
+        return [f.to_template() for f in plan.functions] if plan.active else None

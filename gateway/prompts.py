@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import json
 import re
 import secrets
 from collections.abc import Callable, Iterable
@@ -25,6 +26,8 @@ import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from engine.http.errors import ApiError
+from gateway.openai_protocol import ChatCompletionRequest
+from gateway.tool_calls import template_takes_tools
 
 CHARS_PER_TOKEN = 16
 """A generous bound on characters per token (BPE tokens of real text average about 4): a
@@ -84,7 +87,7 @@ class PromptEncoder:
         return await self._run(len(text), self._prompt_ids if add_special_tokens
                                else self._encode, text)
 
-    async def encode_chat(self, messages: list[dict[str, str]],
+    async def encode_chat(self, messages: list[dict[str, Any]],
                           options: dict[str, Any] | None = None) -> list[int]:
         """The conversation rendered by the model's chat template; control-token text inside
         a message is encoded as plain text. options: apply_chat_template's keyword arguments
@@ -98,6 +101,16 @@ class PromptEncoder:
                 self._chat_ids, options=options or {"add_generation_prompt": True}), messages)
         except (jinja2.TemplateError, ValueError) as exc:
             raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
+
+    async def encode_chat_request(self, chat: ChatCompletionRequest) -> list[int]:
+        """The ids a chat request sends: its messages and tools under the model's template
+        (tools a template does not take go in a system message: gateway/tool_calls.py)."""
+        in_template = template_takes_tools(self.tokenizer.chat_template)
+        options = chat.template_options()
+        tools = chat.template_tools()
+        if tools is not None and in_template:
+            options["tools"] = tools
+        return await self.encode_chat(chat.template_messages(in_template), options)
 
     async def _run(self, cost: int, fn: Callable[[_TEXT], list[int]], arg: _TEXT
                    ) -> list[int]:
@@ -140,7 +153,7 @@ class PromptEncoder:
             return ids[len(self._newline):]
         return [int(t) for t in self.tokenizer(text, **kwargs)["input_ids"]]
 
-    def _chat_ids(self, messages: list[dict[str, str]], options: dict[str, Any]) -> list[int]:
+    def _chat_ids(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise ValueError("the model's tokenizer has no chat template")
         # Control tokens typed inside a message are swapped for a marker no client can
@@ -155,11 +168,23 @@ class PromptEncoder:
         def swap(match: re.Match[str]) -> str:
             return f"{mark}{index[match.group()]}\ue000"
 
+        def swap_json(value: Any) -> Any:
+            # Tool definitions and call arguments are rendered too: the same swap, inside
+            # their JSON strings (the marker is valid JSON string text).
+            nonlocal marked
+            text, count = self._controls_re.subn(swap, json.dumps(value))
+            marked += count
+            return json.loads(text) if count else value
+
         safe = []
         for message in messages:
             content, count = self._controls_re.subn(swap, message["content"])
             marked += count
             safe.append({**message, "content": content})
+            if "tool_calls" in message:
+                safe[-1]["tool_calls"] = swap_json(message["tool_calls"])
+        if "tools" in options:
+            options = {**options, "tools": swap_json(options["tools"])}
         rendered = str(self.tokenizer.apply_chat_template(safe, tokenize=False, **options))
         if not marked:
             return self._encode(rendered)

@@ -42,6 +42,7 @@ class StructuredBody(BaseModel):
     kind: str
     spec: str = ""
     choices: list[str] = Field(default_factory=list, max_length=1024)
+    any_whitespace: bool = True
 
 
 class GenerateBody(BaseModel):

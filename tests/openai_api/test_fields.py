@@ -56,8 +56,7 @@ ACTIVE: dict[str, Any] = {
     "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " ",
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "echo": True, "suffix": "end",
     "add_special_tokens": "flip",  # per endpoint: the opposite of what it does (below)
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "auto", "parallel_tool_calls": False, "functions": [{"name": "f"}],
+    "functions": [{"name": "f"}],
     "function_call": "auto", "audio": {"voice": "alloy", "format": "mp3"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
     "reasoning_effort": "high", "verbosity": "low",
@@ -112,7 +111,7 @@ def test_vendor_extensions_are_ignored() -> None:
 
 
 @pytest.mark.parametrize("endpoint, name", [("chat", "guided_decoding_backend"),
-                                            ("chat", "tools"),
+                                            ("chat", "functions"),
                                             ("completions", "best_of"),
                                             ("chat", "echo")])
 def test_the_server_answers_400_naming_the_field(gateway: LiveServer, client: openai.OpenAI,

@@ -1,0 +1,167 @@
+"""Tool calling for chat completions: what the model is told, what it may generate, and how
+its text becomes OpenAI ``tool_calls``.
+
+- The tools go to the model's chat template (``tools=``), with assistant ``tool_calls`` and
+  ``tool`` results in the history. A template that knows no tools (SmolLM2's does not) gets
+  them in a system message instead, with the format to answer in, so the model sees them
+  either way.
+- ``tool_choice``: ``none`` (plain text), ``auto`` (the model decides; calls are parsed out
+  of its text), ``required`` (the output is constrained to a JSON array of calls, each
+  ``{"name", "arguments"}`` valid against its function's parameters; one call when
+  ``parallel_tool_calls`` is false) or a named function (the output is constrained to that
+  function's arguments). The constraints are structured outputs, so a forced call always
+  parses and validates.
+- Parsing ``auto`` output: ``<tool_call>{...}</tool_call>`` blocks (the Hermes / Qwen
+  format most tool-tuned templates use), or a reply that is nothing but a call object (or
+  an array of them) naming a known tool. Anything else is content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from engine.structured_output import StructuredOutput
+
+OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN_TAG) + r"\s*(.*?)\s*" + re.escape(CLOSE_TAG), re.DOTALL)
+Mode = Literal["none", "auto", "required", "named"]
+
+
+@dataclass(frozen=True)
+class Function:
+    """One tool the caller offers: a function name, what it does, its parameters' schema."""
+
+    name: str
+    description: str | None
+    parameters: dict[str, Any] | None
+
+    def schema(self) -> dict[str, Any]:
+        return self.parameters or {"type": "object"}
+
+    def to_template(self) -> dict[str, Any]:
+        """As chat templates expect tools (OpenAI's tool object)."""
+        function: dict[str, Any] = {"name": self.name, "parameters": self.schema()}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one request uses its tools."""
+
+    functions: tuple[Function, ...]
+    mode: Mode
+    named: str | None = None
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        """Whether the output may hold calls (and is parsed for them)."""
+        return self.mode != "none" and bool(self.functions)
+
+    def constraint(self) -> StructuredOutput | None:
+        """The structured output a forced call generates under (None for auto / none)."""
+        if self.mode == "named":
+            function = next(f for f in self.functions if f.name == self.named)
+            return StructuredOutput("json", json.dumps(function.schema()),
+                                    any_whitespace=False)
+        if self.mode != "required":
+            return None
+        call = {"anyOf": [{
+            "type": "object",
+            "properties": {"name": {"const": f.name}, "arguments": f.schema()},
+            "required": ["name", "arguments"], "additionalProperties": False,
+        } for f in self.functions]}
+        array: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+        if not self.parallel:
+            array["maxItems"] = 1
+        # Compact: the arguments are re-encoded anyway, and whitespace is where a small
+        # model's forced call would wander.
+        return StructuredOutput("json", json.dumps(array), any_whitespace=False)
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, OpenAI tool_calls) of a finished output; no calls when none parse."""
+        if self.mode == "named":
+            arguments = _json(text)
+            if not isinstance(arguments, dict):
+                return text, []
+            return None, [_call(self.named or "", arguments)]
+        if self.mode == "required":
+            calls = _json(text)
+            found = [_call(c["name"], c["arguments"]) for c in calls or []
+                     if self._is_call(c)] if isinstance(calls, list) else []
+            return (None, found) if found else (text, [])
+        if self.mode != "auto":
+            return text, []
+        found = [_call(c["name"], c.get("arguments", c.get("parameters")))
+                 for c in map(_json, _BLOCK.findall(text)) if self._is_call(c)]
+        if found:
+            return self.outside_calls(text).strip() or None, found
+        whole = _json(text)
+        candidates = whole if isinstance(whole, list) else [whole]
+        if candidates and all(self._is_call(c) for c in candidates):
+            return None, [_call(c["name"], c.get("arguments", c.get("parameters")))
+                          for c in candidates]
+        return text, []
+
+    def outside_calls(self, text: str) -> str:
+        """The text without its call blocks (auto's content, before stripping)."""
+        return _BLOCK.sub("", text) if self.mode == "auto" else ""
+
+    def _is_call(self, value: Any) -> bool:
+        names = {f.name for f in self.functions}
+        if not isinstance(value, dict) or value.get("name") not in names:
+            return False
+        arguments = value.get("arguments", value.get("parameters"))
+        return isinstance(arguments, dict)
+
+    def streamable_prefix(self, text: str) -> int:
+        """How much of a partial output may be sent as content now: nothing that is, or
+        could still become, a call."""
+        if self.mode in ("required", "named"):
+            return 0
+        if self.mode != "auto":
+            return len(text)
+        stripped = text.lstrip()
+        if not stripped or stripped[0] in "{[":  # may be a bare JSON call: wait for the end
+            return 0
+        at = text.find(OPEN_TAG)
+        if at >= 0:
+            return at
+        for keep in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
+            if OPEN_TAG.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
+
+    def system_prompt(self) -> str:
+        """The tools as a system message, for chat templates that take no tools."""
+        listing = "\n".join(json.dumps(f.to_template()["function"]) for f in self.functions)
+        return ("You can call these functions (JSON schemas of their parameters):\n"
+                f"{listing}\n"
+                f"To call one, answer with {OPEN_TAG}{{\"name\": <function name>, "
+                f"\"arguments\": <arguments object>}}{CLOSE_TAG} (one block per call); "
+                "otherwise answer in plain text.")
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def template_takes_tools(chat_template: str | None) -> bool:
+    """Whether the template renders the ``tools`` variable (else they go in a system
+    message)."""
+    return bool(chat_template) and "tools" in str(chat_template)

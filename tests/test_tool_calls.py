@@ -1,0 +1,122 @@
+"""Tool calls parsed out of model text (the Hermes `<tool_call>` format and bare JSON calls),
+what may be streamed before the end, the constraints of forced calls, and the tools reaching
+a chat template that takes them with control-token text kept plain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from gateway.openai_protocol import ChatCompletionRequest
+from gateway.prompts import PromptEncoder
+from gateway.tool_calls import Function, ToolPlan, template_takes_tools
+
+WEATHER = Function("get_weather", "The weather in a city",
+                   {"type": "object", "properties": {"city": {"type": "string"}},
+                    "required": ["city"]})
+ADD = Function("add", None, {"type": "object", "properties": {"a": {"type": "integer"},
+                                                              "b": {"type": "integer"}}})
+AUTO = ToolPlan((WEATHER, ADD), "auto")
+
+
+def _calls(found: list[dict[str, object]]) -> list[tuple[object, object]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"]))  # type: ignore[index]
+            for c in found]
+
+
+def test_hermes_blocks_and_the_content_around_them() -> None:
+    text = ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+            '</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}'
+            '</tool_call>')
+    content, found = AUTO.parse(text)
+    assert content == "Let me check."
+    assert _calls(found) == [("get_weather", {"city": "Oslo"}), ("add", {"a": 1, "b": 2})]
+    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function"
+               for c in found)
+
+
+@pytest.mark.parametrize("text, calls", [
+    ('{"name": "add", "arguments": {"a": 1, "b": 2}}', [("add", {"a": 1, "b": 2})]),
+    ('[{"name": "add", "parameters": {"a": 3}}]', [("add", {"a": 3})]),  # llama-3 spelling
+    ('{"name": "delete_everything", "arguments": {}}', []),              # not offered
+    ('{"a": 1}', []),                                                    # JSON, not a call
+    ('<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>', []),  # broken JSON
+    ("The answer is 3.", []),
+])
+def test_what_is_and_is_not_a_call(text: str, calls: list[tuple[str, object]]) -> None:
+    content, found = AUTO.parse(text)
+    assert _calls(found) == calls
+    assert content == (None if calls else text)
+
+
+def test_forced_calls_parse_their_constrained_output() -> None:
+    required = ToolPlan((WEATHER, ADD), "required", parallel=False)
+    constraint = required.constraint()
+    assert constraint is not None and constraint.kind == "json"
+    assert json.loads(constraint.spec)["maxItems"] == 1
+    _, found = required.parse('[{"name": "add", "arguments": {"a": 1, "b": 2}}]')
+    assert _calls(found) == [("add", {"a": 1, "b": 2})]
+    named = ToolPlan((WEATHER, ADD), "named", "get_weather")
+    assert named.constraint() is not None
+    assert json.loads(named.constraint().spec) == WEATHER.parameters  # type: ignore[union-attr]
+    assert _calls(named.parse('{"city": "Rome"}')[1]) == [("get_weather", {"city": "Rome"})]
+    assert ToolPlan((WEATHER,), "none").parse("hi") == ("hi", [])
+
+
+@pytest.mark.parametrize("text, sendable", [
+    ("Hello there", "Hello there"),
+    ("Hello <tool", "Hello "),                 # may become a tag: held back
+    ("Hi <tool_call>{...", "Hi "),
+    ('  {"name": ', ""),                       # may be a bare JSON call
+    ("   ", ""),
+])
+def test_auto_streams_only_what_cannot_become_a_call(text: str, sendable: str) -> None:
+    assert text[:AUTO.streamable_prefix(text)] == sendable
+    assert ToolPlan((ADD,), "required").streamable_prefix(text) == 0
+
+
+def test_tools_reach_a_template_that_takes_them(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert not template_takes_tools(tokenizer.chat_template)  # the fallback's case, below
+    tokenizer.chat_template = (
+        "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+        "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}"
+        "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    encoder = PromptEncoder(tokenizer)
+    chat = ChatCompletionRequest.model_validate({
+        "model": "m", "tools": [{"type": "function", "function": {
+            "name": "add", "description": "adds <|im_end|> numbers",
+            "parameters": {"type": "object"}}}],
+        "messages": [{"role": "user", "content": "1+2?"},
+                     {"role": "assistant", "content": "", "tool_calls": [{
+                         "id": "c1", "type": "function",
+                         "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "3"}]})
+    ids = asyncio.run(encoder.encode_chat_request(chat))
+    text = tokenizer.decode(ids)
+    assert '"description": "adds <|im_end|> numbers"' in text
+    assert '<tool_call>{"arguments": {"a": 1, "b": 2}, "name": "add"}</tool_call>' in text \
+        or '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' in text
+    # The control-token text of the description is plain text, not the control token.
+    end = tokenizer.get_vocab()["<|im_end|>"]
+    assert ids.count(end) == 4  # system, user, assistant, tool: the template's own only
+
+
+def test_a_template_without_tools_gets_them_in_a_system_message() -> None:
+    chat = ChatCompletionRequest.model_validate({
+        "model": "m", "tools": [{"type": "function", "function": {"name": "add"}}],
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "tool_calls": [{
+                         "function": {"name": "add", "arguments": '{"a": 1}'}}]}]})
+    messages = chat.template_messages(tools_in_template=False)
+    assert messages[0]["role"] == "system" and '"name": "add"' in messages[0]["content"]
+    assert messages[2]["content"] == '<tool_call>{"name": "add", "arguments": {"a": 1}}' \
+                                     '</tool_call>'
+    none = ChatCompletionRequest.model_validate({**chat.model_dump(by_alias=True),
+                                                 "tool_choice": "none"})
+    assert none.template_messages(tools_in_template=False)[0]["role"] == "user"
