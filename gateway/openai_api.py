@@ -36,7 +36,12 @@ from gateway.config import GatewayConfig
 from gateway.exposure import instance_tag
 from gateway.info_api import build_info_router
 from gateway.openai_format import Endpoint, PromptEcho, ResponseFormatter
-from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.openai_protocol import (
+    SEED_LIMIT,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 from gateway.openai_stream import ClosingStream, collect, next_or_disconnect, sse
 from gateway.prompts import PromptEncoder
 from gateway.service import Claim, Gateway, Job, Outcome, new_request_id
@@ -78,10 +83,11 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                                 body.return_token_ids, body.return_tokens_as_token_ids,
                                 token_bytes, echo=body.echo,
                                 prompt_logprobs=body.prompt_logprobs,
-                                drop_output=body.max_tokens == 0)
+                                drop_output=body.max_tokens == 0, keep=body.n)
         call = _Call(body, request, principal, "completions",
                      body.max_tokens or (1 if body.max_tokens == 0 else None), "max_tokens",
-                     body.logprobs, body.engine_prompt_logprobs(), body.structured_output())
+                     body.engine_logprobs(), body.engine_prompt_logprobs(),
+                     body.structured_output())
         return await _serve(get_gateway(), call, encode, fmt)
 
     @router.post("/v1/chat/completions")
@@ -151,9 +157,10 @@ async def _serve(gateway: Gateway, req: _Call,
             access.adapter = label
         context = gateway.context_length()
         prompts = await encode(context)
-        jobs.extend(_job(gateway, claim, req, adapter, prompt.token_ids, context)
-                    for prompt in prompts)
-        fmt.start(prompts)
+        k = req.body.samples_per_prompt
+        jobs.extend(_job(gateway, claim, req, adapter, prompt.token_ids, context, sample)
+                    for prompt in prompts for sample in range(k))
+        fmt.start([prompt for prompt in prompts for _ in range(k)], k)
         await gateway.limiter.reserve(claim.ticket, sum(
             len(job.request.prompt_token_ids) + job.request.params.max_tokens for job in jobs))
         return await _respond(gateway, jobs, req, fmt)
@@ -176,7 +183,9 @@ def _outcome(exc: BaseException) -> Outcome:
 
 
 def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
-         prompt_ids: list[int], context: int) -> Job:
+         prompt_ids: list[int], context: int, sample: int = 0) -> Job:
+    """The engine request of one sequence: ``sample`` numbers the sequences of one prompt
+    (n, best_of); a seeded request's j-th sequence draws with seed + j."""
     body = req.body
     param = "messages" if req.endpoint == "chat" else "prompt"
     if not prompt_ids:
@@ -200,7 +209,8 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(0, body.top_k or 0),  # -1 (vLLM's "off") is the engine's 0
-            seed=body.seed, stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos,
+            seed=None if body.seed is None else (body.seed + sample) % SEED_LIMIT,
+            stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos,
             logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
             structured=req.constraint, **body.sampling_extras())
     except ValueError as exc:  # the edge bounds every field; this is the engine's own check
@@ -219,8 +229,11 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
     already opened are closed, aborting their requests). From then on the response settles
     the claim as served: a whole response here, a stream when it ends (ClosingStream)."""
     opened: list[ChunkStream] = []
+    k = req.body.samples_per_prompt
     try:
-        for job in jobs:
+        for i, job in enumerate(jobs):
+            # A prompt's sequences go where its first went: they share its cached blocks.
+            job.prefer = jobs[i - i % k].instance_id if i % k else None
             opened.append(await next_or_disconnect(req.http, gateway.open(job)))
     except BaseException:
         await BatchStream(opened).aclose()

@@ -49,14 +49,12 @@ _NO_STORE = "loragate stores no completions"
 
 SHARED: Mapping[str, Unsupported] = {
     # OpenAI
-    "n": _off(1, reason="one choice per request (send several requests for several samples)"),
     "store": _off(False, reason=_NO_STORE),
     "metadata": _off(reason=_NO_STORE + " (metadata tags stored completions)"),
     "service_tier": _off("auto", "default", reason="one tier"),
     "prompt_cache_retention": _off("in_memory", "in-memory",
                                    reason="cached blocks live in the engines' memory only"),
     # vLLM's sampling extras
-    "best_of": _off(1, reason="one sequence per request"),
     "use_beam_search": _off(False, reason="no beam search"),
     "length_penalty": _off(1, reason="no beam search"),
     "spaces_between_special_tokens": _off(True, reason="special tokens are decoded as the "
@@ -78,6 +76,7 @@ COMPLETIONS: Mapping[str, Unsupported] = {
 
 CHAT: Mapping[str, Unsupported] = {
     **SHARED,
+    "best_of": _off(1, reason="best_of is a completions parameter (use n here)"),
     "functions": _off(reason=_NO_TOOLS),
     "function_call": _off("none", reason=_NO_TOOLS),
     "audio": _off(reason="text only"),

@@ -89,7 +89,8 @@ class ResponseFormatter:
                  top_logprobs: int | None, return_token_ids: bool = False,
                  tokens_as_ids: bool = False, token_bytes: TokenBytes | None = None,
                  echo: bool = False, prompt_logprobs: int | None = None,
-                 drop_output: bool = False, tools: ToolPlan | None = None) -> None:
+                 drop_output: bool = False, tools: ToolPlan | None = None,
+                 keep: int | None = None) -> None:
         self.endpoint = endpoint
         self.model = model
         self.tokenizer = tokenizer
@@ -105,16 +106,25 @@ class ResponseFormatter:
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.keep = keep
+        """best_of: the sequences kept per prompt (the most likely), when fewer than run."""
         self.choices = [_Choice(PromptEcho([]))]
+        self.group = 1
 
-    def start(self, prompts: list[PromptEcho]) -> None:
-        """One choice per prompt, set once the prompts are tokenized (what the engines run,
-        truncation included)."""
+    def start(self, prompts: list[PromptEcho], group: int = 1) -> None:
+        """One choice per sequence, set once the prompts are tokenized (what the engines
+        run, truncation included): ``group`` consecutive sequences per prompt (n,
+        best_of)."""
         self.choices = [_Choice(p) for p in prompts]
+        self.group = group
+
+    def _groups(self) -> list[list[_Choice]]:
+        return [self.choices[i:i + self.group] for i in range(0, len(self.choices), self.group)]
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(c.prompt_tokens for c in self.choices)
+        """Each prompt once, however many sequences it had (as OpenAI counts n)."""
+        return sum(max(c.prompt_tokens for c in group) for group in self._groups())
 
     @property
     def completion_tokens(self) -> int:
@@ -240,7 +250,7 @@ class ResponseFormatter:
         kind = "chat.completion" if self.endpoint == "chat" else "text_completion"
         response: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created,
                                     "model": self.model, "choices": []}
-        for index, choice in enumerate(self.choices):
+        for index, choice in enumerate(self._kept()):
             text = "".join(choice.text)
             logprobs = self._logprobs(choice.entries)
             if self.endpoint == "chat":
@@ -259,6 +269,18 @@ class ResponseFormatter:
             response["choices"].append(body)
         response["usage"] = self.usage()
         return response
+
+    def _kept(self) -> list[_Choice]:
+        """The choices a whole response returns: all, or best_of's ``keep`` most likely
+        per prompt (by cumulative logprob of their tokens, best first)."""
+        if self.keep is None or self.keep >= self.group:
+            return self.choices
+        kept = []
+        for group in self._groups():
+            ranked = sorted(group, key=lambda c: -sum(
+                step.get(token, LOGPROB_FLOOR) for token, step in c.entries if step))
+            kept += ranked[:self.keep]
+        return kept
 
     def _calls(self, choice: _Choice, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool_calls) of a finished chat choice; calls only from an output that

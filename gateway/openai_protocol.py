@@ -25,6 +25,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SkipValidation,
@@ -51,7 +52,9 @@ MAX_PROMPT_TOKEN_IDS = 2**20
 """Longer than any context we serve: refused before the ids are looked at (the real bound
 is the context, checked once it is known)."""
 MAX_BATCH_PROMPTS = 128
-"""Most prompts in one /v1/completions batch (each becomes an engine request)."""
+"""Most engine requests one request becomes (a batch's prompts times its samples each)."""
+MAX_SAMPLES = 16
+"""Most sequences per prompt (n, best_of)."""
 MAX_MODEL_NAME = 512
 MAX_CONTENT_PARTS = 4096
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -89,7 +92,14 @@ def valid_text(text: str) -> str:
     return text
 
 
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):  # True == 1 in Python, not in the API
+        raise ValueError("must be an integer, not a boolean")
+    return value
+
+
 Text = Annotated[StrictStr, AfterValidator(valid_text)]
+SampleCount = Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=MAX_SAMPLES)]
 TokenId = Annotated[int, Field(ge=0, lt=INT32_LIMIT)]
 MaxTokens = Annotated[int, Field(ge=1, lt=INT32_LIMIT)]
 
@@ -155,6 +165,8 @@ class SamplingFields(BaseModel):
     stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: SampleCount = 1
+    """Choices per prompt, sampled independently (index = prompt's place * n + j)."""
     user: Annotated[Text, Field(max_length=256)] | None = None
     """The end user's id, for telling abuse apart: logged on the access line (user=)."""
     safety_identifier: Annotated[Text, Field(max_length=256)] | None = None
@@ -311,6 +323,11 @@ class SamplingFields(BaseModel):
         """The request's one structured-output constraint, if any."""
         return next((spec for _, spec in self._constraints() if spec is not None), None)
 
+    @property
+    def samples_per_prompt(self) -> int:
+        """Sequences generated per prompt (best_of where it is larger than n)."""
+        return self.n
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -338,6 +355,9 @@ class CompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=0, lt=INT32_LIMIT)] | None = 16
     """0 only with echo: the prompt is scored and returned, nothing generated."""
     logprobs: int | None = Field(default=None, ge=0, le=5)
+    best_of: SampleCount | None = None
+    """Generate this many per prompt and return the n with the highest cumulative logprob
+    (not with stream, as in OpenAI and vLLM)."""
     add_special_tokens: bool = True
     """Tokenize a text prompt with the tokenizer's special tokens (e.g. BOS), as vLLM does."""
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.COMPLETIONS
@@ -380,6 +400,27 @@ class CompletionRequest(SamplingFields):
         if value == 0 and not info.data.get("echo"):
             raise ValueError("max_tokens=0 needs echo=true (the prompt is all the answer)")
         return value
+
+    @model_validator(mode="after")
+    def _sample_counts(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n is not available with stream=true")
+        if len(self.prompt) * self.samples_per_prompt > MAX_BATCH_PROMPTS:
+            raise ValueError(f"prompts x max(n, best_of) may be at most {MAX_BATCH_PROMPTS}")
+        return self
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return max(self.n, self.best_of or 1)
+
+    def engine_logprobs(self) -> int | None:
+        """What the engine reports: the client's logprobs, or the chosen token's alone when
+        best_of ranks sequences by their cumulative logprob."""
+        if self.samples_per_prompt > self.n:
+            return self.logprobs or 0
+        return self.logprobs
 
     def engine_prompt_logprobs(self) -> int | None:
         """What the engine must compute: vLLM's prompt_logprobs, or echo's logprobs."""

@@ -78,6 +78,8 @@ class Job:
     decision: RoutingDecision | None = None
     first_token_at: float | None = None
     """time.monotonic() when the first token reached the gateway (the access log's TTFT)."""
+    prefer: str | None = None
+    """An instance to try first (another sequence of the same prompt runs there)."""
 
     @property
     def request_id(self) -> str:
@@ -260,8 +262,12 @@ class Gateway:
         if not instances:
             raise self._no_instance()
         chain = self._prefix_chain(job)
-        decision = self.router.choose(self._candidates(job, instances, chain), job.adapter,
-                                      len(job.request.prompt_token_ids))
+        same = [i for i in instances if i.instance_id == job.prefer]
+        decision = self.router.choose(self._candidates(job, same, chain), job.adapter,
+                                      len(job.request.prompt_token_ids)) if same else None
+        if decision is None:  # no preference, or that instance is gone or full
+            decision = self.router.choose(self._candidates(job, instances, chain),
+                                          job.adapter, len(job.request.prompt_token_ids))
         if decision is None:
             raise ApiError(429, "every engine instance is at its admission limit; retry "
                            "later", code="overloaded",

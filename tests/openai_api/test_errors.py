@@ -81,17 +81,17 @@ def test_prompt_longer_than_the_context_is_400(client: openai.OpenAI, gateway: L
     ("completions", {"prompt": 5}, "prompt"),  # a union: one error per member type
     ("completions", {"max_tokens": 0}, "max_tokens"),
     ("completions", {"max_tokens": 10**9}, "max_tokens"),
-    ("completions", {"n": 2}, "n"),
+    ("completions", {"n": 17}, "n"),
     ("completions", {"logprobs": 6}, "logprobs"),
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
     ("chat", {"max_tokens": "x"}, "max_tokens"),
     ("chat", {"max_tokens": 10**9}, "max_tokens"),
-    ("chat", {"n": 2}, "n"),
+    ("chat", {"n": 0}, "n"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
 ], ids=["max-tokens-str", "temperature-str", "prompt-int", "max-tokens-0",
-        "max-tokens-huge", "n-2", "logprobs-6", "chat-no-messages", "chat-bad-role",
-        "chat-max-tokens-str", "chat-max-tokens-huge", "chat-n-2", "chat-top-logprobs-alone"])
+        "max-tokens-huge", "n-17", "logprobs-6", "chat-no-messages", "chat-bad-role",
+        "chat-max-tokens-str", "chat-max-tokens-huge", "chat-n-0", "chat-top-logprobs-alone"])
 def test_invalid_requests_are_400(client: openai.OpenAI, gateway: LiveServer,
                                   base_model: str, endpoint: str, changes: dict[str, Any],
                                   param: str | None) -> None:

@@ -49,7 +49,7 @@ BASE: dict[str, dict[str, Any]] = {
 
 ACTIVE: dict[str, Any] = {
     # A value of each unsupported field that would change the answer if it were honoured.
-    "n": 2, "store": True, "metadata": {"k": "v"},
+    "store": True, "metadata": {"k": "v"},
     "service_tier": "flex", "prompt_cache_retention": "24h", "best_of": 3,
     "use_beam_search": True, "length_penalty": 0.5, "spaces_between_special_tokens": False,
     "logits_processors": ["x"],
@@ -112,7 +112,7 @@ def test_vendor_extensions_are_ignored() -> None:
 
 @pytest.mark.parametrize("endpoint, name", [("chat", "guided_decoding_backend"),
                                             ("chat", "functions"),
-                                            ("completions", "best_of"),
+                                            ("completions", "suffix"),
                                             ("chat", "echo")])
 def test_the_server_answers_400_naming_the_field(gateway: LiveServer, client: openai.OpenAI,
                                                  base_model: str, endpoint: str,
