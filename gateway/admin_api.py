@@ -95,11 +95,11 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
         lifecycle.check_owner(body.owner, body.public)
         await lifecycle.check_name_free(gw, body.name)
         path = str(Path(body.path).resolve())
-        adapter = await _validate(body.name, path, shape, lifecycle.max_rank(gw))
+        adapter = await validate_adapter(body.name, path, shape, lifecycle.max_rank(gw))
         # A second name for an uploaded directory shares the upload (see adapter_admin).
         known = (await gw.view.store.snapshot()).adapters.values()
         upload_id = next((a.upload_id for a in known if a.path == path and a.upload_id), None)
-        return await _register(gw, AdapterRecord(
+        return await record_adapter(gw, AdapterRecord(
             body.name, path, body.owner, tuple(body.shared_with), digest=adapter.digest,
             upload_id=upload_id))
 
@@ -141,7 +141,7 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
         record = AdapterRecord(name, str(target), owner, digest=adapter.digest,
                                upload_id=uuid.uuid4().hex)
         try:
-            return await _register(gw, record)
+            return await record_adapter(gw, record)
         except BaseException:
             await asyncio.to_thread(remove_tree, target)
             raise
@@ -263,7 +263,7 @@ def _ensure(path: Path) -> Path:
     return path
 
 
-async def _validate(name: str, path: str, shape: ModelShape, max_rank: int) -> LoraAdapter:
+async def validate_adapter(name: str, path: str, shape: ModelShape, max_rank: int) -> LoraAdapter:
     """Validate a PEFT directory off the event loop as the engines will load it (their
     smallest max_lora_rank included); 400 naming the problem."""
     try:
@@ -286,7 +286,7 @@ async def _get_live_adapter(gw: Gateway, name: str) -> AdapterRecord:
     return record
 
 
-async def _register(gw: Gateway, record: AdapterRecord) -> JSONResponse:
+async def record_adapter(gw: Gateway, record: AdapterRecord) -> JSONResponse:
     """Record a validated adapter (409 if its name was taken meanwhile)."""
     await lifecycle.check_name_free(gw, record.name)
     record = replace(record, owner_uid=await owner_uid(gw, record.owner))

@@ -30,7 +30,10 @@ from starlette.types import Scope
 from transformers import AutoTokenizer
 
 from engine.http.errors import ERROR_CODE_KEY, ApiError, install_error_handlers
+from engine.models.loader import load_hf_config
+from engine.models.shape import ModelShape
 from gateway.access_log import AccessLog
+from gateway.adapter_resolver import AdapterResolver
 from gateway.admin_api import build_admin_router
 from gateway.auth import StateView
 from gateway.config import GatewayConfig
@@ -111,6 +114,10 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                 config.prefix_weight, config.load_weight, config.imbalance))
             limiter = RateLimiter(store, metrics.registry, config.store_failure_policy)
             gateway = Gateway(config, pool, router, metrics, name, view, limiter)
+            if config.adapter_resolver_roots:
+                gateway.resolver = AdapterResolver(
+                    list(config.adapter_resolver_roots),
+                    ModelShape.from_hf_config(load_hf_config(tokenizer_dir)))
             app.state.gateway = gateway
             log_auth_mode(config.admin_key, view)
             await pool.poll()

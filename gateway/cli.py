@@ -75,7 +75,8 @@ def _serve(args: argparse.Namespace) -> int:
     # What local engines may load through their API: the roots given, the adapter directory
     # and the admin API's upload directory (as gateway/admin_api.py build_admin_router sets it).
     roots = [*(args.adapter_root or roots_from_env()), *filter(None, [adapter_dir]),
-             gateway_config.adapter_upload_dir or str(Path(model) / "uploaded-adapters")]
+             gateway_config.adapter_upload_dir or str(Path(model) / "uploaded-adapters"),
+             *gateway_config.adapter_resolver_roots]
     if args.instances < 0 or (args.instances == 0 and not args.engine
                               and not gateway_config.redis_url):
         raise ValueError("--instances 0 needs --engine URL or --redis-url (engine registry)")

@@ -66,6 +66,11 @@ class GatewayConfig:
     store_failure_policy: StoreFailurePolicy = "open"
     """When Redis is unreachable: "open" keeps serving with per-process limits, "closed"
     answers 503 until it is back."""
+    adapter_resolver_roots: tuple[str, ...] = ()
+    """Opt-in, as vLLM's adapter resolvers: a request naming a model the gateway does not
+    know loads ROOT/<name> (a PEFT directory, first root that has it) as a public adapter on
+    first use. Engines must accept paths there (`serve` adds these roots to the engines it
+    starts; remote engines need them in their --adapter-root)."""
     adapter_upload_dir: str | None = None
     """Where uploaded adapters are unpacked (default MODEL/uploaded-adapters); must be
     readable by the engines at the same path."""

@@ -151,7 +151,7 @@ async def _serve(gateway: Gateway, req: _Call,
     claim = await gateway.admit(req.principal)
     label = "none"  # the adapter, once the model resolved
     try:
-        adapter = gateway.resolve_model(req.body.model, req.principal)
+        adapter = await gateway.resolve_or_load(req.body.model, req.principal)
         label = adapter or "base"
         if access is not None:
             access.adapter = label

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -106,6 +106,8 @@ class Gateway:
         self._background: set[asyncio.Task[Any]] = set()
         self.usage: dict[str, tuple[int, int]] = {}
         """Per adapter ("base" for none): requests and tokens served by this gateway."""
+        self.resolver: Callable[[Gateway, str], Awaitable[bool]] | None = None
+        """Loads an unknown model name as an adapter (opt-in; True when it did)."""
 
     # ------------------------------------------------------------ who and what
     async def authenticate(self, request: Request) -> Principal:
@@ -120,6 +122,17 @@ class Gateway:
 
     def adapter_names(self, principal: Principal) -> list[str]:
         return sorted(self.view.adapters_for(principal))
+
+    async def resolve_or_load(self, model: str, principal: Principal) -> str | None:
+        """resolve_model, after loading an unknown name through the adapter resolver
+        (gateway/adapter_resolver.py) when one is configured."""
+        try:
+            return self.resolve_model(model, principal)
+        except ApiError as exc:
+            if exc.status != 404 or self.resolver is None or \
+                    not await self.resolver(self, model):
+                raise
+        return self.resolve_model(model, principal)
 
     def resolve_model(self, model: str, principal: Principal) -> str | None:
         """The adapter a `model` field names (None: the base model); 404 if unknown or not
