@@ -66,6 +66,10 @@ class GatewayConfig:
     store_failure_policy: StoreFailurePolicy = "open"
     """When Redis is unreachable: "open" keeps serving with per-process limits, "closed"
     answers 503 until it is back."""
+    priority_order: Literal["larger_first", "smaller_first"] = "larger_first"
+    """How a request body's ``priority`` orders requests: larger first (loragate's), or
+    smaller first (vLLM's, for clients written against it). Tenants' tiers always rank
+    larger first."""
     adapter_resolver_roots: tuple[str, ...] = ()
     """Opt-in, as vLLM's adapter resolvers: a request naming a model the gateway does not
     know loads ROOT/<name> (a PEFT directory, first root that has it) as a public adapter on
@@ -110,6 +114,9 @@ class GatewayConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.priority_order not in ("larger_first", "smaller_first"):
+            raise ValueError(f"priority_order must be 'larger_first' or 'smaller_first', got "
+                             f"{self.priority_order!r}")
         if self.store_failure_policy not in ("open", "closed"):
             raise ValueError(f"store_failure_policy must be 'open' or 'closed', got "
                              f"{self.store_failure_policy!r}")

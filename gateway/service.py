@@ -152,10 +152,15 @@ class Gateway:
 
     def priority(self, principal: Principal, requested: int) -> int:
         """The tenant's tier sets the priority; the body's priority only orders requests
-        within a tier (the open mode takes it as is)."""
+        within a tier (the open mode takes it as is). Larger runs first, unless the gateway
+        takes vLLM's order (priority_order "smaller_first"), where the body's is negated."""
+        if self.config.priority_order == "smaller_first":
+            requested = -requested
         if principal.tenant is None:
             return requested
-        return principal.tenant.priority * 1000 + max(-999, min(999, requested))
+        # Tiers 2000 apart hold the body's whole [-999, 999]: a tier always outranks the
+        # tiers below it, whatever priorities their requests ask for.
+        return principal.tenant.priority * 2000 + max(-999, min(999, requested))
 
     async def admit(self, principal: Principal) -> Claim:
         """Check the tenant's limits (RPM, concurrency, a revoked key) before any expensive
