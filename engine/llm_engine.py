@@ -409,6 +409,10 @@ class LLMEngine:
             num_steps=m.num_steps,
             num_requests_finished=m.num_requests_finished,
             phase_seconds=dict(m.phase_seconds),
+            waiting_adapters=tuple(sorted({
+                r.lora_name for r in [*self.scheduler.waiting, *self.scheduler.swapped]
+                if r.lora_name is not None})),
+            block_size=self.config.block_size,
             prefix_cache=PrefixCacheStats(
                 enabled=tracker.enabled,
                 rolling_hit_rate=tracker.rolling_hit_rate,

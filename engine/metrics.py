@@ -85,6 +85,9 @@ class EngineStats:
     num_requests_finished: int
     phase_seconds: dict[str, float]
     prefix_cache: PrefixCacheStats
+    waiting_adapters: tuple[str, ...] = ()
+    """Adapters of the requests waiting or swapped out (sorted, each once)."""
+    block_size: int = 0
 
     @property
     def kv_pools(self) -> dict[str, PoolStats]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 from engine.adapter_roots import AdapterRoots
 from engine.async_engine import AsyncEngine
@@ -60,7 +61,8 @@ class LocalEngine:
         """Wait before the next rebuild: doubles while engines keep dying, back to the
         first once one stayed up for STABLE_AFTER_S."""
         self.metrics = EngineMetricsRegistry(EngineCollector(
-            self._stats, self._adapters, config.max_loras))
+            self._stats, self._adapters, config.max_loras,
+            model_name or Path(config.model).name))
         self._engine = self._build()
         self._built_at = time.monotonic()
 

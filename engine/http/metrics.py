@@ -9,6 +9,7 @@ server exposes it on its /metrics, a gateway with an in-process engine on its ow
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -21,6 +22,8 @@ from engine.request import RequestOutput
 from lora.manager import AdapterInfo
 
 PREFIX = "loragate_"
+VLLM_PREFIX = "vllm:"
+"""The same state under vLLM's names, for the routers that read those (see _vllm_names)."""
 # Latency buckets in seconds: ITL on a GPU is a few ms, TTFT of a long RAG prompt on a CPU
 # can be tens of seconds.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
@@ -31,10 +34,12 @@ class EngineCollector(Collector):
     """Engine gauges and counters from a stats snapshot function."""
 
     def __init__(self, stats: Callable[[], EngineStats],
-                 adapters: Callable[[], list[AdapterInfo]], max_loras: int) -> None:
+                 adapters: Callable[[], list[AdapterInfo]], max_loras: int,
+                 model_name: str = "") -> None:
         self._stats = stats
         self._adapters = adapters
         self._max_loras = max_loras
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -76,7 +81,40 @@ class EngineCollector(Collector):
             _counter("prefix_cache_evictions", "Cached blocks evicted", p.evictions),
         )
         yield from self._pools(s)
-        yield from self._lora()
+        infos = self._adapters()
+        yield from self._lora(infos)
+        yield from self._vllm_names(s, infos)
+
+    def _vllm_names(self, s: EngineStats, infos: list[AdapterInfo]) -> Iterator[Metric]:
+        """The series the Gateway API Inference Extension's endpoint picker (and llm-d, and
+        vLLM dashboards) read, under vLLM's names: queue and running counts, KV usage as a
+        fraction, and the LoRA state as one info gauge whose value is its timestamp (the
+        picker keeps the newest). Its running_lora_adapters are the adapters holding a
+        device slot, whether or not a request uses them now: what the picker's affinity
+        means by "loaded" (vLLM lists only adapters with running requests)."""
+        usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
+        for name, doc, value in (
+                ("num_requests_waiting", "Requests waiting to be scheduled",
+                 s.num_waiting + s.num_swapped),
+                ("num_requests_running", "Requests scheduled", s.num_running),
+                ("kv_cache_usage_perc", "KV cache usage (1 = full)", usage),
+                ("gpu_cache_usage_perc", "KV cache usage (1 = full; vLLM's older name)", usage)):
+            family = GaugeMetricFamily(VLLM_PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
+        resident = sorted(i.name for i in infos if i.slot is not None)
+        lora = GaugeMetricFamily(
+            VLLM_PREFIX + "lora_requests_info", "Adapters on the device and those waited for "
+            "(value: when this was read, unix seconds)",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora.add_metric([str(self._max_loras), ",".join(resident),
+                         ",".join(a for a in s.waiting_adapters if a not in resident)],
+                        time.time())
+        yield lora
+        config = GaugeMetricFamily(VLLM_PREFIX + "cache_config_info", "KV cache layout",
+                                   labels=["block_size", "num_gpu_blocks"])
+        config.add_metric([str(s.block_size), str(s.kv_blocks_total)], 1.0)
+        yield config
 
     def _pools(self, s: EngineStats) -> Iterator[Metric]:
         families = {
@@ -108,8 +146,7 @@ class EngineCollector(Collector):
         yield evictions
         yield hits
 
-    def _lora(self) -> Iterator[Metric]:
-        infos = self._adapters()
+    def _lora(self, infos: list[AdapterInfo]) -> Iterator[Metric]:
         yield _gauge("lora_max_slots", "max_loras: adapter slots on the device", self._max_loras)
         yield _gauge("lora_registered", "Adapters registered", len(infos))
         resident = GaugeMetricFamily(PREFIX + "lora_resident",
@@ -151,7 +188,7 @@ class EngineMetricsRegistry:
     @classmethod
     def of(cls, engine: AsyncEngine) -> EngineMetricsRegistry:
         return cls(EngineCollector(engine.stats, lambda: engine.last_adapters,
-                                   engine.config.max_loras))
+                                   engine.config.max_loras, engine.model_name))
 
     def observe(self, out: RequestOutput) -> None:
         """Latencies of one output: TTFT with a request's first, the gaps of its new
