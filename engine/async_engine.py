@@ -231,6 +231,8 @@ class AsyncEngine:
         self._thread.stop()
         if self.engine.lora is not None:
             self.engine.lora.shutdown()
+        if self.engine.kv_events is not None:  # after the loop: no step flushes any more
+            self.engine.kv_events.close()
 
     # ------------------------------------------------------------ event-loop side
     def _make(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,

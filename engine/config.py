@@ -12,6 +12,7 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackend = Literal["auto", "torch", "triton"]
 LoadFormat = Literal["safetensors", "dummy"]
+KVEventFormat = Literal["array", "map"]
 
 _GIB = 1 << 30
 
@@ -100,6 +101,27 @@ class EngineConfig:
 
     prefix_publish_every: int = 4
     """Publish every Nth block's chain hash for the gateway's prefix index."""
+
+    kv_events_endpoint: str | None = None
+    """Publish the prefix cache's block stored / removed events in vLLM's KV events format
+    (msgpack batches on a ZMQ PUB socket, one per step that changed the cache) for routers
+    that index every engine's blocks, e.g. llm-d's precise prefix-cache scorer. A wildcard
+    ("tcp://*:5557"), ipc:// or inproc:// endpoint is bound, any other is connected to (a
+    router that binds). None: off, at no cost. Needs prefix_caching on or auto."""
+
+    kv_events_replay_endpoint: str | None = None
+    """ROUTER socket (bound, e.g. "tcp://*:5558") serving missed KV event batches from the
+    replay buffer to subscribers that saw a gap in the sequence numbers."""
+
+    kv_events_topic: str = ""
+    """Topic frame of every KV event message (llm-d subscribes to "kv@<pod>@<model>")."""
+
+    kv_events_buffer_steps: int = 10_000
+    """KV event batches kept for replay."""
+
+    kv_events_format: KVEventFormat = "array"
+    """Encoding of each KV event: "array" ([tag, fields...], what vLLM before 0.26 sends and
+    every llm-d release reads) or "map" ({"type": tag, ...}, what vLLM 0.26+ sends)."""
 
     max_loras: int = 4
     """Device slots for adapters: the most distinct adapters in one step (0 disables LoRA).
@@ -219,6 +241,13 @@ class EngineConfig:
             raise ValueError(f"max_admission_delay_s must be >= 0, got "
                              f"{self.max_admission_delay_s}")
         _positive("prefix_publish_every", self.prefix_publish_every)
+        _positive("kv_events_buffer_steps", self.kv_events_buffer_steps)
+        if self.kv_events_format not in ("array", "map"):
+            raise ValueError(f"kv_events_format must be 'array' or 'map', got "
+                             f"{self.kv_events_format!r}")
+        if self.kv_events_endpoint is not None and self.prefix_caching == "off":
+            raise ValueError("kv_events_endpoint needs prefix_caching 'on' or 'auto': with "
+                             "caching off no block is ever cached, so no event would be sent")
         object.__setattr__(self, "kv_pool_shares", tuple(
             (str(name), float(floor), float(cap)) for name, floor, cap in self.kv_pool_shares))
         for name, floor, cap in self.kv_pool_shares:

@@ -204,11 +204,28 @@ class KVCacheManager:
         if full <= done:
             return
         hashes = self._update_hashes(request)
+        stored: list[int] = []
         for i in range(done, full):
-            self.pool.insert(table[i], hashes[i], i)
+            if self.pool.insert(table[i], hashes[i], i):
+                stored.append(i)
             if self._in_flight.get(hashes[i]) == request.request_id:
                 del self._in_flight[hashes[i]]
         self._num_inserted[request.request_id] = full
+        if stored and self.pool.events is not None:
+            self._report_stored(request, stored)
+
+    def _report_stored(self, request: Request, indices: list[int]) -> None:
+        """Tell the event sink of newly cached blocks, one event per run of consecutive
+        blocks (as vLLM does); a block another request cached first is not news."""
+        assert self.pool.events is not None
+        hashes, tokens, bs = request.block_hashes, request.all_token_ids, self.block_size
+        start = indices[0]
+        for k, i in enumerate(indices):
+            if k + 1 == len(indices) or indices[k + 1] != i + 1:
+                self.pool.events.stored(hashes[start:i + 1], hashes[start - 1] if start else None,
+                                        tokens[start * bs:(i + 1) * bs], request.lora_name)
+                if k + 1 < len(indices):
+                    start = indices[k + 1]
 
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)

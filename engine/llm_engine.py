@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
@@ -32,6 +32,9 @@ from prefix_cache.adaptive import AdaptiveConfig
 from prefix_cache.cache import PrefixUpdate
 from prefix_cache.hashing import request_extra_keys
 from prefix_cache.pools import BASE_POOL
+
+if TYPE_CHECKING:
+    from engine.kv_events import KVEventPublisher
 
 log = logging.getLogger(__name__)
 STEP_FAILED_MESSAGE = "the engine could not run this request (internal error)"
@@ -88,6 +91,14 @@ class LLMEngine:
             adaptive=AdaptiveConfig(threshold=config.prefix_auto_threshold),
             publish_every=config.prefix_publish_every, pool_shares=config.kv_pool_shares,
             pool_default_cap=config.kv_pool_default_cap)
+        self.kv_events: KVEventPublisher | None = None
+        if config.kv_events_endpoint is not None:
+            from engine.kv_events import KVEventPublisher  # pyzmq only when events are on
+            self.kv_events = KVEventPublisher(
+                config.kv_events_endpoint, config.block_size,
+                config.kv_events_replay_endpoint, config.kv_events_topic,
+                config.kv_events_buffer_steps, config.kv_events_format)
+            self.kv.pool.events = self.kv_events
         self.lora = (LoraManager(self.model_shape.lora_targets(), config.max_loras,
                                  config.max_cpu_loras, config.max_lora_rank)
                      if config.max_loras else None)
@@ -297,6 +308,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        if self.kv_events is not None:  # one batch per step, whatever path the step took
+            self.kv_events.flush()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         failed = self._fail_broken_adapter_requests() if self.lora is not None else []
         t0 = time.perf_counter()
         focus, suspects = self.isolation.plan(self.scheduler.requests)

@@ -39,6 +39,7 @@ from engine.config import EngineConfig
 from engine.config_args import field_default
 from engine.http.auth import TOKEN_ENV
 from engine.http.draining import DrainingServer
+from engine.kv_events import for_instance
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.engine_supervisor import EngineSupervisor
@@ -122,9 +123,13 @@ def start_engines(config: EngineConfig, count: int, log_dir: Path,
     for index in range(count):
         port = free_port()
         log_path = log_dir / f"engine-{index}.log"
+        # Each engine its own KV event sockets (one config serves them all).
+        own = dataclasses.replace(
+            config, kv_events_endpoint=for_instance(config.kv_events_endpoint, index),
+            kv_events_replay_endpoint=for_instance(config.kv_events_replay_endpoint, index))
         command = [sys.executable, "-m", "engine.http", "--model", config.model,
                    "--host", "127.0.0.1", "--port", str(port),
-                   "--instance-id", f"engine-{index}", *engine_flags(config)]
+                   "--instance-id", f"engine-{index}", *engine_flags(own)]
         for name, path in adapters.items():
             command += ["--lora", f"{name}={path}"]
         with open(log_path, "wb") as out:

@@ -32,6 +32,20 @@ class PrefixUpdate:
     removed: list[int]
 
 
+class CacheEventSink(Protocol):
+    """Told of every change to the set of cached hashes, in order, so that a router can
+    keep an exact copy of it (engine/kv_events.py publishes them as vLLM's KV events)."""
+
+    def stored(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int],
+               lora_name: str | None) -> None:
+        """Consecutive blocks of one chain became cached (parent: the hash before them)."""
+        ...
+
+    def removed(self, block_hash: int) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 class BlockCache(Protocol):
     """A block pool whose freed blocks keep their KV reusable under a content hash.
 
@@ -48,10 +62,13 @@ class BlockCache(Protocol):
       another block the call is a no-op (returns False) and the caller keeps its own copy.
     - every count (used, cached, evictions, per pool) is kept in ``pools``, nowhere else.
     - publish() reports the sparse hashes added and removed since a cursor (see PrefixUpdate).
+    - ``events``, when set, is told of every eviction here; the KV manager, which knows
+      the tokens, tells it of insertions.
     """
 
     num_blocks: int
     pools: PoolAccounting
+    events: CacheEventSink | None
 
     def match(self, hashes: Sequence[int]) -> list[int]:
         """Block ids of the longest prefix of ``hashes`` that is cached."""
@@ -116,6 +133,7 @@ class HashBlockCache:
         self.publish_every = publish_every
         self._log: deque[tuple[int, bool, int]] = deque(maxlen=log_size)
         self._log_seq = 0
+        self.events: CacheEventSink | None = None
 
     @property
     def num_free(self) -> int:
@@ -203,6 +221,8 @@ class HashBlockCache:
         del self._block_of[h]
         block.block_hash = None
         self._record(False, h, block.chain_index)
+        if self.events is not None:
+            self.events.removed(h)
 
     # ------------------------------------------------------------------ publication
     def _record(self, added: bool, block_hash: int, block_index: int) -> None:
