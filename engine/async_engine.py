@@ -342,7 +342,9 @@ class AsyncEngine:
             prefix_hit_rate=stats.prefix_cache.hit_rate,
             kv_pools={name: PoolSummary(p.used_blocks, p.cached_blocks, p.evictions,
                                         p.hit_rate) for name, p in stats.kv_pools.items()},
-            adapters=self._list_adapters(), prefix=llm.publish_prefixes(cursor))
+            adapters=self._list_adapters(), prefix=llm.publish_prefixes(cursor),
+            kv_events=None if config.kv_events_endpoint is None else
+            (config.kv_events_endpoint, config.kv_events_replay_endpoint))
 
 
 def _without_paths(message: str, *paths: str) -> str:

@@ -35,6 +35,8 @@ from typing import Literal
 import msgspec
 import zmq
 
+from prefix_cache.index import EXTERNAL_MASK
+
 log = logging.getLogger(__name__)
 
 EventFormat = Literal["array", "map"]
@@ -43,12 +45,9 @@ MEDIUM_GPU = "GPU"
 live there, on a GPU or in host memory; swap space holds no cached blocks."""
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-_HASH_MASK = (1 << 64) - 1
-
-
 def external_hash(block_hash: int) -> int:
     """The 64-bit hash a chain hash is published under (msgpack ints stop at 64 bits)."""
-    return block_hash & _HASH_MASK
+    return block_hash & EXTERNAL_MASK
 
 
 # ------------------------------------------------------------------ wire structs

@@ -291,6 +291,9 @@ class EngineState:
     kv_pools: dict[str, PoolSummary]
     adapters: list[AdapterInfo]
     prefix: PrefixUpdate
+    kv_events: tuple[str, str | None] | None = None
+    """(events endpoint, replay endpoint) as the engine was configured, when it publishes
+    KV events (engine/kv_events.py); a wildcard host means the engine's own."""
 
     def to_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -305,7 +308,10 @@ class EngineState:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EngineState:
         """KeyError / ValueError / TypeError when a field is missing or malformed."""
-        values = {f.name: data[f.name] for f in fields(cls)}
+        values = {f.name: data[f.name] for f in fields(cls) if f.name != "kv_events"}
+        events = data.get("kv_events")
+        values["kv_events"] = None if not events else (str(events[0]), events[1] and
+                                                       str(events[1]))
         values["kv_pools"] = {str(name): PoolSummary(**pool)
                               for name, pool in data["kv_pools"].items()}
         values["adapters"] = [AdapterInfo(**a) for a in data["adapters"]]

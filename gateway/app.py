@@ -110,6 +110,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
             view.listeners.append(lambda snap: setattr(
                 pool, "adapter_paths", {n: a.path for n, a in snap.adapters.items()}))
             pool_holder["pool"] = pool
+            pool.kv_events = config.kv_events
             router = Router(config.routing, RouterWeights(
                 config.prefix_weight, config.load_weight, config.imbalance))
             limiter = RateLimiter(store, metrics.registry, config.store_failure_policy)
@@ -139,6 +140,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
+                pool.close()
                 await store.close()
 
     app = FastAPI(title="loragate", version="0.1.0", lifespan=lifespan,
@@ -213,6 +215,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                  "prefix_hit_rate": i.prefix_hit_rate,
                  "prefix_cursor": pool.index.cursor(i.instance_id) if pool.index else 0,
                  "prefix_hashes": pool.index.size(i.instance_id) if pool.index else 0,
+                 "prefix_source": pool.prefix_source(i.instance_id),
                  "adapters": {name: asdict(a) for name, a in i.adapters.items()}}
                 for i in pool.instances.values()]
 

@@ -51,6 +51,10 @@ class GatewayConfig:
     """Router: seconds a routed request's prompt counts as cached on its instance before
     that engine publishes it (a burst on a new document, a chat's quick next turn); 0 trusts
     only what engines published."""
+    kv_events: bool = False
+    """Follow the KV events of engines that publish them (their --kv-events-endpoint)
+    block by block for prefix-aware routing, instead of the sparse hashes polled from their
+    /state: evictions count at once. Engines without events are polled as before."""
     redis_url: str | None = None
     """Shared state (tenants, keys, adapters, rate-limit counters) in Redis, e.g.
     redis://127.0.0.1:6379/0, so several gateway replicas act as one; default: in memory."""

@@ -27,6 +27,7 @@ from engine.protocol import (
     PoolSummary,
 )
 from gateway.engine_client import HttpEngineClient
+from gateway.kv_events_subscriber import KVEventSubscriber, reachable
 from lora.manager import AdapterInfo
 from prefix_cache.index import PrefixIndex
 
@@ -95,6 +96,10 @@ class InstancePool:
         self.index: PrefixIndex | None = None
         self.routed_prefix_ttl_s = routed_prefix_ttl_s
         self._registered: dict[str, set[str]] = {}
+        self.kv_events = False
+        """Follow the KV events of engines that publish them (gateway/kv_events_subscriber)
+        instead of their polled prefix hashes."""
+        self._subscribers: dict[str, KVEventSubscriber] = {}
 
     def add_instance(self, url: str) -> Instance:
         """Start tracking an engine (healthy after its first successful poll)."""
@@ -180,9 +185,35 @@ class InstancePool:
             self.index = PrefixIndex(instance.block_size, instance.publish_every,
                                      self.routed_prefix_ttl_s)
         self.index.apply(instance.instance_id, state.prefix)  # keeps the cursor too
+        if self.kv_events and state.kv_events and instance.instance_id not in self._subscribers:
+            endpoint, replay = state.kv_events
+            url = instance.instance_id if "://" in instance.instance_id else None
+            self._subscribers[instance.instance_id] = KVEventSubscriber(
+                instance.instance_id, reachable(endpoint, url),
+                None if replay is None else reachable(replay, url), self._on_kv_events,
+                asyncio.get_running_loop())
+
+    def _on_kv_events(self, engine_id: str, stored: list[int], removed: list[int],
+                      cleared: bool) -> None:
+        if self.index is not None and engine_id in self._subscribers:
+            self.index.apply_events(engine_id, stored, removed, cleared)
+
+    def prefix_source(self, instance_id: str) -> str:
+        """Where the index learns what the instance caches: "kv_events" or "poll"."""
+        following = self.index is not None and self.index.follows_events(instance_id)
+        return "kv_events" if following else "poll"
+
+    def close(self) -> None:
+        """Stop following KV events."""
+        for subscriber in self._subscribers.values():
+            subscriber.stop()
+        self._subscribers.clear()
 
     def _forget(self, instance: Instance) -> None:
         """Drop what a dead instance had published: a restarted engine starts empty."""
+        subscriber = self._subscribers.pop(instance.instance_id, None)
+        if subscriber is not None:  # a restarted engine numbers its events from 0 again
+            subscriber.stop()
         if self.index is not None:
             self.index.remove_engine(instance.instance_id)
 

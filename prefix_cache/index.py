@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from prefix_cache.cache import PrefixUpdate
 from prefix_cache.hashing import ExtraKey, chain_hashes, sparse_chain
 
+EXTERNAL_MASK = (1 << 64) - 1
+"""KV events carry block hashes cut to their low 64 bits (engine/kv_events.py)."""
+
 
 @dataclass
 class _EngineEntry:
@@ -33,6 +36,10 @@ class _EngineEntry:
     """Noted by note_routed, not yet published: hash -> when noted. Insertion order is
     noting order (a re-noted hash moves to the end), so expiry pops from the front."""
     cursor: int = 0
+    events: bool = False
+    """Fed by the engine's KV events (every block, exact): its polled publishes are ignored."""
+    external: set[int] = field(default_factory=set)
+    """With events: the 64-bit hashes (EXTERNAL_MASK) of every block it holds."""
 
     def expire(self, before: float) -> None:
         while self.routed:
@@ -61,6 +68,9 @@ class PrefixIndex:
 
     def apply(self, engine_id: str, update: PrefixUpdate) -> None:
         entry = self._engines.setdefault(engine_id, _EngineEntry())
+        if entry.events:  # the events already said it, block by block
+            entry.cursor = update.cursor
+            return
         if update.full:
             entry.hashes = set(update.added)
         else:
@@ -72,6 +82,24 @@ class PrefixIndex:
             entry.routed.pop(h, None)
         entry.expire(self._clock() - self.routed_ttl_s)
         entry.cursor = update.cursor
+
+    def apply_events(self, engine_id: str, stored: Iterable[int], removed: Iterable[int],
+                     cleared: bool = False) -> None:
+        """An engine's KV events, in order within one call (removals after storing, as a
+        batch's events are applied: callers split batches where the order matters): 64-bit
+        block hashes it now holds or no longer holds. From the first call on, the engine's
+        polled publishes are ignored."""
+        entry = self._engines.setdefault(engine_id, _EngineEntry())
+        if not entry.events:
+            entry.events, entry.hashes = True, set()
+        if cleared:
+            entry.external.clear()
+        stored, removed = set(stored), set(removed)
+        entry.external |= stored
+        entry.external -= removed
+        if entry.routed:  # the engine's word replaces the guess, as in apply()
+            for h in [h for h in entry.routed if h & EXTERNAL_MASK in stored | removed]:
+                del entry.routed[h]
 
     def note_routed(self, engine_id: str, chain: Sequence[tuple[int, int]]) -> None:
         """A request with this chain (from request_chain) was sent to engine_id: count its
@@ -87,9 +115,16 @@ class PrefixIndex:
                 entry.routed[h] = now
 
     def size(self, engine_id: str) -> int:
-        """Sparse hashes engine_id has published and not withdrawn (routed ones aside)."""
+        """Sparse hashes engine_id has published and not withdrawn (routed ones aside); with
+        KV events, every block it holds."""
         entry = self._engines.get(engine_id)
-        return len(entry.hashes) if entry else 0
+        if entry is None:
+            return 0
+        return len(entry.external) if entry.events else len(entry.hashes)
+
+    def follows_events(self, engine_id: str) -> bool:
+        entry = self._engines.get(engine_id)
+        return entry is not None and entry.events
 
     def remove_engine(self, engine_id: str) -> None:
         self._engines.pop(engine_id, None)
@@ -110,8 +145,11 @@ class PrefixIndex:
             entry = self._engines.get(engine_id)
             matched = 0
             if entry is not None:
+                held = entry.hashes
+                if entry.events:  # compare as the events name blocks
+                    held = {h for _, h in chain if h & EXTERNAL_MASK in entry.external}
                 for index, h in reversed(chain):
-                    if h in entry.hashes or entry.routed.get(h, expired_before) > expired_before:
+                    if h in held or entry.routed.get(h, expired_before) > expired_before:
                         matched = (index + 1) * self.block_size
                         break
             result[engine_id] = matched
