@@ -99,6 +99,10 @@ def add_engine_access_args(parser: argparse.ArgumentParser) -> None:
                              "--lora and (serve) the upload directory count too")
 
 
+REGISTER_ENV = "LORAGATE_REGISTER_REDIS_URL"
+ADVERTISE_ENV = "LORAGATE_ADVERTISE_URL"
+
+
 def add_arguments(engine: argparse.ArgumentParser) -> None:
     """The flags of `loragate engine`."""
     from engine.config import EngineConfig
@@ -109,11 +113,15 @@ def add_arguments(engine: argparse.ArgumentParser) -> None:
     engine.add_argument("--port", type=int, default=8100)
     engine.add_argument("--instance-id", default=None,
                         help="name in metrics and routing logs (default HOST:PORT)")
-    engine.add_argument("--register-redis-url", default=None, metavar="URL",
+    engine.add_argument("--register-redis-url", default=os.environ.get(REGISTER_ENV),
+                        metavar="URL",
                         help="announce this engine in the gateways' Redis (a heartbeat with "
-                             "a TTL), so `loragate serve --redis-url URL` finds it")
-    engine.add_argument("--advertise-url", default=None, metavar="URL",
-                        help="the URL gateways reach this engine at (default http://HOST:PORT)")
+                             "a TTL), so `loragate serve --redis-url URL` finds it (env "
+                             f"{REGISTER_ENV}: keeps a password out of `ps`)")
+    engine.add_argument("--advertise-url", default=os.environ.get(ADVERTISE_ENV),
+                        metavar="URL",
+                        help="the URL gateways reach this engine at (default http://HOST:PORT;"
+                             f" env {ADVERTISE_ENV})")
     engine.add_argument("--engine-token", default=None, metavar="TOKEN",
                         help="shared secret every caller but GET /health must send as "
                              "'Authorization: Bearer TOKEN' (required beyond loopback; env "
