@@ -232,6 +232,7 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
     k = req.body.samples_per_prompt
     try:
         for i, job in enumerate(jobs):
+            job.whole = not req.body.stream
             # A prompt's sequences go where its first went: they share its cached blocks.
             job.prefer = jobs[i - i % k].instance_id if i % k else None
             opened.append(await next_or_disconnect(req.http, gateway.open(job)))

@@ -142,9 +142,12 @@ class _Timer:
             return
         now = time.monotonic()
         if self.last is None:
-            self.metrics.ttft.observe(now - self.arrival)
-            self.job.first_token_at = now
-        else:
+            # A whole response's chunks arrive together at the end: its first token's time
+            # was noted when the gateway got it (gateway/service.py _relay).
+            first = self.job.first_token_at or now
+            self.metrics.ttft.observe(first - self.arrival)
+            self.job.first_token_at = first
+        elif not self.job.whole:  # gaps between held chunks mean nothing to the client
             self.metrics.itl.observe(now - self.last)
         self.last = now
 

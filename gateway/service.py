@@ -80,6 +80,10 @@ class Job:
     """time.monotonic() when the first token reached the gateway (the access log's TTFT)."""
     prefer: str | None = None
     """An instance to try first (another sequence of the same prompt runs there)."""
+    whole: bool = False
+    """Answered as one response (not streamed): its chunks are held until the last, so an
+    engine that dies mid-response is invisible to the client and the job starts over
+    elsewhere."""
 
     @property
     def request_id(self) -> str:
@@ -344,8 +348,10 @@ class Gateway:
 
     async def _relay(self, job: Job, tried: set[str], instance: Instance,
                      stream: ChunkStream) -> AsyncGenerator[StreamChunk, None]:
-        """The chunks of an accepted job, retried elsewhere while none carried a token."""
+        """The chunks of an accepted job, retried elsewhere while none carried a token to
+        the client (a whole-response job's chunks reach it only at the end: see Job.whole)."""
         tokens_sent = False
+        held: list[StreamChunk] = []
         while True:
             try:
                 async with contextlib.aclosing(stream):
@@ -359,6 +365,13 @@ class Gateway:
                                         instance.instance_id, chunk.error.message)
                             if chunk.error.code == "timeout":  # the engine saw the deadline
                                 chunk = self._failed(job, self._timeout_message(), "timeout")
+                        if job.whole and not chunk.finished:
+                            if chunk.delta_token_ids and job.first_token_at is None:
+                                job.first_token_at = time.monotonic()
+                            held.append(chunk)
+                            continue
+                        for earlier in held:
+                            yield earlier
                         tokens_sent = tokens_sent or bool(chunk.delta_token_ids)
                         yield chunk
                         if chunk.finished:
@@ -374,6 +387,8 @@ class Gateway:
                     return
                 self.metrics.retries.labels(type(exc).__name__).inc()
                 log.warning("retrying %s elsewhere: %s", job.request_id, exc)
+                held.clear()  # a whole response starts over: nothing of it was sent
+                job.first_token_at = None
             except TimeoutError:
                 self._later(instance.client.abort(job.request_id))
                 yield self._failed(job, self._timeout_message(), "timeout")
