@@ -299,7 +299,7 @@ class AsyncEngine:
                         request_id, out.delta_token_ids, out.delta_text, *usage,
                         (out.finish_reason or "stop") if out.finished else None, logprobs,
                         None if out.error is None else EngineError(out.error),
-                        out.prompt_logprobs)
+                        out.prompt_logprobs, out.num_cached_tokens)
         except EngineInternalError as exc:
             yield StreamChunk.failed(request_id, EngineError(str(exc)), *usage)
         except TimeoutError:

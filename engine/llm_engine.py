@@ -405,6 +405,7 @@ class LLMEngine:
             if request.sampling_params.logprobs is not None else None,
             prompt_logprobs=prompt_logprobs,
             timing=request.timing,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
 
     # ---------------------------------------------------------------------- metrics

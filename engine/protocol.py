@@ -153,7 +153,8 @@ class StreamChunk:
     ``logprobs`` holds one {token id: logprob} map per new token (None unless asked for);
     ``prompt_logprobs`` one entry per prompt position (None at the first), on one chunk only
     (the first that carries a token) and only when asked for; ``prompt_tokens`` /
-    ``completion_tokens`` are the request's usage so far."""
+    ``completion_tokens`` are the request's usage so far, ``cached_tokens`` the prompt
+    tokens it read from the prefix cache (0 until it was admitted)."""
 
     request_id: str
     delta_token_ids: list[int]
@@ -164,6 +165,7 @@ class StreamChunk:
     logprobs: list[dict[int, float]] | None = None
     error: EngineError | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -183,6 +185,7 @@ class StreamChunk:
                 "finish_reason": self.finish_reason, "logprobs": logprobs,
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens,
                 "error": None if self.error is None else self.error.to_json(),
                 "prompt_logprobs": None if self.prompt_logprobs is None else [
                     None if p is None else {"token_id": p.token_id, "logprob": p.logprob,
@@ -210,7 +213,8 @@ class StreamChunk:
                 None if p is None else PromptLogprob(
                     int(p["token_id"]), float(p["logprob"]), int(p["rank"]),
                     tuple((int(t), float(lp)) for t, lp in p["top"]))
-                for p in scored])
+                for p in scored],
+            int(data.get("cached_tokens") or 0))
 
 
 class ChunkStream:

@@ -67,6 +67,9 @@ class Request:
     prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
     """One entry per prompt position once scored (None at position 0), when asked for."""
     num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None
+    """Prompt tokens read from the prefix cache when it was first admitted (None before);
+    a later re-admission after preemption does not change it (what usage reports)."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -129,3 +132,5 @@ class RequestOutput:
     """Set once, on the first output after the prompt was scored (when asked for)."""
     timing: RequestTiming | None = None
     error: str | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens read from the prefix cache at its first admission."""

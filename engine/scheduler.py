@@ -181,6 +181,8 @@ class Scheduler:
             budget += refund
             self.waiting.remove(request)
             request.num_computed_tokens = start
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = start
             self.kv.note_admitted(request, start)
             self._run(request)
             scheduled[request.request_id] = (request, n)

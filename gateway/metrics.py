@@ -70,3 +70,17 @@ class GatewayMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                              "Arrival until the last token", buckets=_LATENCY_BUCKETS,
                              registry=r)
+        # How well the prefix index tracks the engines' caches (polled or fed by KV
+        # events): what routing credited against what the engine then read from its cache.
+        self.prefix_credited = Counter(
+            PREFIX + "routed_prefix_credited_tokens", "Prompt tokens the router believed "
+            "the chosen instance held cached (capped as an engine caps a hit)", registry=r)
+        self.prefix_found = Counter(
+            PREFIX + "routed_prefix_found_tokens", "Credited prompt tokens the instance "
+            "did read from its cache", registry=r)
+        self.prefix_cached = Counter(
+            PREFIX + "routed_cached_tokens", "Prompt tokens the chosen instances read from "
+            "their caches, credited or not", registry=r)
+        self.stale_routes = Counter(
+            PREFIX + "stale_routes", "Requests whose instance held less of the prompt than "
+            "the router credited it with (evicted, or never cached)", registry=r)

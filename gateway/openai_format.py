@@ -60,6 +60,7 @@ class _Choice:
     prompt_logprobs: list[PromptLogprob | None] | None = None
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     completion_tokens: int = 0
     started: bool = False
     """Its first event was built (the role, the echoed prompt and the prompt's ids)."""
@@ -127,6 +128,12 @@ class ResponseFormatter:
         return sum(max(c.prompt_tokens for c in group) for group in self._groups())
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens read from an engine's prefix cache, each prompt once (its most
+        cached sequence)."""
+        return sum(max(c.cached_tokens for c in group) for group in self._groups())
+
+    @property
     def completion_tokens(self) -> int:
         return sum(c.completion_tokens for c in self.choices)
 
@@ -136,6 +143,7 @@ class ResponseFormatter:
         text (the echoed prompt's first, on the choice's first chunk)."""
         choice = self.choices[index]
         choice.prompt_tokens = chunk.prompt_tokens or choice.prompt_tokens
+        choice.cached_tokens = chunk.cached_tokens or choice.cached_tokens
         if chunk.prompt_logprobs is not None:
             choice.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finish_reason is not None:
@@ -171,10 +179,13 @@ class ResponseFormatter:
             entries.append((token_id, step))
         return entries
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` as OpenAI and
+        vLLM name the prompt tokens served from a cache."""
         return {"prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     # ------------------------------------------------------------------ logprobs
     def _token(self, token_id: int) -> str:

@@ -373,6 +373,8 @@ class Gateway:
                         for earlier in held:
                             yield earlier
                         tokens_sent = tokens_sent or bool(chunk.delta_token_ids)
+                        if chunk.finished:
+                            self._note_prefix_outcome(job, chunk)
                         yield chunk
                         if chunk.finished:
                             return
@@ -405,6 +407,24 @@ class Gateway:
             except ApiError as exc:
                 yield self._failed(job, exc.message, exc.code or "unavailable")
                 return
+
+    def _note_prefix_outcome(self, job: Job, last: StreamChunk) -> None:
+        """Compare the prefix the router credited the instance with to what the engine read
+        from its cache (a stale route: the index believed in blocks it no longer had)."""
+        index = self.pool.index
+        if (index is None or job.decision is None or last.error is not None
+                or job.request.params.prompt_logprobs is not None):  # computed, not read
+            return
+        block = index.block_size
+        # An engine always leaves the prompt's last token to compute.
+        credited = min(job.decision.matched_tokens,
+                       (len(job.request.prompt_token_ids) - 1) // block * block)
+        found = min(credited, last.cached_tokens)
+        self.metrics.prefix_credited.inc(credited)
+        self.metrics.prefix_found.inc(found)
+        self.metrics.prefix_cached.inc(last.cached_tokens)
+        if found < credited:
+            self.metrics.stale_routes.inc()
 
     def _deadline(self, job: Job) -> float:
         return job.arrival + self.config.request_timeout_s

@@ -2,18 +2,21 @@
 prefix hashes: after a churny workload (evictions included) its prefix index holds exactly
 as many blocks as the engine has cached, with polls too far apart to have told it, and it
 joined after the engine had published (what came before, it replays from the engine's
-buffer)."""
+buffer). Where a polling gateway routes on blocks the engine has evicted (stale routes, as
+its metrics count them against each answer's cached tokens), one following events does
+not."""
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 from gateway.serve import free_port
-from tests.live_http import instances, wait_engines_idle
+from tests.live_http import instances, metric, wait_engines_idle
 from tests.live_servers import running, start_engine, start_gateway
 
 DEADLINE_S = 20.0
@@ -68,3 +71,59 @@ def test_the_gateway_index_follows_the_engine_block_by_block(tiny_model_dir: Pat
             evicted = [line for line in metrics.splitlines()
                        if line.startswith("loragate_prefix_cache_evictions_total")]
             assert evicted and float(evicted[0].split()[-1]) > 0
+
+
+def _gateway_metric(gateway_url: str, name: str) -> float:
+    return metric(httpx.get(gateway_url + "/metrics", timeout=10.0).text,
+                  f"loragate_gateway_{name}_total")
+
+
+def _serve(gateway_url: str, model: str, order: list[int], docs: list[list[int]],
+           rng: random.Random, settle: Callable[[], object]) -> list[int]:
+    """Each document of ``order`` with a fresh question, one at a time; the prompt tokens
+    each answer's usage says came from the cache."""
+    cached = []
+    for i in order:
+        answer = httpx.post(gateway_url + "/v1/completions", timeout=30.0, json={
+            "model": model, "prompt": docs[i] + [rng.randrange(5, 500) for _ in range(20)],
+            "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+        cached.append(answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        settle()
+    return cached
+
+
+def test_events_leave_no_stale_routes_where_polling_credits_evicted_blocks(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    events, replay = free_port(), free_port()
+    engine = start_engine(tiny_model_dir, tmp_path, "--num-kv-blocks", "24", "--block-size",
+                          "16", "--prefix-publish-every", "1",
+                          "--kv-events-endpoint", f"tcp://*:{events}",
+                          "--kv-events-replay-endpoint", f"tcp://*:{replay}")
+    rng = random.Random(5)
+    docs = [[rng.randrange(5, 500) for _ in range(120)] for _ in range(8)]
+    # Each document twice in a row (the second read hits: 7 full blocks of 16), then
+    # documents whose blocks three others have pushed out of the 24.
+    order = [0, 0, 1, 1, 2, 2, 3, 3, 0, 1]
+    with running(engine):
+        polled = start_gateway(tiny_model_dir, [engine.url], tmp_path, "--poll-interval-s",
+                               "30")
+        with running(polled):
+            cached = _serve(polled.url, tiny_model_dir.name, order, docs, rng,
+                            lambda: wait_engines_idle(engine.url))
+            assert cached[:8] == [0, 112] * 4 and cached[8:] == [0, 0]
+            # Its index learns of evictions only by polling: the routed notes of documents
+            # 0 and 1 still credit the engine with their blocks.
+            assert _gateway_metric(polled.url, "stale_routes") == 2
+            assert _gateway_metric(polled.url, "routed_prefix_found_tokens") == 4 * 112
+        followed = start_gateway(tiny_model_dir, [engine.url], tmp_path, "--kv-events",
+                                 "true", "--poll-interval-s", "30")
+        with running(followed):
+            _agree(followed.url, engine.url)
+            cached = _serve(followed.url, tiny_model_dir.name, [4, 4, 5, 5, 6, 6, 7, 7, 4, 5],
+                            docs, rng, lambda: _agree(followed.url, engine.url))
+            assert cached[:8] == [0, 112] * 4 and cached[8:] == [0, 0]
+            assert _gateway_metric(followed.url, "stale_routes") == 0
+            credited = _gateway_metric(followed.url, "routed_prefix_credited_tokens")
+            assert credited == _gateway_metric(followed.url, "routed_prefix_found_tokens")
+            assert credited == 4 * 112
