@@ -1,6 +1,7 @@
 """Serving benchmarks (gateway overhead, routing), each measured side by side in one run.
 
-    python -m benchmarks.gateway_bench --model DIR [--quick] [--part overhead|routing|all]
+    python -m benchmarks.gateway_bench --model DIR [--quick]
+        [--part overhead|routing|index|all]
         [--gateway-mode process|inprocess]
 
 1. Gateway overhead: one engine process; a workload of short prompts and 16 output tokens
@@ -30,6 +31,12 @@
    conversations (``--turns``, default 3): RAG chat, where each follow-up is the previous
    turn's prompt + answer + a question on the same documents, so a conversation's history
    is cached only where it was served.
+3. Index sources: the scoring router on 2 instances, its prefix index fed by polling the
+   engines' /state (``--poll-interval-s``, the gateway's default 0.5 s) and by the engines'
+   KV events (``--kv-events``), on the conversations at the pressured size, in alternating
+   order (``--repeats`` pairs). Reports the hit rates (target: events >= polling) and, from
+   the gateway's own counters, the stale routes: requests whose instance read less of the
+   prompt from its cache than the router credited it with.
 
 Engines and the gateway are real processes on loopback ports (`loragate engine`,
 `loragate serve --engine URL`). On a small CPU box every instance shares the same cores, so
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -51,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.bench_adapters import bench_adapters_dir, ensure_adapters
 from benchmarks.routing_replay import replay_all, routing_workload
@@ -195,9 +204,32 @@ def overhead(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                               "added_ttft_p50_ms": added_alone}}
 
 
+ROUTE_COUNTERS = ("stale_routes", "routed_prefix_credited_tokens",
+                  "routed_prefix_found_tokens", "routed_cached_tokens")
+"""The gateway's counters of how its prefix index matched the engines' caches."""
+
+
+def _route_counters(gateway_url: str) -> dict[str, float]:
+    families = text_string_to_metric_families(
+        httpx.get(gateway_url + "/metrics", timeout=10.0).text)
+    values = {f.name: sum(s.value for s in f.samples if s.name.endswith("_total"))
+              for f in families}
+    return {name: values.get("loragate_gateway_" + name, 0.0) for name in ROUTE_COUNTERS}
+
+
+def _events_config(config: EngineConfig) -> EngineConfig:
+    """Engines that publish KV events (each instance offsets the ports: for_instance)."""
+    return dataclasses.replace(
+        config, kv_events_endpoint=f"tcp://*:{free_port()}",
+        kv_events_replay_endpoint=f"tcp://*:{free_port()}")
+
+
 def routing_run(args: argparse.Namespace, log_dir: Path, instances: int, policy: str,
                 kv_blocks: int, requests: list[ServingRequest],
-                adapters: dict[str, str]) -> dict[str, Any]:
+                adapters: dict[str, str], *gateway_flags: str,
+                kv_events: bool = False) -> dict[str, Any]:
+    """Fresh engines and a gateway (``gateway_flags`` added to its command line), the
+    requests through it; with ``kv_events`` the engines publish and the gateway follows."""
     # Instances split the cores instead of fighting for them (never more threads than the
     # caller's OMP_NUM_THREADS, e.g. the suite's --threads).
     before = os.environ.get("OMP_NUM_THREADS")
@@ -206,17 +238,21 @@ def routing_run(args: argparse.Namespace, log_dir: Path, instances: int, policy:
     config = EngineConfig(model=args.model, max_loras=args.max_loras,
                           max_num_batched_tokens=512, max_num_seqs=32,
                           num_kv_blocks=kv_blocks)
+    if kv_events:
+        config = _events_config(config)
+        gateway_flags = (*gateway_flags, "--kv-events", "true")
     engines = start_engines(config, instances, log_dir, adapters)
     gateway = None
     try:
         wait_ready(engines, 300)
         gateway = start_gateway(args.model, [e.url for e in engines], adapters, log_dir,
-                                "--routing", policy)
+                                "--routing", policy, *gateway_flags)
         bench = BenchConfig(gateway.url, "openai", rate=args.rag_rate, seed=3,
                             metrics_urls=tuple(e.url + "/metrics" for e in engines))
-        print(f"routing: {instances} instance(s), {policy}, {kv_blocks} KV blocks each",
-              flush=True)
+        print(f"routing: {instances} instance(s), {policy}, {kv_blocks} KV blocks each"
+              f"{', KV events' if kv_events else ''} {' '.join(gateway_flags)}", flush=True)
         result = _summary(asyncio.run(run_benchmark(bench, requests)))
+        result["index"] = _route_counters(gateway.url)
     finally:
         if gateway is not None:
             stop_gateway(gateway)
@@ -228,7 +264,8 @@ def routing_run(args: argparse.Namespace, log_dir: Path, instances: int, policy:
     print(f"  {result['request_throughput']:.2f} req/s, hit rate "
           f"{result.get('prefix_hit_rate', 0.0):.1%}, TTFT p50 {result['ttft_p50_ms']:.0f} ms",
           flush=True)
-    return {"instances": instances, "policy": policy, "kv_blocks": kv_blocks, **result}
+    return {"instances": instances, "policy": policy, "kv_blocks": kv_blocks,
+            "kv_events": kv_events, **result}
 
 
 def _routing_pair(args: argparse.Namespace, log_dir: Path, kv_blocks: int,
@@ -288,10 +325,50 @@ def routing(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     return report
 
 
+def index_sources(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """The scoring router on 2 instances, its prefix index fed by polling (the default
+    interval) and by KV events, on the conversation workload at the pressured KV size:
+    hit rates, and the routes that credited an instance with blocks it no longer had."""
+    paths = ensure_adapters(args.model, bench_adapters_dir(args.model), 8)
+    adapters = {n: str(p) for n, p in paths.items()}
+    num_requests = 40 if args.quick else args.rag_requests
+    conversations = routing_workload(num_requests, list(paths),
+                                     load_hf_config(args.model).vocab_size, max(2, args.turns))
+    kv_blocks = args.kv_blocks[-1]
+    poll = ("--poll-interval-s", str(args.poll_interval_s))
+    runs = []
+    for repeat in range(args.repeats):
+        for events in (False, True) if repeat % 2 == 0 else (True, False):
+            run = routing_run(args, log_dir, 2, "score", kv_blocks, conversations, adapters,
+                              *poll, kv_events=events)
+            index = run["index"]
+            print(f"  {'KV events' if events else 'polling'}: stale routes "
+                  f"{index['stale_routes']:.0f} of {run['completed']}, credited tokens found "
+                  f"{index['routed_prefix_found_tokens']:.0f} / "
+                  f"{index['routed_prefix_credited_tokens']:.0f}", flush=True)
+            runs.append(run)
+
+    def pooled(events: bool) -> dict[str, float]:
+        mine = [r for r in runs if r["kv_events"] == events]
+        return {"prefix_hit_rate": statistics.fmean(r["prefix_hit_rate"] for r in mine),
+                **{k: sum(r["index"][k] for r in mine) for k in ROUTE_COUNTERS},
+                "requests": sum(r["completed"] for r in mine)}
+
+    polled, followed = pooled(False), pooled(True)
+    ratio = followed["prefix_hit_rate"] / max(1e-9, polled["prefix_hit_rate"])
+    print(f"KV events / polling ({args.poll_interval_s} s): hit rate {ratio:.3f}x (target >= "
+          f"1.0x); stale routes {followed['stale_routes']:.0f} vs {polled['stale_routes']:.0f}",
+          flush=True)
+    return {"turns": max(2, args.turns), "kv_blocks": kv_blocks,
+            "poll_interval_s": args.poll_interval_s, "runs": runs, "polling": polled,
+            "kv_events": followed, "hit_rate_ratio": ratio}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--part", choices=("overhead", "routing", "all"), default="all")
+    parser.add_argument("--part", choices=("overhead", "routing", "index", "all"),
+                        default="all")
     parser.add_argument("--quick", action="store_true", help="small runs (smoke test)")
     parser.add_argument("--overhead-rate", type=float, default=4.0,
                         help="overhead part: requests/s of both paths together")
@@ -312,6 +389,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="KV blocks per instance in the routing part, comma-separated; "
                              "the last is the headline (default 2048,512: about half and "
                              "about a ninth of the workload's 4730 distinct prefix blocks)")
+    parser.add_argument("--poll-interval-s", type=float, default=0.5,
+                        help="index part: the polling arm's interval (the gateway default)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="index part: polling/events pairs, order alternating")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     log_dir = Path(tempfile.mkdtemp(prefix="loragate-bench-"))
@@ -321,6 +402,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["overhead"] = overhead(args, log_dir)
     if args.part in ("routing", "all"):
         report["routing"] = routing(args, log_dir)
+    if args.part in ("index", "all"):
+        report["index"] = index_sources(args, log_dir)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str))
     return report

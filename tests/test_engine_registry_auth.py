@@ -102,3 +102,27 @@ def test_registry_discovery_without_a_token_refuses_to_start(tiny_model_dir: Pat
     assert result.stderr.strip().splitlines()[-1] == (
         "loragate: error: discovering engines through the Redis registry needs --engine-token "
         "(the engines' token, which signs their registrations)")
+
+
+def test_a_draining_engine_withdraws_its_registry_entries(tiny_model_dir: Path,
+                                                           tmp_path: Path) -> None:
+    store = private_redis(tmp_path)
+    client = redis.Redis.from_url(store.url, decode_responses=True)
+    engine = start_engine(tiny_model_dir, tmp_path, "--num-kv-blocks", "64",
+                          "--register-redis-url", store.url, "--engine-token", TOKEN)
+    try:
+        engine.wait_ready()
+
+        def urls() -> list[str | None]:
+            return [verified_url(TOKEN, m, time.time()) for m in client.zrange(ENGINES_KEY,
+                                                                                0, -1)]
+
+        poll(lambda: urls() == [engine.url] or None, "the engine's registration")
+        engine.process.terminate()  # SIGTERM: drain, then exit
+        # Gone well before its last beat's TTL (10 s) could have dropped it.
+        poll(lambda: not client.zrange(ENGINES_KEY, 0, -1) or None,
+             "the drained engine's entries withdrawn", timeout_s=3.0)
+        assert engine.process.wait(30) == 0
+    finally:
+        engine.stop()
+        store.stop()

@@ -390,8 +390,8 @@ def _rehearse(cluster: Cluster) -> None:
     engines[0] = restarted
     print(f"kill -> back in rotation: {time.monotonic() - killed_at:.1f}s")
 
-    # ---- 3a. scale 3 -> 1: SIGTERM two engines at once; they drain and exit 0, their
-    # registry entries expire, the gateways forget them, traffic stays on the survivor.
+    # ---- 3a. scale 3 -> 1: SIGTERM two engines at once; they withdraw their registry
+    # entries, drain and exit 0, the gateways forget them, traffic stays on the survivor.
     survivor, leaving = engines[0], engines[1:]
     for server in leaving:
         server.process.terminate()
@@ -400,13 +400,11 @@ def _rehearse(cluster: Cluster) -> None:
     cluster.ready_engines = 1
     gone_at = time.monotonic()
     left = {s.url for s in leaving}
-    # ---- 3b (started now). scale 1 -> 3: two new engines (new pods: new addresses). Their
-    # processes load while the drained engines' registry entries expire (the heartbeat TTL
-    # is 10 s, engine/http/registry.py, not configurable), as `kubectl scale` right after a
-    # scale-down would.
+    # Withdrawn when their drain began, not left to expire (the heartbeat TTL is 10 s).
+    assert not (cluster.registered() & left)
+    # ---- 3b (started now). scale 1 -> 3: two new engines (new pods: new addresses), as
+    # `kubectl scale` right after a scale-down would.
     newcomers = [cluster.start_engine(f"loragate-engine-{k}") for k in (1, 2)]
-    poll(lambda: not (cluster.registered() & left), "the drained engines' registry entries "
-         "to expire", 15, interval_s=0.2)
     poll(lambda: all(not (v & left) for v in cluster.known_views()),
          "both gateways to forget the drained engines", 10)
     # Traffic went on, on the survivor alone while the newcomers were loading.

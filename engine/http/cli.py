@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         assert token is not None
         url = args.advertise_url or f"http://{args.host}:{args.port}"
         client = registry_client(args.register_redis_url)
-        background.append(lambda: heartbeat(client, url, token))
+        background.append(lambda engine: heartbeat(client, url, token,
+                                                    draining=lambda: engine.draining))
     serve(config, args.host, args.port, args.instance_id,
           adapters=parse_adapters(args.lora, args.adapter_dir), background=background,
           token=token, adapter_roots=roots)

@@ -2,9 +2,9 @@
 Redis with a TTL heartbeat (``loragate engine --register-redis-url URL``); gateways discover
 it there (gateway/registry.py).
 
-An engine re-registers every TTL/3, so one missed beat does not drop it; a crashed engine
-disappears from the registry after the TTL, while the gateway's health checks have usually
-ejected it long before.
+An engine re-registers every TTL/3, so one missed beat does not drop it; a draining engine
+(SIGTERM) withdraws its entries at once; a crashed engine disappears from the registry
+after the TTL, while the gateway's health checks have usually ejected it long before.
 
 Whoever can write the registry could otherwise announce their own server and receive every
 tenant's prompts. So each entry is signed: the member stored in the sorted set is
@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -34,6 +35,8 @@ from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
 HEARTBEAT_TTL_S = 10.0
+DRAIN_CHECK_S = 0.25
+"""How often the heartbeat looks at the engine's draining flag between beats."""
 REGISTRY_KEY = "engines"
 """The sorted set (member -> expiry, unix seconds) under the store's key prefix."""
 DEFAULT_PREFIX = "lg:"
@@ -82,21 +85,44 @@ def registry_client(redis_url: str) -> aioredis.Redis:
                          "database") from None
 
 
+async def withdraw(client: aioredis.Redis, key: str, members: list[str]) -> None:
+    """Remove ``members`` from the registry set ``key`` (a draining engine's own)."""
+    if members:
+        await client.zrem(key, *members)
+
+
 async def heartbeat(client: aioredis.Redis, engine_url: str, token: str,
-                    ttl_s: float = HEARTBEAT_TTL_S) -> None:
-    """Register engine_url, signed with the engine token, every ttl_s / 3, forever (cancel
-    to stop)."""
+                    ttl_s: float = HEARTBEAT_TTL_S,
+                    draining: Callable[[], bool] = lambda: False) -> None:
+    """Register engine_url, signed with the engine token, every ttl_s / 3 until
+    ``draining()`` turns true or the task is cancelled; then withdraw every entry it wrote,
+    so gateways stop discovering it at once instead of after the TTL."""
+    key = DEFAULT_PREFIX + REGISTRY_KEY
+    written: dict[str, int] = {}  # member -> its signed expiry
     try:
-        while True:
+        while not draining():
             try:
                 # A second past the store's score for the member: while the store
                 # returns it, its signed expiry has not passed.
                 exp = math.ceil(time.time() + ttl_s) + 1
-                await register(client, DEFAULT_PREFIX + REGISTRY_KEY,
-                               signed_entry(token, engine_url, exp), ttl_s)
+                member = signed_entry(token, engine_url, exp)
+                await register(client, key, member, ttl_s)
+                written[member] = exp
             except (RedisError, OSError) as exc:  # the text may name the server: not logged
                 log.warning("engine registry unreachable: %s", type(exc).__name__)
-            await asyncio.sleep(ttl_s / 3)
+            now = time.time()
+            for member in [m for m, e in written.items() if e < now]:
+                del written[member]  # expired: the store ignores it already
+            # Wake often enough to withdraw soon after a drain starts.
+            beat_at = time.monotonic() + ttl_s / 3
+            while not draining() and time.monotonic() < beat_at:
+                await asyncio.sleep(min(DRAIN_CHECK_S, ttl_s / 3))
     finally:
+        try:
+            async with asyncio.timeout(2.0):
+                await withdraw(client, key, list(written))
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("engine registry entries not withdrawn (%s): they expire within "
+                        "%.0f s", type(exc).__name__, ttl_s)
         with contextlib.suppress(Exception):
             await client.aclose()

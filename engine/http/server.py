@@ -52,17 +52,20 @@ from engine.llm_engine import LLMEngine
 from engine.protocol import ChunkStream, EngineError, GenerateRequest, StreamChunk
 
 log = logging.getLogger(__name__)
+Background = Callable[[AsyncEngine], Coroutine[Any, Any, None]]
+"""A coroutine the engine server runs beside the app, given its engine."""
 EXIT_ENGINE_DIED = 70
 """Exit status of an engine process whose engine loop died (EX_SOFTWARE)."""
 
 
 def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
                model_name: str | None = None,
-               background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+               background: Sequence[Background] = (),
                token: str | None = None, adapter_roots: AdapterRoots | None = None
                ) -> FastAPI:
     """The engine API over a running AsyncEngine (the app owns it: shut down on exit).
-    ``background`` coroutines (e.g. a registry heartbeat) run while the app serves. With a
+    ``background`` coroutines (e.g. a registry heartbeat, given the engine) run while the
+    app serves, and are cancelled and awaited (a few seconds at most) at its end. With a
     ``token``, every route but GET /health requires it; POST /adapters loads only paths
     inside ``adapter_roots`` (none: no adapter can be loaded through the API)."""
     engine.instance_id = instance_id
@@ -73,10 +76,13 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(job()) for job in background]
+        tasks = [asyncio.create_task(job(engine)) for job in background]
         yield
         for task in tasks:
             task.cancel()
+        # Their cleanup (withdrawing a registry entry) runs before the loop closes.
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
         engine.shutdown()
 
     # No /docs: Swagger UI would load from a CDN (blank offline), and this API is the
@@ -176,7 +182,7 @@ async def _ndjson(chunks: AsyncGenerator[StreamChunk, None]) -> AsyncIterator[by
 def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = None,
           model_name: str | None = None, adapters: dict[str, str] | None = None,
           drain_timeout_s: float = 30.0,
-          background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+          background: Sequence[Background] = (),
           token: str | None = None, adapter_roots: Sequence[str] = ()) -> None:
     """Build the engine, register adapters, serve until SIGTERM/SIGINT, then drain.
     Adapters given here are trusted: their directories join ``adapter_roots``. Refuses
