@@ -21,17 +21,15 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.http.errors import ApiError
 from gateway.caller import Caller
-from gateway.openai_protocol import (
-    MAX_MODEL_NAME,
-    MAX_PROMPT_TOKEN_IDS,
+from gateway.openai_chat_protocol import (
     MAX_TOOLS,
     ChatCompletionRequest,
     ChatMessage,
     NamedToolChoice,
-    Text,
-    TokenId,
     ToolDefinition,
 )
+from gateway.openai_protocol import MAX_MODEL_NAME, MAX_PROMPT_TOKEN_IDS, TokenId
+from gateway.openai_text import Text
 from gateway.prompts import PromptEncoder
 from gateway.service import Gateway
 

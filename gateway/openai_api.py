@@ -35,13 +35,9 @@ from gateway.caller import Caller
 from gateway.config import GatewayConfig
 from gateway.exposure import instance_tag
 from gateway.info_api import build_info_router
+from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.openai_format import Endpoint, PromptEcho, ResponseFormatter
-from gateway.openai_protocol import (
-    SEED_LIMIT,
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingFields,
-)
+from gateway.openai_protocol import SEED_LIMIT, CompletionRequest, SamplingFields
 from gateway.openai_stream import ClosingStream, collect, next_or_disconnect, sse
 from gateway.prompts import PromptEncoder
 from gateway.service import Claim, Gateway, Job, Outcome, new_request_id

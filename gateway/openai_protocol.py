@@ -17,13 +17,10 @@ names them (repetition_penalty, min_p, min_tokens, stop_token_ids, bad_words, ..
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -40,7 +37,8 @@ from pydantic import (
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
 from gateway.openai_fields import Unsupported
-from gateway.tool_calls import CLOSE_TAG, OPEN_TAG, Function, ToolPlan
+from gateway.openai_structured import ResponseFormat, StructuredOutputs, schema_text
+from gateway.openai_text import Text, valid_text
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -65,31 +63,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 the prompt is built or tokenized, not what the template renders."""
 MAX_TOKEN_LIST = 4096
 """Most entries of logit_bias, allowed_token_ids, bad_words, stop_token_ids."""
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _arguments(text: str) -> Any:
-    """A call's arguments as templates take them: the object, or the text if not JSON."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def _schema_text(schema: dict[str, Any] | str) -> str:
-    """A JSON schema as the engine takes it (text); ValueError when it is too long."""
-    text = schema if isinstance(schema, str) else json.dumps(schema)
-    if len(text) > MAX_SPEC_CHARS:
-        raise ValueError(f"a JSON schema may have at most {MAX_SPEC_CHARS} characters")
-    return text
-
-
-def valid_text(text: str) -> str:
-    """`text` unchanged, or ValueError when it holds a lone UTF-16 surrogate (JSON allows
-    "\\ud800"; such a string cannot be encoded as UTF-8, so nothing downstream can use it)."""
-    if not text.isascii() and _SURROGATE.search(text):
-        raise ValueError("contains a lone UTF-16 surrogate: not valid Unicode text")
-    return text
 
 
 def _not_bool(value: Any) -> Any:
@@ -98,7 +71,6 @@ def _not_bool(value: Any) -> Any:
     return value
 
 
-Text = Annotated[StrictStr, AfterValidator(valid_text)]
 SampleCount = Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=MAX_SAMPLES)]
 TokenId = Annotated[int, Field(ge=0, lt=INT32_LIMIT)]
 MaxTokens = Annotated[int, Field(ge=1, lt=INT32_LIMIT)]
@@ -112,44 +84,6 @@ class StreamOptions(BaseModel):
 Stop = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_LENGTH)] | Annotated[
     list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_LENGTH)]],
     Field(max_length=MAX_STOP_STRINGS)]
-
-
-class JsonSchemaFormat(BaseModel):
-    """response_format's json_schema object."""
-
-    model_config = ConfigDict(extra="ignore")
-    name: Annotated[Text, Field(max_length=256)] = "response"
-    description: Text | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
-
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is given with type json_schema, and only then")
-        return self
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's structured_outputs object: exactly one constraint."""
-
-    model_config = ConfigDict(extra="ignore")
-    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
-    regex: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
-    choice: Annotated[list[Annotated[Text, Field(min_length=1)]],
-                      Field(min_length=1, max_length=1024)] | None = None
-    grammar: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-    """JSON kinds: compact JSON only (no whitespace between tokens)."""
 
 
 class SamplingFields(BaseModel):
@@ -288,11 +222,11 @@ class SamplingFields(BaseModel):
         if fmt is not None and fmt.type == "json_object":
             from_format = StructuredOutput("json_object")
         elif fmt is not None and fmt.json_schema is not None:
-            from_format = StructuredOutput("json", _schema_text(fmt.json_schema.schema_))
+            from_format = StructuredOutput("json", schema_text(fmt.json_schema.schema_))
         from_vllm = None
         if so is not None:
             compact = so.disable_any_whitespace
-            options = [StructuredOutput("json", _schema_text(so.json_),
+            options = [StructuredOutput("json", schema_text(so.json_),
                                         any_whitespace=not compact)
                        if so.json_ is not None else None,
                        StructuredOutput("regex", so.regex) if so.regex is not None else None,
@@ -310,7 +244,7 @@ class SamplingFields(BaseModel):
         return [
             ("response_format", from_format), ("structured_outputs", from_vllm),
             ("guided_json", None if self.guided_json is None else
-             StructuredOutput("json", _schema_text(self.guided_json))),
+             StructuredOutput("json", schema_text(self.guided_json))),
             ("guided_regex", None if self.guided_regex is None else
              StructuredOutput("regex", self.guided_regex)),
             ("guided_choice", None if self.guided_choice is None else
@@ -439,203 +373,3 @@ def _token_ids(value: list[Any]) -> list[int]:
     if value and (min(value) < 0 or max(value) >= INT32_LIMIT):
         raise ValueError(f"token ids must be in [0, {INT32_LIMIT})")
     return value
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: StrictStr
-
-
-ToolName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-MAX_TOOLS = 128
-
-
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: ToolName
-    arguments: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)]
-    """A JSON object, as text (OpenAI's encoding)."""
-
-
-class ToolCall(BaseModel):
-    """A call an earlier assistant message made (in the history the client sends back)."""
-
-    model_config = ConfigDict(extra="ignore")
-    id: Annotated[Text, Field(max_length=256)] = ""
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: ToolName
-    description: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: ToolName
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None \
-        = None
-    name: Text | None = None
-    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
-    """An assistant message's calls."""
-    tool_call_id: Annotated[Text, Field(max_length=256)] | None = None
-    """A tool message's answer to this call."""
-
-    @field_validator("content")
-    @classmethod
-    def _content_text(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
-        for text in [value] if isinstance(value, str) else [p.text for p in value or []]:
-            valid_text(text)
-        return value
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions."""
-
-    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
-    max_tokens: MaxTokens | None = None
-    max_completion_tokens: MaxTokens | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    add_generation_prompt: bool = True
-    """End the rendered prompt with the assistant's turn opened (vLLM's default)."""
-    continue_final_message: bool = False
-    """Render the last (assistant) message open-ended, so the model continues it."""
-    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
-    """Extra variables for the model's chat template (e.g. enable_thinking)."""
-    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    """False: at most one call per answer (enforced when tool_choice is required)."""
-    UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.CHAT
-
-    @model_validator(mode="after")
-    def _tools_consistent(self) -> ChatCompletionRequest:
-        names = [t.function.name for t in self.tools or []]
-        if len(set(names)) != len(names):
-            raise ValueError("tools must have distinct function names")
-        choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not "
-                             f"among the tools")
-        if choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
-        plan = self.tool_plan()
-        if plan.constraint() is not None and self.structured_output() is not None:
-            raise ValueError("a forced tool call cannot be combined with another structured "
-                             "output constraint")
-        return self
-
-    def structured_constraint(self) -> StructuredOutput | None:
-        """The request's constraint: a forced tool call's, else the structured output's."""
-        return self.tool_plan().constraint() or self.structured_output()
-
-    @model_validator(mode="after")
-    def _template_options(self) -> ChatCompletionRequest:
-        if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("continue_final_message=true needs add_generation_prompt=false: "
-                             "the last message is continued, not answered")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message=true needs an assistant message last")
-        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
-                             f"they are request fields or the server's own")
-        return self
-
-    def template_options(self) -> dict[str, Any]:
-        """Keyword arguments of the tokenizer's apply_chat_template for this request."""
-        return {**(self.chat_template_kwargs or {}),
-                "add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs needs logprobs=true")
-        return value
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-    def prompt_chars(self) -> int:
-        """Characters the conversation brings (contents and names), before the template."""
-        return sum(len(m.text()) + len(m.name or "") for m in self.messages)
-
-    def tool_plan(self) -> ToolPlan:
-        functions = tuple(Function(t.function.name, t.function.description,
-                                   t.function.parameters) for t in self.tools or [])
-        choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice):
-            return ToolPlan(functions, "named", choice.function.name, self.parallel_tool_calls)
-        mode = choice or ("auto" if functions else "none")
-        return ToolPlan(functions, mode, None, self.parallel_tool_calls)
-
-    def template_messages(self, tools_in_template: bool = True) -> list[dict[str, Any]]:
-        """The conversation as chat templates take it. Calls in the history carry their
-        arguments as objects (what templates render); a template that takes no tools gets
-        the calls as the text a model answers with, and the tools in a system message."""
-        plan = self.tool_plan()
-        messages: list[dict[str, Any]] = []
-        for m in self.messages:
-            # "developer" is OpenAI's newer name for "system"; chat templates know "system".
-            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                       "content": m.text()}
-            if m.tool_calls and tools_in_template:
-                message["tool_calls"] = [
-                    {"id": c.id, "type": "function", "function": {
-                        "name": c.function.name,
-                        "arguments": _arguments(c.function.arguments)}}
-                    for c in m.tool_calls]
-            elif m.tool_calls:
-                calls = [json.dumps({"name": c.function.name,
-                                     "arguments": _arguments(c.function.arguments)})
-                         for c in m.tool_calls]
-                message["content"] += "".join(f"{OPEN_TAG}{c}{CLOSE_TAG}" for c in calls)
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            if m.name is not None:
-                message["name"] = m.name
-            messages.append(message)
-        if plan.functions and plan.mode != "none" and not tools_in_template:
-            if messages[0]["role"] == "system":
-                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n"
-                               + plan.system_prompt()}
-            else:
-                messages.insert(0, {"role": "system", "content": plan.system_prompt()})
-        return messages
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools argument of apply_chat_template (None: no tools, or tool_choice none)."""
-        plan = self.tool_plan()
-        return [f.to_template() for f in plan.functions] if plan.active else None

@@ -26,7 +26,7 @@ import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from engine.http.errors import ApiError
-from gateway.openai_protocol import ChatCompletionRequest
+from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.tool_calls import template_takes_tools
 
 CHARS_PER_TOKEN = 16

@@ -114,8 +114,8 @@ def test_a_draining_engine_withdraws_its_registry_entries(tiny_model_dir: Path,
         engine.wait_ready()
 
         def urls() -> list[str | None]:
-            return [verified_url(TOKEN, m, time.time()) for m in client.zrange(ENGINES_KEY,
-                                                                                0, -1)]
+            members: list[str] = client.zrange(ENGINES_KEY, 0, -1)  # type: ignore[assignment]
+            return [verified_url(TOKEN, m, time.time()) for m in members]
 
         poll(lambda: urls() == [engine.url] or None, "the engine's registration")
         engine.process.terminate()  # SIGTERM: drain, then exit

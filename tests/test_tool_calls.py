@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.openai_protocol import ChatCompletionRequest
+from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.prompts import PromptEncoder
 from gateway.tool_calls import Function, ToolPlan, template_takes_tools
 

@@ -13,8 +13,9 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from pydantic import BaseModel, ValidationError
 
+from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.openai_fields import CHAT, COMPLETIONS, Unsupported
-from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.openai_protocol import CompletionRequest
 from tests.live_servers import LiveServer
 
 VLLM_EXTRAS = (

@@ -1,0 +1,59 @@
+"""Structured-output request fields of the OpenAI-compatible API: OpenAI's response_format
+and vLLM's structured_outputs object (pydantic: only at this edge). Which one constraint a
+request asks for is decided by SamplingFields (gateway/openai_protocol.py)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.structured_output import MAX_SPEC_CHARS
+from gateway.openai_text import Text
+
+
+def schema_text(schema: dict[str, Any] | str) -> str:
+    """A JSON schema as the engine takes it (text); ValueError when it is too long."""
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    if len(text) > MAX_SPEC_CHARS:
+        raise ValueError(f"a JSON schema may have at most {MAX_SPEC_CHARS} characters")
+    return text
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema object."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[Text, Field(max_length=256)] = "response"
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs object: exactly one constraint."""
+
+    model_config = ConfigDict(extra="ignore")
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
+    choice: Annotated[list[Annotated[Text, Field(min_length=1)]],
+                      Field(min_length=1, max_length=1024)] | None = None
+    grammar: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    """JSON kinds: compact JSON only (no whitespace between tokens)."""
