@@ -90,3 +90,25 @@ def test_headlines_read_a_written_report() -> None:
         ("TTFT p50 loragate / vLLM at 0.5 req/s", "0.50x", "<= 1.0x"),
         ("greedy agreement with vLLM (identical sequences)", "1/2", "100%")]
     assert headlines({}) == []
+
+
+def test_profiled_ops_sum_into_kinds_beside_the_time_no_op_covered() -> None:
+    import torch
+
+    from benchmarks.peers.op_profile import by_kind, kind_of, profiled
+
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    with profiled(True) as ops:
+        for _ in range(3):
+            torch.nn.functional.scaled_dot_product_attention(a[None], b[None], b[None])
+            torch.mm(a, b).relu_()
+    assert any(kind_of(op) == "attention" for op in ops)
+    assert any(kind_of(op) == "gemm" for op in ops)
+    kinds = by_kind(ops, wall_s=10.0)
+    assert kinds["outside ops"] == 10.0 - sum(ops.values()) > 0
+    with profiled(False) as nothing:
+        torch.mm(a, b)
+    assert nothing == {}
+    assert kind_of("mkldnn::_linear_pointwise") == "gemm"
+    assert kind_of("loragate::paged_decode_attention") == "attention"
+    assert kind_of("_C::cpu_attention_with_kv_cache") == "attention"

@@ -1,7 +1,8 @@
 """loragate against vLLM's CPU build, side by side on this machine.
 
     python -m benchmarks.peers [--model DIR] [--venv PATH] [--quick] [--repeats N]
-        [--parts agreement,mixed,rag,lora,serving] [--rates 0.25,0.5,1] [--out FILE]
+        [--parts agreement,mixed,rag,lora,serving] [--rates 0.25,0.5,1] [--profile-ops]
+        [--out FILE]
 
 Creates the vLLM venv first if it is missing (benchmarks.peers.setup_venv), writes the
 multi-LoRA adapters once under MODEL/peer-adapters, then runs the offline jobs and the
@@ -28,6 +29,7 @@ from benchmarks.peers.adapters import ensure_peer_adapters
 from benchmarks.peers.engines import PeerEnv
 from benchmarks.peers.job import EngineSettings
 from benchmarks.peers.offline import run_alternating
+from benchmarks.peers.op_profile import kind_table
 from benchmarks.peers.plan import FULL, PARTS, QUICK, offline_jobs
 from benchmarks.peers.report import (
     Agreement,
@@ -64,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run vLLM without torch.compile (default: only with --quick, where "
                         "its minutes of compiling per start would dominate)")
+    p.add_argument("--profile-ops", action="store_true",
+                   help="torch's profiler over each engine's timed phases: op times by kind "
+                        "side by side (slower; for where the time goes, not for the ratios)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
@@ -97,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     peer = PeerEnv(ensure_venv(args.venv.resolve()))
     eager = args.quick if args.vllm_eager is None else args.vllm_eager
     settings = EngineSettings(threads=args.threads, vllm_eager=eager,
-                              omp_wait_policy=args.omp_wait_policy)
+                              omp_wait_policy=args.omp_wait_policy,
+                              profile_ops=args.profile_ops)
     tokenizer = AutoTokenizer.from_pretrained(model)
 
     def tokenize(text: str) -> list[int]:
@@ -131,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                                               theirs[0]["phases"][part]["output_token_ids"])
             if part != "agreement":
                 figures.append(throughput_figures(part, ours, theirs))
+            if args.profile_ops:
+                print(kind_table(part, ours[0]["phases"][part], theirs[0]["phases"][part]),
+                      flush=True)
 
     serving_rows: list[ServingRow] = []
     if "serving" in args.parts:

@@ -57,6 +57,8 @@ def engine_env(engine: EngineName, settings: EngineSettings) -> dict[str, str]:
                 "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib),
                 "VLLM_USE_AOT_COMPILE": "0", "VLLM_NO_USAGE_STATS": "1",
                 "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING")})
+    if settings.profile_ops:  # the engine core in the runner's process, where the profiler is
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 

@@ -11,7 +11,8 @@ offline API (all of a phase's requests in one generate call, greedy, ignore_eos,
 
     {"engine": "loragate" | "vllm", "version": str, "startup_s": float,
      "phases": {name: {"seconds": float, "cpu_seconds": float, "prompt_tokens": int,
-                       "output_tokens": int, "output_token_ids": [[int, ...], ...]}}}
+                       "output_tokens": int, "output_token_ids": [[int, ...], ...],
+                       "ops": {op name: self seconds} (with settings.profile_ops)}}}
 
 ``seconds`` is the wall time of that generate call inside the runner's process,
 ``cpu_seconds`` the CPU time its whole process tree spent over the same call (vLLM's offline
@@ -52,6 +53,9 @@ class EngineSettings:
     """vLLM without torch.compile (enforce_eager): skips its inductor compile at start (3-5
     minutes per process on a busy 2-core host), at the cost of its compiled speed. --quick
     uses it; the full benchmark does not."""
+    profile_ops: bool = False
+    """Runner side: torch's profiler over the timed phases, each phase's op times added to
+    the result (benchmarks/peers/op_profile.py); vLLM then runs in the runner's process."""
 
     def __post_init__(self) -> None:
         for name in ("threads", "max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -105,9 +109,10 @@ def read_job(path: Path) -> Job:
 
 
 def phase_result(seconds: float, cpu_seconds: float, requests: Sequence[PeerRequest],
-                 outputs: Sequence[Sequence[int]]) -> dict[str, Any]:
-    """One timed phase's entry in a runner's result."""
+                 outputs: Sequence[Sequence[int]], ops: dict[str, float] | None = None
+                 ) -> dict[str, Any]:
+    """One timed phase's entry in a runner's result (``ops``: profiled op times, if any)."""
     return {"seconds": seconds, "cpu_seconds": cpu_seconds,
             "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
             "output_tokens": sum(len(o) for o in outputs),
-            "output_token_ids": [list(o) for o in outputs]}
+            "output_token_ids": [list(o) for o in outputs], **({"ops": ops} if ops else {})}

@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from benchmarks.peers.job import Job, phase_result, read_job
+from benchmarks.peers.op_profile import profiled
 
 
 def tree_cpu_seconds() -> float:
@@ -56,15 +57,16 @@ def run(job: Job) -> dict[str, Any]:
     for phase in job.phases:
         params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
                   for r in phase.requests]
-        cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
-        outputs = llm.generate([list(r.prompt_token_ids) for r in phase.requests], params,
-                               use_tqdm=False, lora=[r.lora for r in phase.requests])
-        seconds, cpu = time.perf_counter() - t0, tree_cpu_seconds() - cpu0
+        with profiled(s.profile_ops and phase.timed) as ops:
+            cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
+            outputs = llm.generate([list(r.prompt_token_ids) for r in phase.requests], params,
+                                   use_tqdm=False, lora=[r.lora for r in phase.requests])
+            seconds, cpu = time.perf_counter() - t0, tree_cpu_seconds() - cpu0
         print(f"loragate {phase.name}: {len(phase.requests)} requests in {seconds:.2f} s",
               flush=True)
         if phase.timed:
             result["phases"][phase.name] = phase_result(seconds, cpu, phase.requests,
-                                                        [o.token_ids for o in outputs])
+                                                        [o.token_ids for o in outputs], ops)
     return result
 
 

@@ -2,9 +2,9 @@
 
     PEERVENV/bin/python benchmarks/peers/run_vllm.py JOB.json RESULT.json
 
-Runs under the vLLM venv's interpreter, so it imports only the standard library, psutil and
-vLLM. The environment (thread binding, KV cache space, compile switches) comes from the
-orchestrator; see benchmarks/peers/engines.py.
+Runs under the vLLM venv's interpreter, so it imports only the standard library, psutil,
+vLLM and op_profile.py beside it. The environment (thread binding, KV cache space, compile
+switches) comes from the orchestrator; see benchmarks/peers/engines.py.
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+# op_profile (standard library only) beside this script; loragate's packages stay out of sight.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from op_profile import profiled
 
 
 def tree_cpu_seconds() -> float:
@@ -60,17 +64,19 @@ def main(job_path: str, result_path: str) -> None:
                   for r in requests]
         loras = [LoRARequest(r["lora"], lora_ids[r["lora"]], job["adapters"][r["lora"]])
                  if r["lora"] else None for r in requests]
-        cpu0, start = tree_cpu_seconds(), time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False,
-                               lora_request=loras if settings["max_loras"] else None)
-        seconds, cpu = time.perf_counter() - start, tree_cpu_seconds() - cpu0
+        with profiled(settings.get("profile_ops", False) and phase["timed"]) as ops:
+            cpu0, start = tree_cpu_seconds(), time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False,
+                                   lora_request=loras if settings["max_loras"] else None)
+            seconds, cpu = time.perf_counter() - start, tree_cpu_seconds() - cpu0
         print(f"vllm {phase['name']}: {len(requests)} requests in {seconds:.2f} s", flush=True)
         if phase["timed"]:
             ids = [list(o.outputs[0].token_ids) for o in outputs]
             result["phases"][phase["name"]] = {
                 "seconds": seconds, "cpu_seconds": cpu,
                 "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
-                "output_tokens": sum(len(i) for i in ids), "output_token_ids": ids}
+                "output_tokens": sum(len(i) for i in ids), "output_token_ids": ids,
+                **({"ops": ops} if ops else {})}
     Path(result_path).write_text(json.dumps(result))
 
 
