@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -65,6 +64,23 @@ UPLOAD_PATH = "/admin/adapters/upload"
 
 def body_limit(path: str) -> int:
     return MAX_UPLOAD_BYTES if path == UPLOAD_PATH else MAX_BODY_BYTES
+
+
+SHUTDOWN_STEP_S = 5.0
+"""How long shutdown waits for each of its steps (background tasks, the store) to end: a
+task that does not end on cancellation must not keep a drained gateway alive."""
+
+
+async def _stop_background(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel the background tasks and wait a bounded time for them to end."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=SHUTDOWN_STEP_S)
+    for task in pending:
+        log.warning("background task %s did not stop within %g s; shutting down anyway",
+                    task.get_name(), SHUTDOWN_STEP_S)
 
 
 def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
@@ -122,26 +138,29 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
             app.state.gateway = gateway
             log_auth_mode(config.admin_key, view)
             await pool.poll()
-            tasks = [asyncio.create_task(pool.run(config.poll_interval_s)),
-                     asyncio.create_task(view.run())]
+            tasks = [asyncio.create_task(pool.run(config.poll_interval_s), name="poll"),
+                     asyncio.create_task(view.run(), name="state refresh")]
             if watch_adapter_dir is not None:
-                tasks.append(asyncio.create_task(watch(Path(watch_adapter_dir), view)))
+                tasks.append(asyncio.create_task(watch(Path(watch_adapter_dir), view),
+                                                 name="adapter dir watch"))
             if config.redis_url and config.engine_token:
                 tasks.append(asyncio.create_task(discover(
                     store, pool, {u.rstrip("/") for u in engine_urls},
-                    config.poll_interval_s, config.engine_token)))
+                    config.poll_interval_s, config.engine_token), name="registry discovery"))
             elif config.redis_url:
                 log.warning("not discovering engines through the Redis registry: its entries "
                             "are only trusted when signed with an --engine-token")
             try:
                 yield
             finally:
-                for task in tasks:
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                await _stop_background(tasks)
                 pool.close()
-                await store.close()
+                try:
+                    async with asyncio.timeout(SHUTDOWN_STEP_S):
+                        await store.close()
+                except TimeoutError:
+                    log.warning("the state store's connections did not close within %g s",
+                                SHUTDOWN_STEP_S)
 
     app = FastAPI(title="loragate", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible gateway over loragate engine instances.",

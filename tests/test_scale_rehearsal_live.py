@@ -447,6 +447,6 @@ def _rehearse(cluster: Cluster) -> None:
         poll(functools.partial(engine_idle, url), f"{url} to be idle (no KV blocks in use)",
              10)
     for server in cluster.gateways:
-        assert server.stop() == 0, server.log()[-3000:]
+        assert server.stop(45) == 0, server.log()[-3000:]
     for server in [survivor, *newcomers]:
-        assert server.stop() == 0, server.log()[-3000:]
+        assert server.stop(45) == 0, server.log()[-3000:]
