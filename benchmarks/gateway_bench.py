@@ -337,7 +337,7 @@ def index_sources(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     kv_blocks = args.kv_blocks[-1]
     poll = ("--poll-interval-s", str(args.poll_interval_s))
     runs = []
-    for repeat in range(args.repeats):
+    for repeat in range(1 if args.quick else args.repeats):
         for events in (False, True) if repeat % 2 == 0 else (True, False):
             run = routing_run(args, log_dir, 2, "score", kv_blocks, conversations, adapters,
                               *poll, kv_events=events)

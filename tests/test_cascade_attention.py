@@ -144,3 +144,22 @@ def test_a_first_chunk_is_one_call_outside_the_merge() -> None:
 def test_sliding_window_keeps_the_reference_path() -> None:
     meta = build_attention_metadata([([0, 1], 6)], [], BLOCK, 4, CPU, cascade=True)
     assert meta.cascade is None and len(meta.decodes) == 1
+
+
+def test_the_merge_weighs_each_rows_partials_by_their_log_sum_exp() -> None:
+    from engine.cascade_attention import _merge
+
+    gen = torch.Generator().manual_seed(7)
+    num_rows, heads, dim = 9, 3, 8
+    # Rows 0..8 with 0-4 partials each, out of order; row 5 has none (a whole chunk's row).
+    rows = torch.tensor([3, 0, 3, 8, 1, 3, 0, 7, 2, 3, 4, 6, 8, 1])
+    outs = torch.randn(len(rows), heads, dim, generator=gen)
+    lses = torch.randn(len(rows), heads, generator=gen) * 20  # far apart: the max matters
+    merged = _merge(outs, lses, rows, num_rows, torch.float32)
+    for row in range(num_rows):
+        mine = (rows == row).nonzero().flatten()
+        if len(mine) == 0:
+            continue
+        weight = torch.softmax(lses[mine].double(), dim=0)  # [k, H]
+        expected = (weight[..., None] * outs[mine].double()).sum(0)
+        torch.testing.assert_close(merged[row].double(), expected, rtol=1e-5, atol=1e-6)
