@@ -17,9 +17,17 @@ import httpx
 
 from gateway.serve import free_port
 from tests.live_http import instances, metric, wait_engines_idle
-from tests.live_servers import running, start_engine, start_gateway
+from tests.live_servers import LiveServer, running, start_engine, start_gateway
 
 DEADLINE_S = 20.0
+
+
+def _publishing_engine(model: Path, workdir: Path) -> LiveServer:
+    """An engine of 24 blocks of 16 that publishes every block and its KV events."""
+    events, replay = free_port(), free_port()
+    return start_engine(model, workdir, "--num-kv-blocks", "24", "--block-size", "16",
+                        "--prefix-publish-every", "1", "--kv-events-endpoint",
+                        f"tcp://*:{events}", "--kv-events-replay-endpoint", f"tcp://*:{replay}")
 
 
 def _engine_hashes(engine_url: str) -> int:
@@ -41,11 +49,7 @@ def _agree(gateway_url: str, engine_url: str) -> tuple[int, int]:
 
 def test_the_gateway_index_follows_the_engine_block_by_block(tiny_model_dir: Path,
                                                              tmp_path: Path) -> None:
-    events, replay = free_port(), free_port()
-    engine = start_engine(tiny_model_dir, tmp_path, "--num-kv-blocks", "24", "--block-size",
-                          "16", "--prefix-publish-every", "1",
-                          "--kv-events-endpoint", f"tcp://*:{events}",
-                          "--kv-events-replay-endpoint", f"tcp://*:{replay}")
+    engine = _publishing_engine(tiny_model_dir, tmp_path)
     rng = random.Random(3)
     docs = [[rng.randrange(5, 500) for _ in range(120)] for _ in range(6)]
     with running(engine):
@@ -95,11 +99,7 @@ def _serve(gateway_url: str, model: str, order: list[int], docs: list[list[int]]
 
 def test_events_leave_no_stale_routes_where_polling_credits_evicted_blocks(
         tiny_model_dir: Path, tmp_path: Path) -> None:
-    events, replay = free_port(), free_port()
-    engine = start_engine(tiny_model_dir, tmp_path, "--num-kv-blocks", "24", "--block-size",
-                          "16", "--prefix-publish-every", "1",
-                          "--kv-events-endpoint", f"tcp://*:{events}",
-                          "--kv-events-replay-endpoint", f"tcp://*:{replay}")
+    engine = _publishing_engine(tiny_model_dir, tmp_path)
     rng = random.Random(5)
     docs = [[rng.randrange(5, 500) for _ in range(120)] for _ in range(8)]
     # Each document twice in a row (the second read hits: 7 full blocks of 16), then
