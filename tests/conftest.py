@@ -53,7 +53,10 @@ def make_store(request: pytest.FixtureRequest, tmp_path: Path
         return
     url = shared_redis_url()
     prefix = f"lg-test-{uuid.uuid4().hex[:8]}:"
-    yield lambda: RedisStore(url, prefix=prefix)
+    # A generous timeout: these tests are about shared state, and 50 concurrent first
+    # connections on a loaded 2-core machine can take longer than the gateway's 0.5 s
+    # fail-fast default (what a store outage does is tested with a server of their own).
+    yield lambda: RedisStore(url, prefix=prefix, timeout_s=5.0)
     client = redis.Redis.from_url(url)
     keys = list(client.scan_iter(match=prefix + "*"))
     if keys:
