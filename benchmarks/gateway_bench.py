@@ -59,7 +59,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.bench_adapters import bench_adapters_dir, ensure_adapters
 from benchmarks.routing_replay import replay_all, routing_workload
@@ -70,7 +69,7 @@ from benchmarks.serving import (
     run_benchmark,
 )
 from benchmarks.serving_client import Protocol, ServingRequest, discover_model, send_request
-from benchmarks.serving_metrics import ServingMetrics, summarize
+from benchmarks.serving_metrics import ServingMetrics, counter_totals, summarize
 from benchmarks.workloads import LengthRange, WorkloadSpec, generate
 from engine.config import EngineConfig
 from engine.models.loader import load_hf_config
@@ -210,11 +209,9 @@ ROUTE_COUNTERS = ("stale_routes", "routed_prefix_credited_tokens",
 
 
 def _route_counters(gateway_url: str) -> dict[str, float]:
-    families = text_string_to_metric_families(
-        httpx.get(gateway_url + "/metrics", timeout=10.0).text)
-    values = {f.name: sum(s.value for s in f.samples if s.name.endswith("_total"))
-              for f in families}
-    return {name: values.get("loragate_gateway_" + name, 0.0) for name in ROUTE_COUNTERS}
+    totals = counter_totals(httpx.get(gateway_url + "/metrics", timeout=10.0).text,
+                            tuple(f"loragate_gateway_{n}_total" for n in ROUTE_COUNTERS))
+    return {name: totals[f"loragate_gateway_{name}_total"] for name in ROUTE_COUNTERS}
 
 
 def _events_config(config: EngineConfig) -> EngineConfig:

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Scope
 from transformers import AutoTokenizer
 
+from engine.http.draining import stop_background
 from engine.http.errors import ERROR_CODE_KEY, ApiError, install_error_handlers
 from engine.models.loader import load_hf_config
 from engine.models.shape import ModelShape
@@ -69,18 +70,6 @@ def body_limit(path: str) -> int:
 SHUTDOWN_STEP_S = 5.0
 """How long shutdown waits for each of its steps (background tasks, the store) to end: a
 task that does not end on cancellation must not keep a drained gateway alive."""
-
-
-async def _stop_background(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel the background tasks and wait a bounded time for them to end."""
-    for task in tasks:
-        task.cancel()
-    if not tasks:
-        return
-    _, pending = await asyncio.wait(tasks, timeout=SHUTDOWN_STEP_S)
-    for task in pending:
-        log.warning("background task %s did not stop within %g s; shutting down anyway",
-                    task.get_name(), SHUTDOWN_STEP_S)
 
 
 def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
@@ -153,7 +142,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
             try:
                 yield
             finally:
-                await _stop_background(tasks)
+                await stop_background(tasks, SHUTDOWN_STEP_S)
                 pool.close()
                 try:
                     async with asyncio.timeout(SHUTDOWN_STEP_S):

@@ -45,7 +45,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.http.auth import TokenAuth, check_exposure
 from engine.http.bodies import AbortBody, AdapterBody, GenerateBody, PinBody
-from engine.http.draining import DrainingServer
+from engine.http.draining import DrainingServer, stop_background
 from engine.http.errors import ApiError, install_error_handlers
 from engine.http.metrics import EngineMetricsRegistry
 from engine.llm_engine import LLMEngine
@@ -78,11 +78,7 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(job(engine)) for job in background]
         yield
-        for task in tasks:
-            task.cancel()
-        # Their cleanup (withdrawing a registry entry) runs before the loop closes.
-        if tasks:
-            await asyncio.wait(tasks, timeout=5.0)
+        await stop_background(tasks, timeout_s=5.0)
         engine.shutdown()
 
     # No /docs: Swagger UI would load from a CDN (blank offline), and this API is the
