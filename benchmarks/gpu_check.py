@@ -74,7 +74,8 @@ def _summary(record: dict[str, Any]) -> list[str]:
                      f"{100 * row['roofline_fraction']:5.1f}% of copy bandwidth")
     for row in record.get("sgmv", []):
         lines.append(f"sgmv {row['adapters']:>2} adapters x {row['tokens']} tokens: shrink "
-                     f"{row['shrink_us']:.1f} us ({100 * row['shrink_roofline_fraction']:.0f}%), "
+                     f"{row['shrink_us']:.1f} us ({100 * row['shrink_roofline_fraction']:.0f}%;"
+                     f" unsplit {row['shrink_unsplit_us']:.1f} us), "
                      f"expand {row['expand_us']:.1f} us "
                      f"({100 * row['expand_roofline_fraction']:.0f}%)")
     engine = record.get("engine_checks", {})

@@ -97,7 +97,8 @@ def sgmv_timings(device: torch.device, bandwidth: float, adapter_counts: list[in
                  rank: int, tokens: int, dtype: torch.dtype, iters: int) -> list[dict[str, Any]]:
     """lora.ops' Triton shrink and expand for a decode batch of ``tokens`` rows spread
     round-robin over each number of adapters: device time (graph replay) and share of the
-    memory roofline (the adapters' weights plus the activations read and written)."""
+    memory roofline (the adapters' weights plus the activations read and written); the
+    shrink also without its split over H_in, to show what the split buys."""
     from lora.ops import build_lora_metadata
     from lora.ops.sgmv_triton import sgmv_expand, sgmv_shrink
 
@@ -114,9 +115,12 @@ def sgmv_timings(device: torch.device, bandwidth: float, adapter_counts: list[in
         shrink_bytes = (used * rank * hidden + tokens * hidden + tokens * rank) * elem
         expand_bytes = (used * hidden * rank + tokens * rank + 2 * tokens * hidden) * elem
         shrink_s = device_time(partial(sgmv_shrink, x, lora_a, meta, t), device, iters)
+        unsplit_s = device_time(partial(sgmv_shrink, x, lora_a, meta, t, splits=1), device,
+                                iters)
         expand_s = device_time(partial(sgmv_expand, t, lora_b, meta, y), device, iters)
         rows.append({"adapters": count, "tokens": tokens, "hidden": hidden, "rank": rank,
-                     "shrink_us": shrink_s * 1e6, "expand_us": expand_s * 1e6,
+                     "shrink_us": shrink_s * 1e6, "shrink_unsplit_us": unsplit_s * 1e6,
+                     "expand_us": expand_s * 1e6,
                      "shrink_roofline_fraction": shrink_bytes / shrink_s / bandwidth,
                      "expand_roofline_fraction": expand_bytes / expand_s / bandwidth})
     return rows

@@ -19,6 +19,8 @@ imported, and an interpreted kernel cannot call a compiled helper, so avoiding t
 interpreter work even when triton was imported before TRITON_INTERPRET was set.
 """
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -30,27 +32,33 @@ from lora.ops.metadata import LoraBatchMetadata, check_expand_args, check_shrink
 def _sgmv_shrink_kernel(  # type: ignore[no-untyped-def]
     x_ptr, a_ptr, out_ptr,
     sorted_ids_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
-    H_in, R,
-    stride_xm, stride_as, stride_ar, stride_om,
+    H_in, R, N_TILES, K_TILES, TILES_PER_SPLIT,
+    stride_xm, stride_as, stride_ar, stride_os, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
-    """SGMV shrink: LoRA down-projection, one program per (segment, row tile, rank tile).
+    """SGMV shrink: LoRA down-projection, one program per (segment, row tile, rank tile,
+    split of H_in).
 
     Semantics:
         for segment i with slot s = seg_slots[i], for every row r in
-        sorted_token_ids[seg_starts[i] : seg_starts[i] + seg_lens[i]]:
-            out[r, :] = x[r, :] @ lora_a[s].T
-    Shapes: x [T, H_in], lora_a [num_slots, R, H_in], out [T, R]; inner dims stride 1.
-        sorted_ids [num_lora_tokens], seg_* [num_segments], all int64.
-    Dtypes: x, lora_a, out one of fp32 / fp16 / bf16; fp32 accumulation over H_in in
-        BLOCK_K tiles; stored in out's dtype.
-    Grid: (num_segments, cdiv(max_seg_len, BLOCK_M), cdiv(R, BLOCK_N)).
+        sorted_token_ids[seg_starts[i] : seg_starts[i] + seg_lens[i]], and every split k:
+            out[k, r, :] = x[r, H_k] @ lora_a[s][:, H_k].T
+        where H_k is the k-th run of TILES_PER_SPLIT tiles of BLOCK_K columns of H_in (the
+        last run may be shorter). With one split (stride_os unused) out is the result;
+        with several, out is an fp32 buffer the caller sums over k.
+    Shapes: x [T, H_in], lora_a [num_slots, R, H_in], out [splits, T, R] (or [T, R] with
+        one split); inner dims stride 1. sorted_ids [num_lora_tokens], seg_*
+        [num_segments], all int64. K_TILES = cdiv(H_in, BLOCK_K), N_TILES = cdiv(R, BLOCK_N).
+    Dtypes: x, lora_a one of fp32 / fp16 / bf16; fp32 accumulation over H_in in BLOCK_K
+        tiles; stored in out's dtype.
+    Grid: (num_segments, cdiv(max_seg_len, BLOCK_M), N_TILES * splits).
     DOT_IN_FP32 upcasts the tiles before tl.dot (set only for bf16 in the interpreter).
     """
     seg = tl.program_id(0)
     pid_m = tl.program_id(1)
-    pid_n = tl.program_id(2)
+    pid_n = tl.program_id(2) % N_TILES
+    pid_k = tl.program_id(2) // N_TILES
     seg_len = tl.load(seg_lens_ptr + seg)
     if pid_m * BLOCK_M >= seg_len:
         return
@@ -62,12 +70,16 @@ def _sgmv_shrink_kernel(  # type: ignore[no-untyped-def]
     rows = tl.load(sorted_ids_ptr + seg_start + offs_m, mask=mask_m, other=0)  # [BM] int64
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                  # [BN] rank columns
     mask_n = offs_n < R
-    offs_k = tl.arange(0, BLOCK_K)                                     # [BK]
+    k_begin = pid_k * TILES_PER_SPLIT                                  # first K tile
+    k_end = tl.minimum(k_begin + TILES_PER_SPLIT, K_TILES)
+    first_col = k_begin * BLOCK_K
+    offs_k = tl.arange(0, BLOCK_K)                                     # [BK] within a tile
 
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]                  # [BM, BK]
-    a_ptrs = a_ptr + slot * stride_as + offs_n[None, :] * stride_ar + offs_k[:, None]  # [BK, BN]
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + first_col + offs_k[None, :]      # [BM, BK]
+    a_ptrs = (a_ptr + slot * stride_as + offs_n[None, :] * stride_ar
+              + first_col + offs_k[:, None])                                      # [BK, BN]
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-    for k in range(0, (H_in + BLOCK_K - 1) // BLOCK_K):
+    for k in range(k_begin, k_end):
         k_left = H_in - k * BLOCK_K
         x_tile = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         a_tile = tl.load(a_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
@@ -80,7 +92,7 @@ def _sgmv_shrink_kernel(  # type: ignore[no-untyped-def]
         x_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
 
-    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+    out_ptrs = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -173,15 +185,45 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and kernels_interpreted()
 
 
+SPLIT_TARGET_PROGRAMS_PER_SM = 2
+"""The shrink splits H_in until its grid has about this many programs per SM: a decode step
+with few adapters otherwise runs one program per segment, each streaming a whole [R, H_in]
+LoRA A through one SM while the rest of the GPU idles (Punica's and vLLM's split-K shrink
+answer the same problem)."""
+
+
+@cache
+def _sm_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def shrink_splits(programs: int, k_tiles: int, sm_count: int) -> tuple[int, int]:
+    """(splits, tiles per split) for a shrink grid of ``programs`` programs before splitting
+    and ``k_tiles`` BLOCK_K tiles of H_in on a GPU with ``sm_count`` SMs: as many splits as
+    bring the grid near SPLIT_TARGET_PROGRAMS_PER_SM programs per SM, none of them empty
+    (splits * tiles_per_split - k_tiles < tiles_per_split)."""
+    if programs < 1 or k_tiles < 1 or sm_count < 1:
+        raise ValueError(f"programs, k_tiles and sm_count must be positive, got "
+                         f"{programs}, {k_tiles}, {sm_count}")
+    wanted = max(1, min(k_tiles, (SPLIT_TARGET_PROGRAMS_PER_SM * sm_count) // programs))
+    tiles_per_split = triton.cdiv(k_tiles, wanted)
+    return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split
+
+
 def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoraBatchMetadata,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, *, splits: int | None = None) -> torch.Tensor:
     """Launch the SGMV shrink kernel: out[r] = x[r] @ lora_a[slot(r)].T.
 
     Shapes: x [T, H_in], lora_a [num_slots, R, H_in] -> out [T, R] (allocated when None);
     rows of tokens without an adapter are zero. Dtypes: fp32 / fp16 / bf16, all the same.
-    Raises ValueError on a dtype, device, shape or stride mismatch.
+    splits: how many parts H_in is split into (split-K; at most its BLOCK_K tiles), whose
+    fp32 partial products are summed into out. None: one on the interpreter, and on a GPU as
+    many as fill it (shrink_splits). Raises ValueError on a dtype, device, shape or stride
+    mismatch, or splits < 1.
     """
     check_shrink_args(x, lora_a, meta, out)
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits must be a positive integer, got {splits}")
     rank = lora_a.shape[1]
     if out is None:
         out = x.new_empty(meta.num_tokens, rank)                       # [T, R]
@@ -195,14 +237,32 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoraBatchMetadata,
     block_m = _tile(meta.max_seg_len, 16, 32)
     block_n = _tile(rank, 16, 64)
     block_k = _tile(x.shape[1], 16, 128)
-    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m), triton.cdiv(rank, block_n))
-    _sgmv_shrink_kernel[grid](
-        x, lora_a, out,
+    m_tiles, n_tiles = triton.cdiv(meta.max_seg_len, block_m), triton.cdiv(rank, block_n)
+    k_tiles = triton.cdiv(x.shape[1], block_k)
+    if splits is None:
+        splits = 1
+        if x.device.type == "cuda":
+            splits, _ = shrink_splits(meta.num_segments * m_tiles * n_tiles, k_tiles,
+                                              _sm_count(x.device.index or 0))
+    per_split = triton.cdiv(k_tiles, min(splits, k_tiles))
+    splits = triton.cdiv(k_tiles, per_split)
+    # With one split the kernel writes out itself; with more, each split writes its own fp32
+    # slice (rows without an adapter stay zero) and their sum is the result: no atomics, so
+    # the sum's order, and the result, is the same on every run.
+    target = out if splits == 1 else (
+        x.new_zeros((splits, meta.num_tokens, rank), dtype=torch.float32)
+        if meta.num_lora_tokens < meta.num_tokens
+        else x.new_empty((splits, meta.num_tokens, rank), dtype=torch.float32))
+    _sgmv_shrink_kernel[(meta.num_segments, m_tiles, n_tiles * splits)](
+        x, lora_a, target,
         meta.sorted_token_ids, meta.seg_starts, meta.seg_lens, meta.seg_slots,
-        x.shape[1], rank,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+        x.shape[1], rank, n_tiles, k_tiles, per_split,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1),
+        target.stride(0) if splits > 1 else 0, target.stride(-2),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_IN_FP32=_dot_in_fp32(x.dtype),
     )
+    if splits > 1:
+        out.copy_(target.sum(dim=0))
     return out
 
 

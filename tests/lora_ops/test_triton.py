@@ -32,6 +32,7 @@ from tests.lora_ops.oracle import (
     POPULARITIES,
     RANK,
     TOKEN_COUNTS,
+    TOL,
     check_ops,
     make_tensors,
     make_token_slots,
@@ -88,6 +89,50 @@ def test_triton_without_lora_tokens_is_a_no_op(interpreted: ModuleType) -> None:
     y = tensors["y0"].clone()
     interpreted.sgmv_expand(t, tensors["lora_b"], meta, y)
     assert torch.equal(y, tensors["y0"])
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("popularity", ["with_none", "identical"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_split_shrink_matches_oracle(interpreted: ModuleType, splits: int,
+                                            popularity: str, dtype: torch.dtype) -> None:
+    # H_in 300 is three BLOCK_K tiles of 128, the last one partial: 2 splits take 2 + 1
+    # tiles, 3 take one each, 7 are capped at 3. "identical" has no base-only rows, so the
+    # partial buffer is not zeroed first.
+    token_slots = make_token_slots(popularity, 7, "decode", seed=3)
+    tensors = make_tensors(7, 300, H_OUT, RANK, dtype, "cpu")
+    meta = build_lora_metadata(token_slots, "cpu")
+    t_ref, _ = oracle(tensors, token_slots)
+    out = torch.full((7, RANK), 7.0, dtype=dtype)
+    assert interpreted.sgmv_shrink(tensors["x"], tensors["lora_a"], meta, out,
+                                   splits=splits) is out
+    torch.testing.assert_close(out.float(), t_ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    unsplit = interpreted.sgmv_shrink(tensors["x"], tensors["lora_a"], meta, splits=1)
+    torch.testing.assert_close(out.float(), unsplit.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize(("programs", "k_tiles", "sms"),
+                         [(1, 32, 132), (4, 32, 132), (40, 32, 132), (500, 32, 132),
+                          (3, 7, 8), (1, 1, 132), (64, 5, 16)])
+def test_shrink_splits_fill_the_gpu_without_empty_splits(triton_ops: ModuleType, programs: int,
+                                                          k_tiles: int, sms: int) -> None:
+    splits, per_split = triton_ops.shrink_splits(programs, k_tiles, sms)
+    assert 1 <= splits <= k_tiles
+    assert (splits - 1) * per_split < k_tiles <= splits * per_split   # none empty, all covered
+    target = triton_ops.SPLIT_TARGET_PROGRAMS_PER_SM * sms
+    if programs >= target:
+        assert splits == 1                                              # already full
+    elif splits < k_tiles:
+        assert programs * splits * 2 > target                           # not stopped early
+
+
+def test_shrink_splits_reject_nonsense(triton_ops: ModuleType) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        triton_ops.shrink_splits(0, 4, 8)
+    tensors = make_tensors(2, H_IN, H_OUT, RANK, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="splits"):
+        triton_ops.sgmv_shrink(tensors["x"][:2], tensors["lora_a"],
+                               build_lora_metadata([0, 1], "cpu"), splits=0)
 
 
 KERNEL_TENSOR_ARGS = {"x_ptr", "a_ptr", "out_ptr", "t_ptr", "b_ptr", "y_ptr"}
