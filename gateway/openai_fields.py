@@ -4,12 +4,16 @@ parameters, that loragate does not implement: each is accepted only at a value t
 difference. The fields it implements are the pydantic models' own (gateway/openai_protocol.py);
 tests/openai_api/test_fields.py walks both tables.
 
-A field in neither table (a vendor extension) is ignored, as OpenAI-compatible servers do.
+A field in neither table is refused too, as OpenAI refuses it ("Unrecognized request
+argument supplied"): a client that sends a vendor extension we do not know learns that it had
+no effect instead of getting an answer that silently ignored it. Nested objects (messages,
+tools) keep ignoring keys they do not know, so a client can send back a message object the
+API returned, with all its fields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,22 +103,33 @@ CHAT: Mapping[str, Unsupported] = {
 """POST /v1/chat/completions."""
 
 
-def check_unsupported(data: Any, table: Mapping[str, Unsupported], model: str) -> None:
+def check_unsupported(data: Any, table: Mapping[str, Unsupported], known: Collection[str],
+                      model: str) -> None:
     """Raise a ValidationError located at the first field of ``data`` (a raw JSON object)
-    set to a value ``table`` does not accept; the error names the field and says why."""
+    that is neither ``known`` (the fields the endpoint implements) nor in ``table``, or set
+    to a value ``table`` does not accept; the error names the field and says why."""
     if not isinstance(data, dict):
         return
     for name, value in data.items():
         unsupported = table.get(name)
-        if unsupported is not None and not unsupported.allows(value):
+        if unsupported is None and name not in known:
+            detail = f"Unrecognized request argument supplied: {_name(name)}"
+        elif unsupported is not None and not unsupported.allows(value):
             allowed = ", ".join(repr(n) for n in unsupported.neutral)
             detail = f"{name} is not supported: {unsupported.reason}" + (
                 f" (allowed: {allowed})" if allowed else "")
-            raise ValidationError.from_exception_data(model, [InitErrorDetails(
-                type=PydanticCustomError("unsupported_field", detail), loc=(name,),
-                input=_short(value))])
+        else:
+            continue
+        raise ValidationError.from_exception_data(model, [InitErrorDetails(
+            type=PydanticCustomError("unsupported_field", detail), loc=(_name(name),),
+            input=_short(value))])
 
 
 def _short(value: Any) -> Any:
     """The refused value as the error may carry it: a huge list or map is not echoed."""
     return value if not isinstance(value, list | dict | str) or len(value) <= 16 else "..."
+
+
+def _name(name: str) -> str:
+    """A field name as an error may carry it: a huge one is cut."""
+    return name if len(name) <= 64 else name[:61] + "..."

@@ -149,7 +149,7 @@ class SamplingFields(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         # Before the fields: a refused field is the one error, whatever else is wrong.
-        openai_fields.check_unsupported(data, cls.UNSUPPORTED, cls.__name__)
+        openai_fields.check_unsupported(data, cls.UNSUPPORTED, cls.model_fields, cls.__name__)
         return handler(data)
 
     @field_validator("stream_options")

@@ -106,9 +106,25 @@ def test_a_bool_is_not_a_number() -> None:
     CompletionRequest.model_validate({**BASE["completions"], "n": 1.0, "echo": False})
 
 
-def test_vendor_extensions_are_ignored() -> None:
-    request = CompletionRequest.model_validate({**BASE["completions"], "x_trace": "abc"})
-    assert "x_trace" not in request.model_dump()
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_a_field_of_neither_schema_is_refused_naming_it(endpoint: str) -> None:
+    model = ENDPOINTS[endpoint][0]
+    for name, shown in (("x_trace", "x_trace"), ("k" * 5000, "k" * 61 + "...")):
+        with pytest.raises(ValidationError) as caught:
+            model.model_validate({**BASE[endpoint], name: "abc"})
+        [error] = caught.value.errors()
+        assert error["loc"] == (shown,)
+        assert error["msg"] == f"Unrecognized request argument supplied: {shown}"
+
+
+def test_a_returned_assistant_message_can_be_sent_back_whole() -> None:
+    # Nested objects ignore keys they do not know: the SDK's message objects carry fields
+    # (refusal, annotations, audio, ...) that a client sends back in the next turn.
+    returned = {"role": "assistant", "content": "Paris.", "refusal": None, "annotations": [],
+                "audio": None, "function_call": None, "tool_calls": None}
+    ChatCompletionRequest.model_validate({**BASE["chat"], "messages": [
+        {"role": "user", "content": "Capital of France?"}, returned,
+        {"role": "user", "content": "And of Spain?"}]})
 
 
 @pytest.mark.parametrize("endpoint, name", [("chat", "guided_decoding_backend"),
@@ -129,3 +145,15 @@ def test_the_server_answers_400_naming_the_field(gateway: LiveServer, client: op
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == name, error
     assert f"{name} is not supported" in error["message"]
+
+
+def test_the_server_answers_400_naming_an_unknown_field(gateway: LiveServer,
+                                                       client: openai.OpenAI,
+                                                       base_model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=base_model, max_tokens=2,
+                                       extra_body={"x_trace": "abc"},
+                                       messages=[{"role": "user", "content": "Hi"}])
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "x_trace", error
+    assert error["message"].endswith("Unrecognized request argument supplied: x_trace")
