@@ -101,12 +101,31 @@ class ChatMessage(BaseModel):
     tool_call_id: Annotated[Text, Field(max_length=256)] | None = None
     """A tool message's answer to this call."""
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        # One clear error for an image or audio part, instead of one per union member.
+        for part in value if isinstance(value, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {kind[:32]!r} are not supported: "
+                                 "the model reads text only")
+        return value
+
     @field_validator("content")
     @classmethod
     def _content_text(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
         for text in [value] if isinstance(value, str) else [p.text for p in value or []]:
             valid_text(text)
         return value
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        # OpenAI's rule: only an assistant message (e.g. one that made tool calls) may come
+        # without content; a user turn of null would render as an empty turn.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or text parts)")
+        return self
 
     def text(self) -> str:
         if self.content is None:

@@ -89,9 +89,13 @@ def test_prompt_longer_than_the_context_is_400(client: openai.OpenAI, gateway: L
     ("chat", {"max_tokens": 10**9}, "max_tokens"),
     ("chat", {"n": 0}, "n"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"messages": [{"role": "user", "content": None}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]}, "content"),
 ], ids=["max-tokens-str", "temperature-str", "prompt-int", "max-tokens-0",
         "max-tokens-huge", "n-17", "logprobs-6", "chat-no-messages", "chat-bad-role",
-        "chat-max-tokens-str", "chat-max-tokens-huge", "chat-n-0", "chat-top-logprobs-alone"])
+        "chat-max-tokens-str", "chat-max-tokens-huge", "chat-n-0", "chat-top-logprobs-alone",
+        "chat-user-null-content", "chat-image-part"])
 def test_invalid_requests_are_400(client: openai.OpenAI, gateway: LiveServer,
                                   base_model: str, endpoint: str, changes: dict[str, Any],
                                   param: str | None) -> None:
