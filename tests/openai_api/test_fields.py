@@ -121,8 +121,8 @@ def test_a_returned_assistant_message_can_be_sent_back_whole() -> None:
     # Nested objects ignore keys they do not know: the SDK's message objects carry fields
     # (refusal, annotations, audio, ...) that a client sends back in the next turn.
     returned: dict[str, Any] = {"role": "assistant", "content": "Paris.", "refusal": None,
-                                "annotations": [],
-                "audio": None, "function_call": None, "tool_calls": None}
+                                "annotations": [], "audio": None, "function_call": None,
+                                "tool_calls": None}
     ChatCompletionRequest.model_validate({**BASE["chat"], "messages": [
         {"role": "user", "content": "Capital of France?"}, returned,
         {"role": "user", "content": "And of Spain?"}]})
