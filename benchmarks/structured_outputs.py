@@ -478,7 +478,7 @@ def run_batch(engine: LLMEngine, prompts: Sequence[list[int]],
     preempted = engine.stats().num_preemptions
     # make_request compiles a schema the engine has not seen: part of the wall time, as
     # it is in LLM.generate.
-    requests = [engine.make_request(f"{tag}-{i}", p, sp)
+    requests = [engine.requests.make_request(f"{tag}-{i}", p, sp)
                 for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
     order = {r.request_id: i for i, r in enumerate(requests)}
     for request in requests:

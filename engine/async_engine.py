@@ -199,7 +199,7 @@ class AsyncEngine:
         """Thread-safe (the tokenizer only); ValueError for an empty prompt."""
         if not text:
             raise ValueError("prompt is empty")
-        return self.engine.tokenize(text)
+        return self.engine.requests.tokenize(text)
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread between steps; its exception is raised here."""
@@ -238,8 +238,9 @@ class AsyncEngine:
     def _make(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,
               priority: int, lora: str | None, cache_salt: str | None) -> Request:
         """Tokenize and validate without touching engine state (ValueError for bad input)."""
-        return self.engine.make_request(request_id or self.new_request_id(), prompt, params,
-                                        priority, cache_salt=cache_salt, lora=lora)
+        return self.engine.requests.make_request(request_id or self.new_request_id(), prompt,
+                                                 params, priority, cache_salt=cache_salt,
+                                                 lora=lora)
 
     async def _admit(self, request: Request) -> OutputStream:
         """Register the request's output queue and add it on the engine thread; ValueError

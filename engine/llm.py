@@ -61,8 +61,8 @@ class LLM:
         requests = []
         for prompt, params, priority, adapter in zip(prompt_list, params_list, prio, loras,
                                                      strict=True):
-            requests.append(self.engine.make_request(f"llm-{self._next_id}", prompt, params,
-                                                     priority, lora=adapter))
+            requests.append(self.engine.requests.make_request(
+                f"llm-{self._next_id}", prompt, params, priority, lora=adapter))
             self._next_id += 1
         order = {r.request_id: i for i, r in enumerate(requests)}
         for request in requests:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -22,16 +20,14 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import load_hf_config, load_model, resolve_dtype
 from engine.models.shape import ModelShape
 from engine.prompt_logprobs import PromptLogprob
-from engine.request import Request, RequestOutput, RequestStatus, RequestTiming
+from engine.request import Request, RequestOutput, RequestStatus
+from engine.request_builder import RequestBuilder, eos_token_ids
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.structured_output import GrammarCompiler
 from lora.adapter import LoraAdapter
 from lora.manager import AdapterInfo, LoraManager
 from prefix_cache.adaptive import AdaptiveConfig
 from prefix_cache.cache import PrefixUpdate
-from prefix_cache.hashing import request_extra_keys
-from prefix_cache.pools import BASE_POOL
 
 if TYPE_CHECKING:
     from engine.kv_events import KVEventPublisher
@@ -80,7 +76,7 @@ class LLMEngine:
                 f"({self.max_model_len}), or a long prompt could never be scheduled")
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             config.model, local_files_only=True)
-        self.eos_token_ids = frozenset(self._eos_ids(config, self.tokenizer))
+        self.eos_token_ids = eos_token_ids(config, self.tokenizer)
         model = load_model(config.model, hf_config, self.dtype, self.device, self.max_model_len,
                            prepack_weights=config.prepack_weights,
                            dummy_seed=config.seed if config.load_format == "dummy" else None)
@@ -108,123 +104,25 @@ class LLMEngine:
         self.last_step_idle = False
         """The last step scheduled nothing (e.g. every request waits for an adapter load)."""
         self._arrival_counter = itertools.count()
-        self._grammars: GrammarCompiler | None = None
-        self._grammar_lock = threading.Lock()
+        self.requests = RequestBuilder(self.tokenizer, self.model_shape, self.max_model_len,
+                                       self.eos_token_ids, self.kv, self.lora)
+        """Builds validated Requests (any thread may use it: it changes no engine state)."""
         self.isolation = FaultIsolation()
 
     @classmethod
     def from_model(cls, model: str, **overrides: Any) -> LLMEngine:
         return cls(EngineConfig(model=model, **overrides))
 
-    @staticmethod
-    def _eos_ids(config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-        ids: set[int] = set(config.extra_stop_token_ids)
-        if tokenizer.eos_token_id is not None:
-            ids.add(int(tokenizer.eos_token_id))
-        if (Path(config.model) / "generation_config.json").is_file():
-            eos = GenerationConfig.from_pretrained(config.model).eos_token_id
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
-        return ids
-
     # ------------------------------------------------------------------ requests in
-    def tokenize(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt)["input_ids"])
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 lora: str | None = None) -> None:
-        """Raise ValueError for a request that must never enter the scheduler."""
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_shape.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if params.top_k > vocab:
-            raise ValueError(f"top_k must be at most the vocabulary size ({vocab}), got "
-                             f"{params.top_k}")
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                          ("allowed_token_ids", params.allowed_token_ids),
-                          ("stop_token_ids", params.stop_token_ids)):
-            outside = [t for t in ids if t >= vocab]
-            if outside:
-                raise ValueError(f"{name} holds token ids out of range [0, {vocab}): "
-                                 f"{outside[:5]}")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"= {total} exceeds the model's context of {self.max_model_len} tokens")
-        # The one "fits in the cache" check: the scheduler relies on it (Scheduler.add).
-        room = self.kv.max_tokens_per_request(lora or BASE_POOL)
-        if total > room:
-            raise ValueError(
-                f"prompt + max_tokens = {total} tokens exceeds the whole KV cache "
-                f"({self.kv.num_blocks * self.kv.block_size} tokens) or its pool's share "
-                f"({room} tokens)")
-
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     priority: int = 0, arrival_time: float | None = None,
-                     cache_salt: str | None = None, lora: str | None = None) -> Request:
-        """Tokenize and validate; safe to call from any thread (touches no engine state)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            prompt_ids = self.tokenize(prompt)
-        else:
-            prompt_ids = list(prompt)
-        if params.bad_words and not params.bad_words_token_ids:
-            params = replace(params, bad_words_token_ids=self._bad_words_ids(params.bad_words))
-        self.validate(prompt_ids, params, lora)
-        grammar = None if params.structured is None else \
-            self._grammar_compiler().compile(params.structured)
-        lora_identity = None
-        if lora is not None:
-            if self.lora is None:
-                raise ValueError(f"adapter {lora!r} requested but LoRA is disabled "
-                                 f"(max_loras=0)")
-            lora_identity = self.lora.identity(lora)
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            arrival_seq=0,
-            priority=priority,
-            lora_name=lora,
-            extra_keys=request_extra_keys(lora=lora_identity, cache_salt=cache_salt),
-            timing=RequestTiming(arrival=arrival_time or time.monotonic()),
-            grammar=grammar,
-        )
-
-    def _grammar_compiler(self) -> GrammarCompiler:
-        """Built on the first structured request (reading the vocabulary takes a moment);
-        any thread may ask first."""
-        with self._grammar_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_shape.vocab_size,
-                                                 self.eos_token_ids)
-            return self._grammars
-
-    def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """Each word as the tokenizer spells it alone and after a space (as vLLM does: in a
-        running text a word usually follows one)."""
-        spellings: dict[tuple[int, ...], None] = {}
-        for word in words:
-            for text in (word, " " + word.lstrip()):
-                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                if ids:
-                    spellings[ids] = None
-        return tuple(spellings)
-
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     lora: str | None = None) -> None:
-        self.add(self.make_request(request_id, prompt, params or SamplingParams(), priority,
-                                   arrival_time, cache_salt, lora))
+        self.add(self.requests.make_request(request_id, prompt, params or SamplingParams(),
+                                            priority, arrival_time, cache_salt, lora))
 
     def add(self, request: Request) -> None:
-        """Admit a request built by make_request()."""
+        """Admit a request built by self.requests.make_request()."""
         if request.request_id in self._tracked:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request = replace(request, arrival_seq=next(self._arrival_counter))

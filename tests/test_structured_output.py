@@ -52,7 +52,7 @@ def test_a_bad_spec_is_refused_before_admission(tiny_model_dir: Path) -> None:
     for spec in (StructuredOutput("regex", "(unclosed"), StructuredOutput("json", "{x"),
                  StructuredOutput("grammar", "root ::= missing")):
         with pytest.raises(ValueError, match=r"structured output|JSON schema"):
-            engine.make_request("r", [5, 6, 7], SamplingParams(structured=spec))
+            engine.requests.make_request("r", [5, 6, 7], SamplingParams(structured=spec))
     assert not engine.has_unfinished_requests()
 
 

@@ -1,0 +1,143 @@
+"""Prompts in, validated Requests out: tokenizing, the checks a request must pass before it
+may enter the scheduler, bad-word spellings and grammars.
+
+Any thread may build a request (the async engine does so off the engine's thread): nothing
+here changes engine state. The grammar compiler is built on first use under a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.models.shape import ModelShape
+from engine.request import Request, RequestTiming
+from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarCompiler
+from lora.manager import LoraManager
+from prefix_cache.hashing import request_extra_keys
+from prefix_cache.pools import BASE_POOL
+
+
+def eos_token_ids(config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The tokens that end a generation: the tokenizer's EOS, the model's generation config's
+    (instruction models often list their end-of-turn marker there) and the configured
+    extra stop tokens."""
+    ids: set[int] = set(config.extra_stop_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if (Path(config.model) / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(config.model).eos_token_id
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)
+
+
+class RequestBuilder:
+    """Builds the Requests of one engine (its tokenizer, vocabulary, context and KV cache)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_shape: ModelShape,
+                 max_model_len: int, eos_token_ids: frozenset[int], kv: KVCacheManager,
+                 lora: LoraManager | None) -> None:
+        self.tokenizer = tokenizer
+        self.model_shape = model_shape
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.kv = kv
+        self.lora = lora
+        self._grammars: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 lora: str | None = None) -> None:
+        """Raise ValueError for a request that must never enter the scheduler."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_shape.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size ({vocab}), got "
+                             f"{params.top_k}")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids),
+                          ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} holds token ids out of range [0, {vocab}): "
+                                 f"{outside[:5]}")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"= {total} exceeds the model's context of {self.max_model_len} tokens")
+        # The one "fits in the cache" check: the scheduler relies on it (Scheduler.add).
+        room = self.kv.max_tokens_per_request(lora or BASE_POOL)
+        if total > room:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens exceeds the whole KV cache "
+                f"({self.kv.num_blocks * self.kv.block_size} tokens) or its pool's share "
+                f"({room} tokens)")
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     priority: int = 0, arrival_time: float | None = None,
+                     cache_salt: str | None = None, lora: str | None = None) -> Request:
+        """Tokenize and validate; arrival_seq is left 0 for the engine to number."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            prompt_ids = self.tokenize(prompt)
+        else:
+            prompt_ids = list(prompt)
+        if params.bad_words and not params.bad_words_token_ids:
+            params = replace(params, bad_words_token_ids=self._bad_words_ids(params.bad_words))
+        self.validate(prompt_ids, params, lora)
+        grammar = None if params.structured is None else \
+            self._grammar_compiler().compile(params.structured)
+        lora_identity = None
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError(f"adapter {lora!r} requested but LoRA is disabled "
+                                 f"(max_loras=0)")
+            lora_identity = self.lora.identity(lora)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_seq=0,
+            priority=priority,
+            lora_name=lora,
+            extra_keys=request_extra_keys(lora=lora_identity, cache_salt=cache_salt),
+            timing=RequestTiming(arrival=arrival_time or time.monotonic()),
+            grammar=grammar,
+        )
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built on the first structured request (reading the vocabulary takes a moment);
+        any thread may ask first."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_shape.vocab_size,
+                                                 self.eos_token_ids)
+            return self._grammars
+
+    def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each word as the tokenizer spells it alone and after a space (as vLLM does: in a
+        running text a word usually follows one)."""
+        spellings: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    spellings[ids] = None
+        return tuple(spellings)
