@@ -35,12 +35,13 @@ from gateway.caller import Caller
 from gateway.config import GatewayConfig
 from gateway.exposure import instance_tag
 from gateway.info_api import build_info_router
+from gateway.job import Claim, Job, Outcome, new_request_id
 from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.openai_format import Endpoint, PromptEcho, ResponseFormatter
 from gateway.openai_protocol import SEED_LIMIT, CompletionRequest, SamplingFields
 from gateway.openai_stream import ClosingStream, collect, next_or_disconnect, sse
 from gateway.prompts import PromptEncoder
-from gateway.service import Claim, Gateway, Job, Outcome, new_request_id
+from gateway.service import Gateway
 from gateway.token_bytes import TokenBytes
 
 

@@ -21,8 +21,9 @@ from starlette.types import Receive, Scope, Send
 from engine.http.errors import ApiError
 from engine.protocol import EngineError, StreamChunk
 from gateway.batch_stream import BatchStream
+from gateway.job import Job
 from gateway.openai_format import ResponseFormatter
-from gateway.service import Gateway, Job
+from gateway.service import Gateway
 
 DISCONNECT_POLL_S = 0.25
 

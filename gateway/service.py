@@ -13,10 +13,8 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Request
 
@@ -27,71 +25,20 @@ from engine.protocol import (
     EngineRejected,
     EngineStreamBroken,
     EngineUnavailable,
-    GenerateRequest,
     StreamChunk,
 )
 from gateway.auth import Principal, StateView, authenticate
 from gateway.config import GatewayConfig
 from gateway.instances import Instance, InstancePool
+from gateway.job import Claim, Job, Outcome, tier_share
 from gateway.metrics import GatewayMetrics
-from gateway.ratelimit import RateLimiter, Ticket
-from gateway.router import Candidate, Router, RoutingDecision
+from gateway.ratelimit import RateLimiter
+from gateway.router import Candidate, Router
 from gateway.tenancy import derive_cache_salt
 from lora.manager import AdapterInfo
 from prefix_cache.hashing import request_extra_keys
 
 log = logging.getLogger(__name__)
-
-
-Outcome = Literal["served", "refused", "failed"]
-"""How a claim ends: "served" (reached an engine: charge its tokens), "refused" (the client's
-own error: the request still counts, no tokens), "failed" (the gateway could not serve it:
-refunded)."""
-
-
-@dataclass
-class Claim:
-    """An admitted request's hold on its tenant's limits, from admission (before any
-    expensive work) to its end; settled exactly once, whatever the outcome."""
-
-    ticket: Ticket | None
-    admission_share: float
-    """Fraction of an instance's admission bound the request may use: lower tiers are shed
-    first when instances fill up."""
-    settled: bool = False
-
-
-def new_request_id() -> str:
-    return f"gw-{uuid.uuid4().hex}"
-
-
-@dataclass
-class Job:
-    """One generation as the gateway dispatches it: the engine request and what the gateway
-    keeps about it."""
-
-    request: GenerateRequest
-    endpoint: str
-    claim: Claim
-    arrival: float = field(default_factory=time.monotonic)
-    instance_id: str | None = None
-    decision: RoutingDecision | None = None
-    first_token_at: float | None = None
-    """time.monotonic() when the first token reached the gateway (the access log's TTFT)."""
-    prefer: str | None = None
-    """An instance to try first (another sequence of the same prompt runs there)."""
-    whole: bool = False
-    """Answered as one response (not streamed): its chunks are held until the last, so an
-    engine that dies mid-response is invisible to the client and the job starts over
-    elsewhere."""
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def adapter(self) -> str | None:
-        return self.request.adapter
 
 
 class Gateway:
@@ -443,11 +390,3 @@ class Gateway:
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-def tier_share(principal: Principal) -> float:
-    """Share of the admission bound by tenant tier: tiers below 0 get 75%, tier 0 90%,
-    higher tiers (and the operator) all of it, so the lowest tier hits 429 first."""
-    if principal.tenant is None or principal.tenant.priority > 0:
-        return 1.0
-    return 0.9 if principal.tenant.priority == 0 else 0.75

@@ -12,7 +12,8 @@ import pytest
 
 from gateway.adapter_upload import extract_archive
 from gateway.auth import Principal
-from gateway.service import Gateway, tier_share
+from gateway.job import tier_share
+from gateway.service import Gateway
 from gateway.tenancy import (
     KEY_PREFIX,
     AdapterRecord,
