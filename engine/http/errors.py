@@ -55,6 +55,13 @@ def error_body(status: int, message: str, *, code: str | None = None,
                       "code": code}}
 
 
+NOT_AN_OBJECT = frozenset({"model_attributes_type", "model_type", "dict_type"})
+"""Validation error types of a body that is not a JSON object at all (a list, a string, a
+body FastAPI did not parse as JSON because of its content type)."""
+NOT_AN_OBJECT_MESSAGE = ("the request body must be a JSON object, sent with Content-Type: "
+                         "application/json")
+
+
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     problems = []
     locs: list[tuple[str, ...]] = []
@@ -65,6 +72,9 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             problems.append(f"the request body is not valid JSON: {detail} (at character {at})")
             continue
         loc = tuple(str(part) for part in err.get("loc", ()) if part != "body")
+        if not loc and err.get("type") in (*NOT_AN_OBJECT, "missing"):  # e.g. text/plain
+            problems.append(NOT_AN_OBJECT_MESSAGE)
+            continue
         locs.append(loc)
         problems.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
     return "; ".join(problems) or "invalid request body", _param(locs)

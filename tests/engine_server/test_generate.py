@@ -12,6 +12,7 @@ import httpx
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from engine.http.errors import NOT_AN_OBJECT_MESSAGE
 from tests.engine_server.helpers import (
     CONTEXT,
     GREEDY,
@@ -164,8 +165,8 @@ def test_bad_generate_requests_are_400_with_openai_errors(
     (b'{"prompt": "hi",', "the request body is not valid JSON: Expecting property name "
                         "enclosed in double quotes (at character 16)"),
     (b"not json", "the request body is not valid JSON: Expecting value (at character 0)"),
-    (b"[1, 2]", "body: Input should be a valid dictionary or object to extract fields from"),
-    (b"", "body: Field required"),
+    (b"[1, 2]", NOT_AN_OBJECT_MESSAGE),
+    (b"", NOT_AN_OBJECT_MESSAGE),
 ], ids=["truncated", "garbage", "array", "empty"])
 def test_malformed_json_is_400(http: httpx.Client, raw: bytes, message: str) -> None:
     response = http.post("/generate", content=raw,

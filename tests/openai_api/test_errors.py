@@ -109,18 +109,25 @@ def test_invalid_requests_are_400(client: openai.OpenAI, gateway: LiveServer,
     assert_healthy(gateway, client, base_model)
 
 
+NOT_AN_OBJECT = ("the request body must be a JSON object, sent with Content-Type: "
+                 "application/json")
+
+
 @pytest.mark.parametrize(("raw", "message"), [
     (b'{"model": "m", "prompt": "hi",', "the request body is not valid JSON: Expecting "
                                         "property name enclosed in double quotes (at "
                                         "character 30)"),
     (b"not json", "the request body is not valid JSON: Expecting value (at character 0)"),
-    (b"[]", "body: Input should be a valid dictionary or object to extract fields from"),
-], ids=["truncated", "garbage", "array"])
+    (b"[]", NOT_AN_OBJECT),
+    (b'{"model": "m", "prompt": "hi"}', NOT_AN_OBJECT),  # sent as text/plain
+    (b"", NOT_AN_OBJECT),
+], ids=["truncated", "garbage", "array", "text-plain", "empty"])
 def test_malformed_json_is_400(gateway: LiveServer, client: openai.OpenAI, base_model: str,
-                               raw: bytes, message: str) -> None:
+                               raw: bytes, message: str, request: pytest.FixtureRequest
+                               ) -> None:
+    kind = "text/plain" if "text-plain" in request.node.name else "application/json"
     for path in ("/v1/completions", "/v1/chat/completions"):
-        response = httpx.post(gateway.url + path, content=raw,
-                              headers={"content-type": "application/json"})
+        response = httpx.post(gateway.url + path, content=raw, headers={"content-type": kind})
         assert response.status_code == 400
         assert response.json() == {"error": {"message": message,
                                              "type": "invalid_request_error", "param": None,
