@@ -17,6 +17,15 @@ import torch
 from transformers import AutoTokenizer
 
 from benchmarks import structured_outputs as bench
+from benchmarks.structured_runs import decode_steps, measure_compile, measure_masking, run_batch
+from benchmarks.structured_schemas import Job, SchemaCase, make_jobs, schema_cases
+from benchmarks.structured_validity import (
+    builtin_errors,
+    check_outputs,
+    json_errors,
+    make_checker,
+    validator_backend,
+)
 from engine.llm import LLM
 
 # Tight schemas: a random model given an object spins in the whitespace the JSON grammar
@@ -25,16 +34,16 @@ from engine.llm import LLM
 # integers, short patterns and arrays of two booleans end fast. One object schema stays,
 # to exercise the "length" path.
 TINY_CASES = (
-    bench.SchemaCase("answer", {"type": "string", "enum": ["yes", "no"]},
-                     ("Is the sky blue?", "Is water dry?")),
-    bench.SchemaCase("flag", {"type": "boolean"}, ("Is this true?",)),
-    bench.SchemaCase("level", {"type": "integer", "minimum": 1, "maximum": 5},
-                     ("Rate this answer from 1 to 5.",)),
-    bench.SchemaCase("flags", {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
-                     ("Two yes/no answers, please.",)),
-    bench.SchemaCase("code", {"type": "string", "pattern": "^[A-C][0-9]$"},
-                     ("Which seat?",)),
-    bench.SchemaCase("verdict", {
+    SchemaCase("answer", {"type": "string", "enum": ["yes", "no"]},
+               ("Is the sky blue?", "Is water dry?")),
+    SchemaCase("flag", {"type": "boolean"}, ("Is this true?",)),
+    SchemaCase("level", {"type": "integer", "minimum": 1, "maximum": 5},
+               ("Rate this answer from 1 to 5.",)),
+    SchemaCase("flags", {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+               ("Two yes/no answers, please.",)),
+    SchemaCase("code", {"type": "string", "pattern": "^[A-C][0-9]$"},
+               ("Which seat?",)),
+    SchemaCase("verdict", {
         "type": "object",
         "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
                        "sure": {"type": "boolean"}},
@@ -51,13 +60,13 @@ def llm(tiny_model_dir: Path) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def jobs(tiny_model_dir: Path) -> list[bench.Job]:
+def jobs(tiny_model_dir: Path) -> list[Job]:
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    return bench.make_jobs(tokenizer, TINY_CASES, 16, max_tokens=MAX_TOKENS,
-                           temperature=0.8, seed=3)
+    return make_jobs(tokenizer, TINY_CASES, 16, max_tokens=MAX_TOKENS,
+                     temperature=0.8, seed=3)
 
 
-def test_jobs_go_round_robin_with_a_seed_each(jobs: list[bench.Job]) -> None:
+def test_jobs_go_round_robin_with_a_seed_each(jobs: list[Job]) -> None:
     assert [j.case.name for j in jobs] == (NAMES * 3)[:16]
     assert [j.seed for j in jobs] == list(range(3, 19))
     # A case with two prompts alternates them on successive passes.
@@ -65,11 +74,11 @@ def test_jobs_go_round_robin_with_a_seed_each(jobs: list[bench.Job]) -> None:
     assert all(j.params.structured is not None and j.plain().structured is None for j in jobs)
 
 
-def test_every_stopped_output_validates(llm: LLM, jobs: list[bench.Job]) -> None:
-    run = bench.run_batch(llm.engine, [j.prompt for j in jobs], [j.params for j in jobs],
-                          "test-validity")
-    for backend in {"builtin", bench.validator_backend()}:
-        verdict = bench.check_outputs(jobs, run.outputs, backend)
+def test_every_stopped_output_validates(llm: LLM, jobs: list[Job]) -> None:
+    run = run_batch(llm.engine, [j.prompt for j in jobs], [j.params for j in jobs],
+                    "test-validity")
+    for backend in {"builtin", validator_backend()}:
+        verdict = check_outputs(jobs, run.outputs, backend)
         total = verdict.total
         assert total.invalid == 0, verdict.invalid
         assert total.requests == 16 and total.stop + total.length + total.other == 16
@@ -82,8 +91,8 @@ def test_every_stopped_output_validates(llm: LLM, jobs: list[bench.Job]) -> None
     assert sum(s.rows for s in run.steps) == run.output_tokens
 
 
-def test_masking_runs_alternate_and_pair_their_steps(llm: LLM, jobs: list[bench.Job]) -> None:
-    result = bench.measure_masking(llm.engine, jobs[:8], repeats=1, backend="builtin")
+def test_masking_runs_alternate_and_pair_their_steps(llm: LLM, jobs: list[Job]) -> None:
+    result = measure_masking(llm.engine, jobs[:8], repeats=1, backend="builtin")
     constrained, plain = result.runs
     assert (constrained["arm"], plain["arm"]) == ("constrained", "plain")
     assert constrained["validity"]["invalid"] == 0
@@ -91,7 +100,7 @@ def test_masking_runs_alternate_and_pair_their_steps(llm: LLM, jobs: list[bench.
     assert plain["output_tokens"] == constrained["output_tokens"]
     assert plain["steps"] == constrained["steps"] and plain["schedules_matched"]
     paired = result.paired()
-    assert paired["pairs"] == len(bench.decode_steps(result.steps["plain"])) > 0
+    assert paired["pairs"] == len(decode_steps(result.steps["plain"])) > 0
     assert paired["full_batch_pairs"] > 0 and paired["step_time_ratio"] > 0
     for arm in ("constrained", "plain"):
         summary = result.summary(arm)
@@ -102,9 +111,9 @@ def test_masking_runs_alternate_and_pair_their_steps(llm: LLM, jobs: list[bench.
 
 
 def test_every_benchmark_schema_compiles(llm: LLM) -> None:
-    cases = bench.schema_cases()
+    cases = schema_cases()
     assert len(cases) == 8 and len({c.name for c in cases}) == 8
-    times = bench.measure_compile(llm.engine, cases)
+    times = measure_compile(llm.engine, cases)
     assert times.setup_s > 0 and set(times.first_s) == {c.name for c in cases}
     assert all(t > 0 for t in times.cached_s.values())
 
@@ -155,24 +164,24 @@ def _variants(value: dict[str, Any]) -> Iterator[dict[str, Any]]:
 def test_the_builtin_validator_agrees_with_jsonschema_rs() -> None:
     reference = pytest.importorskip("jsonschema_rs")
     checked = 0
-    for case in bench.schema_cases():
+    for case in schema_cases():
         strict = reference.validator_for(case.schema)
         assert strict.is_valid(VALID[case.name]), case.name
         for instance in _variants(VALID[case.name]):
-            ours = list(bench.builtin_errors(case.schema, instance))
+            ours = list(builtin_errors(case.schema, instance))
             assert (not ours) == strict.is_valid(instance), (case.name, instance, ours)
             checked += 1
     assert checked > 500
 
 
 def test_text_that_is_not_json_is_invalid() -> None:
-    check = bench.make_checker(TINY_CASES[-1].schema, "builtin")
-    assert bench.json_errors('{"answer": "yes", "sure": true}', check) == []
-    assert bench.json_errors('{"answer": "yes", "sure": true} x', check)
-    assert bench.json_errors('{"answer": "maybe", "sure": true}', check)
-    level = bench.make_checker(TINY_CASES[2].schema, "builtin")
-    assert bench.json_errors("3", level) == [] and bench.json_errors("3.0", level) == []
-    assert bench.json_errors("6", level) and bench.json_errors("NaN", level)  # NaN: not JSON
+    check = make_checker(TINY_CASES[-1].schema, "builtin")
+    assert json_errors('{"answer": "yes", "sure": true}', check) == []
+    assert json_errors('{"answer": "yes", "sure": true} x', check)
+    assert json_errors('{"answer": "maybe", "sure": true}', check)
+    level = make_checker(TINY_CASES[2].schema, "builtin")
+    assert json_errors("3", level) == [] and json_errors("3.0", level) == []
+    assert json_errors("6", level) and json_errors("NaN", level)  # NaN: not JSON
 
 
 def test_main_writes_its_summary(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -184,6 +193,6 @@ def test_main_writes_its_summary(tiny_model_dir: Path, tmp_path: Path) -> None:
     written = json.loads(out.read_text())
     assert written["validity"]["total"]["requests"] == 8
     assert written["validity"]["total"]["invalid"] == 0
-    assert set(written["compile"]["first_s"]) == {c.name for c in bench.schema_cases()}
+    assert set(written["compile"]["first_s"]) == {c.name for c in schema_cases()}
     assert written["masking"]["runs"] and report["throughput"]["output_tokens"] > 0
     assert written["grammar_rejections"]["count"] == 0
