@@ -51,8 +51,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -61,6 +59,7 @@ from typing import Any
 import httpx
 
 from benchmarks.bench_adapters import bench_adapters_dir, ensure_adapters
+from benchmarks.gateway_process import start_gateway, stop_gateway
 from benchmarks.routing_replay import replay_all, routing_workload
 from benchmarks.serving import (
     BenchConfig,
@@ -69,56 +68,14 @@ from benchmarks.serving import (
     run_benchmark,
 )
 from benchmarks.serving_client import Protocol, ServingRequest, discover_model, send_request
-from benchmarks.serving_metrics import ServingMetrics, counter_totals, summarize
+from benchmarks.serving_metrics import counter_totals
+from benchmarks.serving_summary import pooled_summary, run_summary
 from benchmarks.workloads import LengthRange, WorkloadSpec, generate
 from engine.config import EngineConfig
 from engine.models.loader import load_hf_config
-from gateway.serve import EngineProcess, free_port, start_engines, stop_engines, wait_ready
+from gateway.serve import free_port, start_engines, stop_engines, wait_ready
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "gateway_bench.json"
-
-
-def start_gateway(model: str, engine_urls: list[str], adapters: dict[str, str],
-                  log_dir: Path, *extra: str) -> EngineProcess:
-    """`loragate serve --engine URL ...` as a child process, waited for until ready."""
-    port = free_port()
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--model", model,
-               "--port", str(port), "--poll-interval-s", "0.2", "--state-path", "", *extra]
-    for url in engine_urls:
-        command += ["--engine", url]
-    for name, path in adapters.items():
-        command += ["--lora", f"{name}={path}"]
-    log = log_dir / f"gateway-{port}.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    gateway = EngineProcess(f"http://127.0.0.1:{port}", process, log)
-    wait_ready([gateway], 120)
-    return gateway
-
-
-def stop_gateway(gateway: EngineProcess) -> None:
-    gateway.process.terminate()
-    try:
-        gateway.process.wait(30)
-    except subprocess.TimeoutExpired:
-        gateway.process.kill()
-
-
-def _summary(result: BenchResult) -> dict[str, Any]:
-    out = _summary_of(result.metrics)
-    if result.prefix_cache is not None:
-        out["prefix_hit_rate"] = result.prefix_cache.hit_rate
-        out["prefix_hit_tokens"] = result.prefix_cache.hit_tokens
-    return out
-
-
-def _summary_of(m: ServingMetrics) -> dict[str, Any]:
-    return {
-        "completed": m.completed, "failed": m.failed, "duration_s": m.duration_s,
-        "request_throughput": m.request_throughput, "output_throughput": m.output_throughput,
-        "ttft_p50_ms": m.ttft.median_ms, "ttft_p99_ms": m.ttft.p99_ms,
-        "e2e_p50_ms": m.e2e.median_ms, "e2e_p99_ms": m.e2e.p99_ms,
-        "itl_p50_ms": m.itl.median_ms, "failures": m.failures}
 
 
 async def _side_by_side(direct: BenchConfig, routed: BenchConfig,
@@ -129,12 +86,6 @@ async def _side_by_side(direct: BenchConfig, routed: BenchConfig,
     direct_result, gateway_result = await asyncio.gather(
         run_benchmark(direct, to_direct), run_benchmark(routed, to_gateway))
     return direct_result, gateway_result
-
-
-def _pooled(results: list[BenchResult]) -> dict[str, Any]:
-    records = [r for result in results for r in result.records]
-    duration = sum(result.metrics.duration_s for result in results)
-    return _summary_of(summarize(records, duration, results[0].config.slo))
 
 
 async def _one_at_a_time(engine_url: str, gateway_url: str, requests: list[ServingRequest]
@@ -186,7 +137,7 @@ def overhead(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             stop_gateway(gateway)
         stop_engines(engines, 30)
 
-    pooled = {name: _pooled(runs) for name, runs in results.items()}
+    pooled = {name: pooled_summary(runs) for name, runs in results.items()}
     added = {key: pooled["gateway"][key] - pooled["direct"][key]
              for key in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
                          "itl_p50_ms")}
@@ -197,7 +148,7 @@ def overhead(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
           f"request at a time {added_alone:.2f} ms", flush=True)
     return {"mode": args.gateway_mode, "requests": num, "rate": args.overhead_rate,
             "pooled": pooled,
-            "runs": {name: [_summary(r) for r in runs] for name, runs in results.items()},
+            "runs": {name: [run_summary(r) for r in runs] for name, runs in results.items()},
             "added_ms": added,
             "one_at_a_time": {"requests": len(alone["direct"]), "ttft_p50_ms": alone_p50,
                               "added_ttft_p50_ms": added_alone}}
@@ -248,7 +199,7 @@ def routing_run(args: argparse.Namespace, log_dir: Path, instances: int, policy:
                             metrics_urls=tuple(e.url + "/metrics" for e in engines))
         print(f"routing: {instances} instance(s), {policy}, {kv_blocks} KV blocks each"
               f"{', KV events' if kv_events else ''} {' '.join(gateway_flags)}", flush=True)
-        result = _summary(asyncio.run(run_benchmark(bench, requests)))
+        result = run_summary(asyncio.run(run_benchmark(bench, requests)))
         result["index"] = _route_counters(gateway.url)
     finally:
         if gateway is not None:

@@ -36,12 +36,10 @@ import datetime
 import os
 import random
 import sys
-import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import peft
 import torch
@@ -55,14 +53,16 @@ from benchmarks.bench_adapters import (
     bench_adapters_dir,
     ensure_adapters,
 )
-from benchmarks.peft_baseline import run_peft_baseline
-from benchmarks.throughput import (
-    PHASES,
-    RunResult,
-    machine_info,
-    warmup_requests,
-    write_json,
+from benchmarks.lora_engine_run import (
+    MAX_CPU_LORAS,
+    MAX_LORA_RANK,
+    MAX_LORAS,
+    MAX_NUM_SEQS,
+    EngineRun,
+    run_engine,
 )
+from benchmarks.peft_baseline import run_peft_baseline
+from benchmarks.throughput import RunResult, machine_info, write_json
 from benchmarks.workloads import (
     BenchRequest,
     LengthRange,
@@ -70,8 +70,6 @@ from benchmarks.workloads import (
     generate,
     total_output_tokens,
 )
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from lora.adapter import SUPPORTED_MODULES
 
 DEFAULT_OUTPUT = Path(__file__).parent / "results" / "lora_throughput.json"
@@ -82,10 +80,6 @@ QUICK_OUTPUT_LEN = LengthRange(16, 32)
 ADAPTER_COUNTS = (1, 4, 16, 64)
 DISTRIBUTIONS = ("uniform", "zipf")
 ZIPF_S = 1.1
-MAX_LORAS = 16
-MAX_CPU_LORAS = 64
-MAX_LORA_RANK = 16
-MAX_NUM_SEQS = 64
 BASELINE_ADAPTERS = 16
 BASELINE_DISTRIBUTION = "uniform"
 BASELINE_TARGET = 4.0
@@ -112,96 +106,6 @@ def assign_adapters(num_requests: int, num_adapters: int, distribution: str,
     indices = rng.choices(range(num_adapters), weights=popularity(num_adapters, distribution),
                           k=num_requests)
     return [adapter_name(i) for i in indices]
-
-
-# ---------------------------------------------------------------------------- engine
-@dataclass(frozen=True)
-class EngineRun:
-    """One engine configuration serving the workload, and what its steps looked like."""
-
-    label: str
-    num_adapters: int
-    distribution: str | None
-    distinct_adapters_used: int
-    result: RunResult
-    num_steps: int
-    mean_requests_per_step: float
-    """Requests that got a token per step: the effective decode batch."""
-    slot_loads: int
-    """Adapter copies into device slots (first uses plus reloads after eviction)."""
-    phase_ms_per_step: dict[str, float]
-    load_average: tuple[float, float]
-    """1-minute load average at the start and at the end of the timed run."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {**{k: v for k, v in asdict(self).items() if k != "result"},
-                **self.result.to_json()}
-
-
-def make_engine(model_dir: str, device: str, max_loras: int,
-                max_num_batched_tokens: int) -> LLMEngine:
-    return LLMEngine.from_model(model_dir, dtype="float32", device=device,
-                                max_num_seqs=MAX_NUM_SEQS,
-                                max_num_batched_tokens=max_num_batched_tokens,
-                                max_loras=max_loras, max_cpu_loras=MAX_CPU_LORAS,
-                                max_lora_rank=MAX_LORA_RANK)
-
-
-def add_all(engine: LLMEngine, requests: Sequence[BenchRequest],
-            adapters: Sequence[str | None], prefix: str) -> None:
-    for i, (r, lora) in enumerate(zip(requests, adapters, strict=True)):
-        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-        engine.add_request(f"{prefix}-{i}", list(r.prompt_token_ids), params, lora=lora)
-
-
-def drain(engine: LLMEngine) -> tuple[int, int]:
-    """Step until every request is finished; returns (output tokens of the finished
-    requests, requests that got a token summed over steps)."""
-    tokens = served = 0
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        served += len(outputs)
-        tokens += sum(len(out.token_ids) for out in outputs if out.finished)
-    return tokens, served
-
-
-def run_engine(label: str, model_dir: str, requests: list[BenchRequest],
-               adapters: list[str | None], paths: dict[str, Path], num_adapters: int,
-               distribution: str | None, args: argparse.Namespace) -> EngineRun:
-    """Serve the workload on a fresh engine; adapters[i] is request i's adapter or None.
-
-    All num_adapters adapters are registered (only the used ones are ever scheduled); the
-    warm-up request uses bench-0 so the LoRA path is warm too."""
-    engine = make_engine(model_dir, args.device, MAX_LORAS if num_adapters else 0,
-                         args.max_num_batched_tokens)
-    try:
-        for index in range(num_adapters):
-            engine.load_lora(adapter_name(index), str(paths[adapter_name(index)]))
-        warm = warmup_requests(engine.model_shape.vocab_size)[:1]
-        add_all(engine, warm, [adapter_name(0) if num_adapters else None], "warmup")
-        drain(engine)
-        stats = engine.stats()
-        phases_before, steps_before = dict(stats.phase_seconds), stats.num_steps
-        loads_before = engine.lora.num_slot_loads if engine.lora is not None else 0
-        load_start = os.getloadavg()[0]
-        start, cpu_start = time.perf_counter(), time.process_time()
-        add_all(engine, requests, adapters, "req")
-        tokens, served = drain(engine)
-        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-        load_end = os.getloadavg()[0]
-        expected = total_output_tokens(requests)
-        assert tokens == expected, f"engine produced {tokens} tokens, expected {expected}"
-        stats = engine.stats()
-        steps = stats.num_steps - steps_before
-        phases = {p: 1e3 * (stats.phase_seconds[p] - phases_before[p]) / steps for p in PHASES}
-        loads = (engine.lora.num_slot_loads if engine.lora is not None else 0) - loads_before
-    finally:
-        if engine.lora is not None:
-            engine.lora.shutdown()
-    used = len({a for a in adapters if a is not None})
-    result = RunResult(label, len(requests), tokens, seconds, cpu_seconds)
-    return EngineRun(label, num_adapters, distribution, used, result, steps, served / steps,
-                     loads, phases, (load_start, load_end))
 
 
 # --------------------------------------------------------------------------- report

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gateway_bench import start_gateway, stop_gateway
+from benchmarks.gateway_process import start_gateway, stop_gateway
 from benchmarks.serving import BenchConfig, from_workload, run_benchmark
 from benchmarks.serving_metrics import SloSpec
 from benchmarks.workloads import LengthRange, WorkloadSpec, generate

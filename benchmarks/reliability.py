@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from benchmarks import adversarial
-from benchmarks.gateway_bench import start_gateway, stop_gateway
+from benchmarks.gateway_process import start_gateway, stop_gateway
 from engine.config import EngineConfig
 from gateway.serve import EngineProcess, free_port, start_engines, stop_engines, wait_ready
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.gateway_bench import start_gateway, stop_gateway
+from benchmarks.gateway_process import start_gateway, stop_gateway
 from benchmarks.serving_metrics import nearest_rank
 from engine.config import EngineConfig
 from gateway.serve import EngineProcess, start_engines, stop_engines, wait_ready
