@@ -12,6 +12,7 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackend = Literal["auto", "torch", "triton"]
 LoadFormat = Literal["safetensors", "dummy"]
+GenerationConfigMode = Literal["auto", "off"]
 KVEventFormat = Literal["array", "map"]
 
 _GIB = 1 << 30
@@ -179,6 +180,12 @@ class EngineConfig:
     config's shape built on the device, no weight files read (benchmarks of a model shape
     without its weights, as vLLM's --load-format dummy)."""
 
+    generation_config: GenerationConfigMode = "auto"
+    """"auto": a request that leaves temperature, top_p, top_k, min_p or repetition_penalty
+    unset gets the value the model's generation_config.json recommends, if it names one (as
+    vLLM's --generation-config auto, its default; engine/generation_defaults.py). "off":
+    OpenAI's defaults (temperature 1, top_p 1, no top-k, min-p or repetition penalty)."""
+
     seed: int = 0
     """Seed of the generator used by sampled requests that give no seed of their own."""
 
@@ -225,6 +232,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got "
                              f"{self.attention_backend!r}")
+        if self.generation_config not in ("auto", "off"):
+            raise ValueError(f"generation_config must be auto or off, got "
+                             f"{self.generation_config!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be safetensors or dummy, got "
                              f"{self.load_format!r}")

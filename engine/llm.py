@@ -28,6 +28,12 @@ class LLM:
         """Register a PEFT adapter directory under ``name``."""
         self.engine.load_lora(name, path)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() uses without sampling_params: SamplingParams' defaults with the
+        model's recommended sampling over them (EngineConfig.generation_config), as vLLM's
+        LLM does."""
+        return self.engine.sampling_defaults.sampling_params()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -45,7 +51,8 @@ class LLM:
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.get_default_sampling_params()
+                           ] * len(prompt_list)
         else:
             params_list = list(sampling_params)
         if len(params_list) != len(prompt_list):

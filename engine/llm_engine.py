@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.fault_isolation import FaultIsolation
+from engine.generation_defaults import SamplingDefaults, read_sampling_defaults
 from engine.kv_cache import KVCacheManager
 from engine.metrics import EngineMetrics, EngineStats, PrefixCacheStats, StepTiming
 from engine.model_runner import ModelRunner
@@ -77,6 +78,10 @@ class LLMEngine:
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             config.model, local_files_only=True)
         self.eos_token_ids = eos_token_ids(config, self.tokenizer)
+        self.sampling_defaults = (read_sampling_defaults(config.model)
+                                  if config.generation_config == "auto" else SamplingDefaults())
+        """What a request that leaves a sampling field unset gets (the HTTP edge and
+        LLM.generate without params apply it; a SamplingParams is always explicit)."""
         model = load_model(config.model, hf_config, self.dtype, self.device, self.max_model_len,
                            prepack_weights=config.prepack_weights,
                            dummy_seed=config.seed if config.load_format == "dummy" else None)

@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+from engine.generation_defaults import SamplingDefaults
 from engine.prompt_logprobs import PromptLogprob
 from engine.sampling_params import SamplingParams
 from lora.manager import AdapterInfo
@@ -298,6 +299,9 @@ class EngineState:
     kv_events: tuple[str, str | None] | None = None
     """(events endpoint, replay endpoint) as the engine was configured, when it publishes
     KV events (engine/kv_events.py); a wildcard host means the engine's own."""
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+    """The model's recommended sampling (engine/generation_defaults.py, SamplingDefaults'
+    JSON): what the gateway gives a request that leaves those fields unset."""
 
     def to_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -312,7 +316,11 @@ class EngineState:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EngineState:
         """KeyError / ValueError / TypeError when a field is missing or malformed."""
-        values = {f.name: data[f.name] for f in fields(cls) if f.name != "kv_events"}
+        values = {f.name: data[f.name] for f in fields(cls)
+                  if f.name not in ("kv_events", "sampling_defaults")}
+        raw = data.get("sampling_defaults")
+        values["sampling_defaults"] = SamplingDefaults.from_json(
+            raw if isinstance(raw, dict) else {}).to_json()
         events = data.get("kv_events")
         values["kv_events"] = None if not events else (str(events[0]), events[1] and
                                                        str(events[1]))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from engine.generation_defaults import SamplingDefaults
 from engine.protocol import (
     EngineClient,
     EngineRejected,
@@ -55,6 +56,8 @@ class Instance:
     max_model_len: int = 0
     max_request_tokens: int = 0
     """Prompt + output one request can hold there (context, or KV capacity if smaller)."""
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    """The model's recommended sampling, for fields a request leaves unset."""
     block_size: int = 16
     publish_every: int = 4
     prefix_hit_rate: float = 0.0
@@ -176,6 +179,7 @@ class InstancePool:
         instance.max_num_seqs = state.max_num_seqs
         instance.max_model_len = state.max_model_len
         instance.max_request_tokens = state.max_request_tokens
+        instance.sampling_defaults = SamplingDefaults.from_json(state.sampling_defaults)
         instance.block_size = state.block_size
         instance.publish_every = state.publish_every
         instance.prefix_hit_rate = state.prefix_hit_rate

@@ -203,13 +203,11 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=max(0, body.top_k or 0),  # -1 (vLLM's "off") is the engine's 0
             seed=None if body.seed is None else (body.seed + sample) % SEED_LIMIT,
             stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos,
             logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
-            structured=req.constraint, **body.sampling_extras())
+            structured=req.constraint,
+            **body.sampling_extras(gateway.sampling_defaults()))
     except ValueError as exc:  # the edge bounds every field; this is the engine's own check
         raise ApiError(400, str(exc)) from None
     request = GenerateRequest(

@@ -34,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.generation_defaults import SamplingDefaults
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
 from gateway.openai_fields import Unsupported
@@ -191,13 +192,25 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias keys must be token ids, got {key[:32]!r}")
         return value
 
-    def sampling_extras(self) -> dict[str, Any]:
-        """The sampling fields beyond OpenAI's basic ones, as SamplingParams arguments."""
+    def sampling_extras(self, defaults: SamplingDefaults) -> dict[str, Any]:
+        """The sampling fields as SamplingParams arguments (all but max_tokens, seed, stop,
+        logprobs and the constraint); a field left unset takes the model's recommended
+        value from ``defaults`` where it has one, else OpenAI's / vLLM's default."""
+
+        def pick(given: float | None, recommended: float | None, fallback: float) -> float:
+            return given if given is not None else (
+                recommended if recommended is not None else fallback)
+
         return {
+            "temperature": pick(self.temperature, defaults.temperature, 1.0),
+            "top_p": pick(self.top_p, defaults.top_p, 1.0),
+            # -1 (vLLM's "off") is the engine's 0
+            "top_k": max(0, int(pick(self.top_k, defaults.top_k, 0))),
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
-            "repetition_penalty": self.repetition_penalty or 1.0,
-            "min_p": self.min_p or 0.0,
+            "repetition_penalty": pick(self.repetition_penalty, defaults.repetition_penalty,
+                                       1.0),
+            "min_p": pick(self.min_p, defaults.min_p, 0.0),
             "min_tokens": self.min_tokens,
             "logit_bias": tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
             "stop_token_ids": tuple(self.stop_token_ids or ()),

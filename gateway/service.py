@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import Request
 
+from engine.generation_defaults import SamplingDefaults
 from engine.http.errors import ApiError
 from engine.protocol import (
     ChunkStream,
@@ -190,6 +191,12 @@ class Gateway:
     def _no_instance(self) -> ApiError:
         return ApiError(503, "no engine instance is ready; retry later", code="unavailable",
                         headers={"Retry-After": str(self.config.retry_after_s)})
+
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The model's recommended sampling as a ready instance reports it (every instance
+        serves the same model; none ready: OpenAI's defaults)."""
+        ready = self.pool.healthy()
+        return ready[0].sampling_defaults if ready else SamplingDefaults()
 
     def max_request_tokens(self) -> int:
         """Prompt + output every healthy instance can hold (the default output budget)."""

@@ -33,12 +33,10 @@ STATE_FIELDS = {
     "num_swapped", "kv_blocks_used", "kv_blocks_total", "max_loras", "max_lora_rank",
     "max_num_seqs",
     "block_size", "publish_every", "max_model_len", "max_request_tokens", "prefix_hit_rate",
-    "kv_pools", "adapters", "prefix", "kv_events",
+    "kv_pools", "adapters", "prefix", "kv_events", "sampling_defaults",
 }
 ADAPTER_FIELDS = {"name", "path", "digest", "rank", "in_cpu", "slot", "pinned",
                   "running_requests"}
-
-
 
 
 # ----------------------------------------------------------------------- state, prefix
