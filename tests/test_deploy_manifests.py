@@ -6,40 +6,38 @@ kubernetes-validate package ships (strict: unknown fields fail), for the oldest 
 Kubernetes versions we support; the CRD kinds (ServiceMonitor, InferencePool) against the
 schemas in deploy/schemas/. Then what no schema sees: selectors that select something,
 ports that probes and Services name, Secrets / ConfigMaps / claims that exist or are
-documented as user-provided, loragate args parsed by loragate's own parser, LORAGATE_*
-variables that loragate reads (with values its config dataclasses accept), drain timeouts
-that fit the grace periods, and the Dockerfile's pip installs against the repository.
-Nothing is installed or applied; the whole module takes a few seconds (most of it importing
-loragate's CLI, which imports torch).
+documented as user-provided, one namespace, each overlay's image and device; and the
+renderer itself against what kustomize does. loragate's args and variables are checked in
+test_deploy_loragate_options.py, the Dockerfile in test_deploy_dockerfile.py. Nothing is
+installed or applied.
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
-import dataclasses
-import functools
-import importlib.util
-import inspect
 import json
-import re
-import shlex
-import sys
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 import jsonschema
 import pytest
 
+from tests.deploy_manifests_helpers import (
+    DEPLOY,
+    LORAGATE_IMAGE,
+    OVERLAYS,
+    Obj,
+    container_env,
+    containers,
+    find,
+    objects,
+    pod_spec,
+    render,
+    workloads,
+)
+
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="needs the dev extra kubernetes-validate")
 
-ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy"
-OVERLAYS = sorted(p.name for p in (DEPLOY / "kustomize" / "overlays").iterdir() if p.is_dir())
 # The oldest and newest minor versions the manifests are meant for: a field removed or added
 # between them fails one of the two.
 K8S_VERSIONS = ("1.30", "1.34")
@@ -56,59 +54,6 @@ USER_PROVIDED = {
     ("PersistentVolumeClaim", "loragate-models"): set(),
     ("PersistentVolumeClaim", "loragate-adapters"): set(),
 }
-LORAGATE_IMAGE = "ghcr.io/example/loragate"
-WORKLOADS = ("Deployment", "StatefulSet")
-
-Obj = dict[str, Any]
-
-
-def _load_renderer() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("deploy_render", DEPLOY / "render.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["deploy_render"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-render = _load_renderer()
-
-
-@functools.cache
-def _rendered(overlay: str) -> tuple[Obj, ...]:
-    return tuple(render.render(DEPLOY / "kustomize" / "overlays" / overlay))
-
-
-def objects(overlay: str) -> list[Obj]:
-    """A fresh copy of the overlay's objects (tests may not share mutations)."""
-    return copy.deepcopy(list(_rendered(overlay)))
-
-
-def _find(objs: list[Obj], kind: str, name: str) -> Obj:
-    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
-    assert found, f"{kind}/{name} not rendered"
-    return found[0]
-
-
-def _pod_spec(obj: Obj) -> Obj:
-    spec: Obj = obj["spec"]["template"]["spec"]
-    return spec
-
-
-def _containers(obj: Obj) -> list[Obj]:
-    pod = _pod_spec(obj)
-    return [*pod.get("initContainers", []), *pod["containers"]]
-
-
-def _workloads(objs: list[Obj]) -> Iterator[Obj]:
-    return (o for o in objs if o["kind"] in WORKLOADS)
-
-
-def _loragate_containers(objs: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
-    for workload in _workloads(objs):
-        for container in _containers(workload):
-            if container["image"].split(":")[0] == LORAGATE_IMAGE:
-                yield workload, container
 
 
 def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -147,19 +92,19 @@ def test_validation_catches_mistakes() -> None:
     """The validators are not vacuous: a misspelt field, a wrong type and a missing required
     field each fail, for a core kind and for both CRD schemas."""
     objs = objects("gie")
-    engine = _find(objs, "StatefulSet", "loragate-engine")
-    _containers(engine)[0]["readinessProbe"]["httpGet"]["paht"] = "/health"
+    engine = find(objs, "StatefulSet", "loragate-engine")
+    containers(engine)[0]["readinessProbe"]["httpGet"]["paht"] = "/health"
     assert schema_errors(engine, K8S_VERSIONS[0])
-    engine = _find(objects("gie"), "StatefulSet", "loragate-engine")
+    engine = find(objects("gie"), "StatefulSet", "loragate-engine")
     engine["spec"]["replicas"] = "two"
     assert schema_errors(engine, K8S_VERSIONS[0])
-    pool = _find(objs, "InferencePool", "loragate")
+    pool = find(objs, "InferencePool", "loragate")
     del pool["spec"]["endpointPickerRef"]["port"]
     assert schema_errors(pool, K8S_VERSIONS[0])
-    pool = _find(objects("gie"), "InferencePool", "loragate")
+    pool = find(objects("gie"), "InferencePool", "loragate")
     pool["spec"]["targetPortNumber"] = 8000  # the pre-v1 field
     assert schema_errors(pool, K8S_VERSIONS[0])
-    monitor = _find(objects("gpu"), "ServiceMonitor", "loragate-engine")
+    monitor = find(objects("gpu"), "ServiceMonitor", "loragate-engine")
     del monitor["spec"]["selector"]
     assert schema_errors(monitor, K8S_VERSIONS[0])
 
@@ -168,14 +113,14 @@ def test_validation_catches_mistakes() -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_selectors_and_ports(overlay: str) -> None:
     objs = objects(overlay)
-    pods = [(w, w["spec"]["template"]["metadata"]["labels"]) for w in _workloads(objs)]
+    pods = [(w, w["spec"]["template"]["metadata"]["labels"]) for w in workloads(objs)]
     services = [o for o in objs if o["kind"] == "Service"]
-    for workload in _workloads(objs):
+    for workload in workloads(objs):
         assert _selects(workload["spec"]["selector"]["matchLabels"],
                         workload["spec"]["template"]["metadata"]["labels"])
         if workload["kind"] == "StatefulSet":
-            _find(objs, "Service", workload["spec"]["serviceName"])
-        for container in _containers(workload):
+            find(objs, "Service", workload["spec"]["serviceName"])
+        for container in containers(workload):
             ports = {p.get("name") for p in container.get("ports", [])} | {
                 p["containerPort"] for p in container.get("ports", [])}
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -188,9 +133,9 @@ def test_selectors_and_ports(overlay: str) -> None:
         assert selected, f"Service {service['metadata']['name']} selects no pod"
         for port in service["spec"]["ports"]:
             for workload in selected:
-                names = {p.get("name") for c in _containers(workload)
+                names = {p.get("name") for c in containers(workload)
                          for p in c.get("ports", [])}
-                numbers = {p["containerPort"] for c in _containers(workload)
+                numbers = {p["containerPort"] for c in containers(workload)
                            for p in c.get("ports", [])}
                 assert port["targetPort"] in names | numbers, service["metadata"]["name"]
     for monitor in (o for o in objs if o["kind"] == "ServiceMonitor"):
@@ -206,25 +151,25 @@ def test_selectors_and_ports(overlay: str) -> None:
                    if _selects(pool["spec"]["selector"]["matchLabels"], labels)]
         assert members, "the InferencePool selects no pod"
         for workload in members:
-            numbers = {p["containerPort"] for c in _containers(workload)
+            numbers = {p["containerPort"] for c in containers(workload)
                        for p in c.get("ports", [])}
             assert {p["number"] for p in pool["spec"]["targetPorts"]} <= numbers
     for hpa in (o for o in objs if o["kind"] == "HorizontalPodAutoscaler"):
         target = hpa["spec"]["scaleTargetRef"]
-        _find(objs, target["kind"], target["name"])
+        find(objs, target["kind"], target["name"])
 
 
 def _references(objs: list[Obj]) -> Iterator[tuple[str, str, str | None]]:
     """(kind, name, key or None) of every Secret, ConfigMap and claim the objects use."""
-    for workload in _workloads(objs):
-        for volume in _pod_spec(workload).get("volumes", []):
+    for workload in workloads(objs):
+        for volume in pod_spec(workload).get("volumes", []):
             if "persistentVolumeClaim" in volume:
                 yield "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"], None
             if "secret" in volume:
                 yield "Secret", volume["secret"]["secretName"], None
             if "configMap" in volume:
                 yield "ConfigMap", volume["configMap"]["name"], None
-        for container in _containers(workload):
+        for container in containers(workload):
             for env in container.get("env", []):
                 source = env.get("valueFrom", {})
                 if "secretKeyRef" in source:
@@ -261,116 +206,6 @@ def test_referenced_configs_exist_or_are_documented(overlay: str) -> None:
             assert f"`{documented_key}`" in readme, f"deploy/README.md: {name}.{documented_key}"
 
 
-# ------------------------------------------------------------------- loragate's own options
-@functools.cache
-def _parser() -> argparse.ArgumentParser:
-    from gateway.cli import build_parser
-
-    return build_parser()
-
-
-@functools.cache
-def known_env() -> frozenset[str]:
-    """Every LORAGATE_* variable loragate reads: one per config field (engine/config_args.py)
-    and the few read directly (string literals in the packages' sources)."""
-    from engine.config import EngineConfig
-    from engine.config_args import ENV_PREFIX
-    from gateway.config import GatewayConfig
-
-    names = {ENV_PREFIX + f.name.upper()
-             for cls in (EngineConfig, GatewayConfig) for f in dataclasses.fields(cls)}
-    for package in ("engine", "gateway", "lora", "prefix_cache"):
-        for source in (ROOT / package).rglob("*.py"):
-            names |= set(re.findall(r"[\"'](LORAGATE_[A-Z0-9_]+)[\"']", source.read_text()))
-    return frozenset(names)
-
-
-def _env(container: Obj, objs: list[Obj]) -> dict[str, str | None]:
-    """The container's variables: literal values, None for those from Secrets / fields."""
-    env: dict[str, str | None] = {}
-    for env_from in container.get("envFrom", []):
-        name = env_from.get("configMapRef", {}).get("name")
-        if name:
-            env.update(_find(objs, "ConfigMap", name).get("data", {}))
-    for item in container.get("env", []):
-        env[item["name"]] = item.get("value")
-    return env
-
-
-def _expand(text: str, env: dict[str, str | None]) -> str:
-    """$(VAR) as the kubelet expands it; a value it cannot know becomes a placeholder."""
-    def value(match: re.Match[str]) -> str:
-        assert match.group(1) in env, f"$({match.group(1)}) names no variable of the container"
-        return env[match.group(1)] or f"placeholder-{match.group(1).lower()}"
-    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", value, text)
-
-
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_loragate_args_and_env(overlay: str) -> None:
-    from engine.config import EngineConfig
-    from engine.config_args import build_config
-    from gateway.config import GatewayConfig
-
-    objs = objects(overlay)
-    checked = 0
-    for workload, container in _loragate_containers(objs):
-        env = _env(container, objs)
-        where = f"{overlay}: {workload['metadata']['name']}/{container['name']}"
-        args = [_expand(a, env) for a in container["args"]]
-        try:
-            parsed = _parser().parse_args(args)
-        except SystemExit:
-            pytest.fail(f"{where}: loragate refuses its args {args}")
-        assert parsed.command in ("serve", "engine"), where
-        mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
-        for path in [parsed.model, *parsed.adapter_root]:
-            assert any(path.startswith(m + "/") or path == m for m in mounts), (where, path)
-        unknown = {n for n in env if n.startswith("LORAGATE_")} - known_env()
-        assert not unknown, f"{where}: loragate reads no {sorted(unknown)}"
-        # Helper variables must be used: each feeds an argument.
-        joined = " ".join(container["args"])
-        for name in env:
-            if not name.startswith("LORAGATE_"):
-                assert f"$({name})" in joined, f"{where}: {name} is set but not used"
-        # The values must be ones the config dataclasses accept (as `loragate` would).
-        literal = {k: v for k, v in env.items() if v is not None}
-        model = parsed.model
-        build_config(EngineConfig, argparse.Namespace(), {}, env=literal, model=model)
-        if parsed.command == "serve":
-            build_config(GatewayConfig, argparse.Namespace(), {}, env=literal)
-            # What `serve` refuses at start-up beyond loopback / without engines.
-            assert "LORAGATE_ADMIN_KEY" in env, f"{where}: no admin key on a public address"
-            assert parsed.instances >= 1 or "LORAGATE_REDIS_URL" in env, where
-        else:
-            assert "LORAGATE_ENGINE_TOKEN" in env, f"{where}: engines need a token"
-        checked += 1
-    assert checked
-
-
-def _prestop_seconds(container: Obj) -> int:
-    command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
-    return int(command[1]) if command and command[0] == "sleep" else 0
-
-
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_grace_period_covers_the_drain(overlay: str) -> None:
-    """SIGTERM drains (in-flight streams finish): the kubelet must wait for the preStop
-    sleep plus the drain before it kills the process."""
-    from engine.http.server import serve
-    from gateway.config import GatewayConfig
-
-    engine_drain = inspect.signature(serve).parameters["drain_timeout_s"].default
-    objs = objects(overlay)
-    for workload, container in _loragate_containers(objs):
-        env = _env(container, objs)
-        command = container["args"][0]
-        drain = float(env.get("LORAGATE_DRAIN_TIMEOUT_S") or GatewayConfig.drain_timeout_s) \
-            if command == "serve" else float(engine_drain)
-        grace = _pod_spec(workload).get("terminationGracePeriodSeconds", 30)
-        assert grace >= _prestop_seconds(container) + drain + 5, workload["metadata"]["name"]
-        assert "readinessProbe" in container and "livenessProbe" in container
-
-
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_one_namespace(overlay: str) -> None:
     """Every object lands in the overlay's namespace (one left without would go to
@@ -381,10 +216,10 @@ def test_one_namespace(overlay: str) -> None:
 def test_overlays_pick_their_image_and_device() -> None:
     for overlay, tag, device in (("cpu", "cpu", "cpu"), ("gpu", "cuda", "cuda")):
         objs = objects(overlay)
-        engine = _find(objs, "StatefulSet", "loragate-engine")
-        container = _containers(engine)[0]
+        engine = find(objs, "StatefulSet", "loragate-engine")
+        container = containers(engine)[0]
         assert container["image"] == f"{LORAGATE_IMAGE}:{tag}"
-        assert _env(container, objs)["LORAGATE_DEVICE"] == device
+        assert container_env(container, objs)["LORAGATE_DEVICE"] == device
         gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert (gpus == 1) == (overlay == "gpu")
     assert {o["kind"] for o in objects("cpu")}.isdisjoint({"ServiceMonitor", "InferencePool"})
@@ -414,89 +249,3 @@ def test_renderer_refuses_what_it_does_not_implement(tmp_path: Path) -> None:
     (tmp_path / "kustomization.yaml").write_text("resources: []\nreplicas: []\n")
     with pytest.raises(render.RenderError, match="replicas"):
         render.render(tmp_path)
-
-
-# ------------------------------------------------------------------------------ Dockerfile
-def _dockerfile() -> list[tuple[str, str]]:
-    """(instruction, arguments) of deploy/Dockerfile, continuation lines joined."""
-    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
-    steps = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            instruction, _, rest = line.partition(" ")
-            steps.append((instruction.upper(), rest.strip()))
-    return steps
-
-
-def test_dockerfile_installs_what_the_repository_has() -> None:
-    steps = _dockerfile()
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    dependencies = {re.split(r"[<>=!~;\[ ]", d)[0].lower() for d in project["dependencies"]}
-    args = {}
-    for instruction, rest in steps:
-        if instruction == "ARG":
-            name, _, default = rest.partition("=")
-            if default:  # a bare ARG in a stage only brings the global one into scope
-                args[name] = default
-    stages = [rest.split()[-1] for instruction, rest in steps if instruction == "FROM"]
-    assert {"cpu", "cuda"} <= set(stages)
-    assert args["PYTHON_IMAGE"].startswith("python:3.11-slim")
-    assert args["CUDA_IMAGE"].startswith("nvidia/cuda:") and "runtime" in args["CUDA_IMAGE"]
-    # What the src stage copies (repository path -> image path) and the ignore file lets in.
-    allowed = {line[1:] for line in (DEPLOY / "Dockerfile.dockerignore").read_text().split()
-               if line.startswith("!")}
-    copied: dict[str, str] = {}
-    for instruction, rest in steps:
-        if instruction == "COPY" and not rest.startswith("--from"):
-            *sources, dest = rest.split()
-            for source in sources:
-                assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
-                assert source in allowed, f"COPY {source}: excluded by the dockerignore"
-                image_path = dest.rstrip("/") + "/" + source if dest.endswith("/") else dest
-                copied[image_path.replace("/src", "/opt/loragate", 1)] = source
-    installs = 0
-    for instruction, rest in steps:
-        if instruction != "RUN":
-            continue
-        for command in rest.split("&&"):
-            words = shlex.split(command)
-            if words[:2] != ["pip", "install"]:
-                continue
-            installs += 1
-            words = words[2:]
-            constraints = None
-            while words:
-                word = words.pop(0)
-                if word in ("-c", "--constraint"):
-                    constraints = words.pop(0)
-                    assert constraints in copied, f"{constraints}: not copied into the image"
-                elif word in ("--index-url", "--extra-index-url"):
-                    url = words.pop(0)
-                    var = re.fullmatch(r"\$\{(\w+)\}", url)
-                    assert var and args.get(var.group(1), "").startswith(
-                        "https://download.pytorch.org/whl/"), url
-                elif word.startswith("-"):
-                    pytest.fail(f"pip install {word}: an option this lint does not know")
-                elif word == "/opt/loragate":
-                    assert "pyproject.toml" in copied.values()
-                    assert all(p.split("*")[0].rstrip(".") in copied.values() for p in
-                               ("engine*", "lora*", "prefix_cache*", "gateway*"))
-                else:
-                    assert word.lower() in dependencies, f"pip install {word}: not a dependency"
-                    if constraints is not None:
-                        pinned = (ROOT / copied[constraints]).read_text()
-                        assert re.search(rf"^{word}==", pinned, re.M), (word, constraints)
-    assert installs == 4
-    finals = [i for i, (instruction, rest) in enumerate(steps) if instruction == "FROM"
-              and rest.split()[-1] in ("cpu", "cuda")]
-    for start, end in zip(finals, [*finals[1:], len(steps)], strict=True):
-        stage = steps[start:end]
-        assert ("ENTRYPOINT", '["loragate"]') in stage
-        users = [rest for instruction, rest in stage if instruction == "USER"]
-        assert users and users[-1].split(":")[0] == "10001"
-    assert project["scripts"]["loragate"]
-    # The pods run as the image's user.
-    for overlay in OVERLAYS:
-        for workload, _ in _loragate_containers(objects(overlay)):
-            assert _pod_spec(workload)["securityContext"]["runAsUser"] == 10001
