@@ -207,7 +207,7 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
             stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos,
             logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
             structured=req.constraint,
-            **body.sampling_extras(gateway.sampling_defaults()))
+            **body.sampling_args(gateway.sampling_defaults()))
     except ValueError as exc:  # the edge bounds every field; this is the engine's own check
         raise ApiError(400, str(exc)) from None
     request = GenerateRequest(

@@ -192,7 +192,7 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias keys must be token ids, got {key[:32]!r}")
         return value
 
-    def sampling_extras(self, defaults: SamplingDefaults) -> dict[str, Any]:
+    def sampling_args(self, defaults: SamplingDefaults) -> dict[str, Any]:
         """The sampling fields as SamplingParams arguments (all but max_tokens, seed, stop,
         logprobs and the constraint); a field left unset takes the model's recommended
         value from ``defaults`` where it has one, else OpenAI's / vLLM's default."""

@@ -56,16 +56,16 @@ def test_unset_fields_take_the_models_values_and_given_ones_win() -> None:
     defaults = SamplingDefaults(temperature=0.3, top_p=0.5, top_k=20, min_p=0.1,
                                 repetition_penalty=1.2)
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    unset = ChatCompletionRequest.model_validate(base).sampling_extras(defaults)
+    unset = ChatCompletionRequest.model_validate(base).sampling_args(defaults)
     assert {k: unset[k] for k in ("temperature", "top_p", "top_k", "min_p",
                                   "repetition_penalty")} == defaults.to_json()
     given = ChatCompletionRequest.model_validate(
         {**base, "temperature": 0, "top_p": 1, "top_k": -1, "min_p": 0,
-         "repetition_penalty": 1}).sampling_extras(defaults)
+         "repetition_penalty": 1}).sampling_args(defaults)
     assert {k: given[k] for k in ("temperature", "top_p", "top_k", "min_p",
                                   "repetition_penalty")} == {
         "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0, "repetition_penalty": 1}
-    plain = ChatCompletionRequest.model_validate(base).sampling_extras(SamplingDefaults())
+    plain = ChatCompletionRequest.model_validate(base).sampling_args(SamplingDefaults())
     assert (plain["temperature"], plain["top_p"], plain["top_k"]) == (1.0, 1.0, 0)
 
 
