@@ -205,8 +205,13 @@ def shrink_splits(programs: int, k_tiles: int, sm_count: int) -> tuple[int, int]
     if programs < 1 or k_tiles < 1 or sm_count < 1:
         raise ValueError(f"programs, k_tiles and sm_count must be positive, got "
                          f"{programs}, {k_tiles}, {sm_count}")
-    wanted = max(1, min(k_tiles, (SPLIT_TARGET_PROGRAMS_PER_SM * sm_count) // programs))
-    tiles_per_split = triton.cdiv(k_tiles, wanted)
+    return _split_plan(k_tiles, (SPLIT_TARGET_PROGRAMS_PER_SM * sm_count) // programs)
+
+
+def _split_plan(k_tiles: int, wanted: int) -> tuple[int, int]:
+    """(splits, tiles per split) closest to ``wanted`` splits of ``k_tiles`` tiles (clamped
+    to 1..k_tiles) with no split left empty."""
+    tiles_per_split = triton.cdiv(k_tiles, max(1, min(k_tiles, wanted)))
     return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split
 
 
@@ -239,13 +244,13 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoraBatchMetadata,
     block_k = _tile(x.shape[1], 16, 128)
     m_tiles, n_tiles = triton.cdiv(meta.max_seg_len, block_m), triton.cdiv(rank, block_n)
     k_tiles = triton.cdiv(x.shape[1], block_k)
-    if splits is None:
-        splits = 1
-        if x.device.type == "cuda":
-            splits, _ = shrink_splits(meta.num_segments * m_tiles * n_tiles, k_tiles,
-                                              _sm_count(x.device.index or 0))
-    per_split = triton.cdiv(k_tiles, min(splits, k_tiles))
-    splits = triton.cdiv(k_tiles, per_split)
+    if splits is not None:
+        splits, per_split = _split_plan(k_tiles, splits)
+    elif x.device.type == "cuda":
+        splits, per_split = shrink_splits(meta.num_segments * m_tiles * n_tiles, k_tiles,
+                                          _sm_count(x.device.index or 0))
+    else:
+        splits, per_split = 1, k_tiles
     # With one split the kernel writes out itself; with more, each split writes its own fp32
     # slice (rows without an adapter stay zero) and their sum is the result: no atomics, so
     # the sum's order, and the result, is the same on every run.
