@@ -346,7 +346,7 @@ class AsyncEngine:
             adapters=self._list_adapters(), prefix=llm.publish_prefixes(cursor),
             kv_events=None if config.kv_events_endpoint is None else
             (config.kv_events_endpoint, config.kv_events_replay_endpoint),
-            sampling_defaults=llm.sampling_defaults.to_json())
+            sampling_defaults=llm.sampling_defaults)
 
 
 def _without_paths(message: str, *paths: str) -> str:

@@ -299,14 +299,15 @@ class EngineState:
     kv_events: tuple[str, str | None] | None = None
     """(events endpoint, replay endpoint) as the engine was configured, when it publishes
     KV events (engine/kv_events.py); a wildcard host means the engine's own."""
-    sampling_defaults: dict[str, float] = field(default_factory=dict)
-    """The model's recommended sampling (engine/generation_defaults.py, SamplingDefaults'
-    JSON): what the gateway gives a request that leaves those fields unset."""
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    """The model's recommended sampling (engine/generation_defaults.py): what the gateway
+    gives a request that leaves those fields unset."""
 
     def to_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["kv_pools"] = {name: vars(pool) for name, pool in self.kv_pools.items()}
         data["adapters"] = [vars(a) for a in self.adapters]
+        data["sampling_defaults"] = self.sampling_defaults.to_json()
         p = self.prefix
         data["prefix"] = {"cursor": p.cursor, "full": p.full,
                           "added": [format(h, "x") for h in p.added],
@@ -320,7 +321,7 @@ class EngineState:
                   if f.name not in ("kv_events", "sampling_defaults")}
         raw = data.get("sampling_defaults")
         values["sampling_defaults"] = SamplingDefaults.from_json(
-            raw if isinstance(raw, dict) else {}).to_json()
+            raw if isinstance(raw, dict) else {})
         events = data.get("kv_events")
         values["kv_events"] = None if not events else (str(events[0]), events[1] and
                                                        str(events[1]))

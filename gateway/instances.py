@@ -179,7 +179,7 @@ class InstancePool:
         instance.max_num_seqs = state.max_num_seqs
         instance.max_model_len = state.max_model_len
         instance.max_request_tokens = state.max_request_tokens
-        instance.sampling_defaults = SamplingDefaults.from_json(state.sampling_defaults)
+        instance.sampling_defaults = state.sampling_defaults
         instance.block_size = state.block_size
         instance.publish_every = state.publish_every
         instance.prefix_hit_rate = state.prefix_hit_rate

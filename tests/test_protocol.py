@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from engine.generation_defaults import SamplingDefaults
 from engine.protocol import (
     ERROR_STATUS,
     EngineError,
@@ -66,5 +67,6 @@ def test_engine_state_round_trips() -> None:
         max_request_tokens=1000, prefix_hit_rate=0.25,
         kv_pools={"base": PoolSummary(5, 3, 1, 0.5)},
         adapters=[AdapterInfo("a0", "/adapters/a0", "ab" * 16, 8, True, 0, False, 1)],
-        prefix=PrefixUpdate(cursor=9, full=True, added=[2**127 + 5, 3], removed=[]))
+        prefix=PrefixUpdate(cursor=9, full=True, added=[2**127 + 5, 3], removed=[]),
+        sampling_defaults=SamplingDefaults(temperature=0.2, top_p=0.9, top_k=20))
     assert EngineState.from_json(_wire(state.to_json())) == state
