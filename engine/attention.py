@@ -31,7 +31,7 @@ from engine.cascade_attention import (
     cascade_attention,
     cascade_available,
 )
-from engine.cpu_kernels import PagedDecodeOp
+from engine.cpu_kernels import PagedDecodeOp, SpanAttentionOp
 from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batches, decode_attention
 from engine.triton_attention import TritonAttentionPlan, build_triton_plan, triton_attention
 
@@ -81,6 +81,7 @@ def build_step_metadata(
     buffers: CopyBuffers | None = None,
     kernel: PagedDecodeOp | None = None,
     triton_block_m: int | None = None,
+    span_kernel: SpanAttentionOp | None = None,
 ) -> dict[int | None, AttentionMetadata]:
     """The step's metadata for each distinct sliding window (None: full attention) among
     the model's layers, all with one shared slot mapping. Arguments as for
@@ -95,7 +96,8 @@ def build_step_metadata(
                                           triton=plan.with_window(window))
                 for window in dict.fromkeys(windows)}
     return {window: build_attention_metadata(decodes, prefills, block_size, window, device,
-                                             cascade, slot_mapping, buffers, kernel)
+                                             cascade, slot_mapping, buffers, kernel,
+                                             span_kernel)
             for window in dict.fromkeys(windows)}
 
 
@@ -109,18 +111,20 @@ def build_attention_metadata(
     slot_mapping: torch.Tensor | None = None,
     buffers: CopyBuffers | None = None,
     kernel: PagedDecodeOp | None = None,
+    span_kernel: SpanAttentionOp | None = None,
 ) -> AttentionMetadata:
     """decodes: (block_table, context_len) per one-token request, in batch order.
     prefills: (block_table, start_pos, q_len) per multi-token chunk, after the decodes.
     cascade: plan cascade attention when the device and model allow it.
     slot_mapping: the step's, when already built (for another window).
     buffers: the engine's space for the decodes' K/V copies (engine/paged_decode.py).
-    kernel: the compiled decode kernel (engine/cpu_kernels), which needs no copies."""
+    kernel: the compiled decode kernel (engine/cpu_kernels), which needs no copies.
+    span_kernel: the compiled span kernel for cascade attention (float32 caches only)."""
     if slot_mapping is None:
         slot_mapping = _slot_mapping(decodes, prefills, block_size, device)
     if cascade and sliding_window is None and cascade_available(device):
         return _cascade_metadata(decodes, prefills, block_size, slot_mapping, device, buffers,
-                                 kernel)
+                                 kernel, span_kernel)
     num_decodes = len(decodes)
     decode_batches = build_decode_batches(
         [(row, bt, ctx) for row, (bt, ctx) in enumerate(decodes)], block_size, device,
@@ -181,6 +185,7 @@ def _cascade_metadata(
     device: torch.device,
     buffers: CopyBuffers | None,
     kernel: PagedDecodeOp | None,
+    span_kernel: SpanAttentionOp | None,
 ) -> AttentionMetadata:
     requests = [CascadeRequest(_as_list(block_table), ctx, row, 1, fresh=False)
                 for row, (block_table, ctx) in enumerate(decodes)]
@@ -193,7 +198,8 @@ def _cascade_metadata(
         slot_mapping=slot_mapping,
         num_decodes=len(decodes), decodes=[],
         prefills=[], cascade=build_cascade_plan(requests, block_size, device,
-                                                buffers=buffers, kernel=kernel),
+                                                buffers=buffers, kernel=kernel,
+                                                span_kernel=span_kernel),
     )
 
 

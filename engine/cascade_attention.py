@@ -42,7 +42,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels import PagedDecodeOp
+from engine.cascade_spans import SpanPlan, build_span_plan, span_attention
+from engine.cpu_kernels import PagedDecodeOp, SpanAttentionOp
 from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batches, decode_attention
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -123,18 +124,23 @@ class CascadePlan:
     num_rows: int
     private: list[DecodeBatch]
     """The decodes' private tails as batched calls (their rows come first in merge_rows)."""
+    spans: SpanPlan | None = None
+    """Set when the compiled span kernel runs the step (engine/cascade_spans.py): nodes and
+    whole prefill chunks as its items; fresh, whole and merge_rows are then unused."""
 
 
 def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
                        device: torch.device,
                        fresh_piece_rows: int | None = None,
                        buffers: CopyBuffers | None = None,
-                       kernel: PagedDecodeOp | None = None) -> CascadePlan:
+                       kernel: PagedDecodeOp | None = None,
+                       span_kernel: SpanAttentionOp | None = None) -> CascadePlan:
     """Radix tree over the requests' cached blocks -> nodes (a decode's private tail goes
     to the batched decodes instead), and each prefill chunk's pieces (of FRESH_PIECE_ROWS
     rows unless given). buffers: the engine's space for the private tails' K/V copies;
-    kernel: the compiled decode kernel, which reads them in place instead. See the module
-    docstring."""
+    kernel: the compiled decode kernel, which reads them in place instead; span_kernel:
+    the compiled span kernel, which then runs nodes and whole chunks (float32 caches and a
+    head size it was built for: the caller checks). See the module docstring."""
     piece_rows = fresh_piece_rows or FRESH_PIECE_ROWS
     keys: list[list[int]] = []
     for i, r in enumerate(requests):
@@ -200,6 +206,9 @@ def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
     for r in requests:
         if not r.fresh:
             continue
+        if span_kernel is not None:  # the kernel skips a whole chunk's masked tiles
+            whole.append((r.query_start, r.q_len))
+            continue
         if r.cached_len == 0:
             whole.append((r.query_start, r.q_len))
             continue
@@ -211,12 +220,18 @@ def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
                                          torch.arange(r.query_start + lo,
                                                       r.query_start + hi).to(device)))
     private = build_decode_batches(tails, block_size, device, buffers=buffers, kernel=kernel)
+    num_rows = max((r.query_start + r.q_len for r in requests), default=0)
+    gather_blocks = torch.tensor(gather, dtype=torch.int64, device=device)
+    if span_kernel is not None:
+        return CascadePlan(gather_blocks=gather_blocks, nodes=nodes, node_rows=torch.empty(0),
+                           fresh=[], whole=[], merge_rows=torch.empty(0), num_rows=num_rows,
+                           private=private,
+                           spans=build_span_plan(span_kernel, nodes, whole, private, num_rows))
     merge_rows = [batch.rows for batch in private]
     merge_rows += [node.query_rows for node in nodes for _ in node.spans]
     merge_rows += [torch.arange(start, start + n).to(device) for start, n in fresh]
-    num_rows = max((r.query_start + r.q_len for r in requests), default=0)
     return CascadePlan(
-        gather_blocks=torch.tensor(gather, dtype=torch.int64, device=device),
+        gather_blocks=gather_blocks,
         nodes=nodes,
         node_rows=(torch.cat([node.query_rows for node in nodes]) if nodes
                    else torch.empty(0, dtype=torch.int64, device=device)),
@@ -239,6 +254,9 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     [num_blocks, block_size, Hkv, D]; returns [T, H, D]. H must be a multiple of Hkv.
     dtypes: float32, bfloat16 or float16, all alike; partial results merge in float32.
     """
+    if plan.spans is not None:
+        return span_attention(q, k, v, k_cache, v_cache, plan.gather_blocks, plan.private,
+                              plan.spans, scale)
     assert _FLASH_CPU is not None
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import build_step_metadata
+from engine.cascade_spans import SPAN_HEAD_DIMS
 from engine.config import EngineConfig
-from engine.cpu_kernels import load_fused_ops, load_paged_decode
+from engine.cpu_kernels import load_fused_ops, load_paged_decode, load_span_attention
 from engine.decode_graphs import DecodeGraphs
 from engine.input_batch import InputBatch
 from engine.kv_cache import blocks_for
@@ -64,6 +65,10 @@ class ModelRunner:
         # Built (compiled on first use) here, on the engine's thread, not in the first step.
         native = config.native_kernels and device.type == "cpu"
         self.decode_kernel = load_paged_decode() if native and not triton else None
+        # Cascade attention's nodes and chunks in one compiled call per layer (float32 only).
+        self.span_kernel = (load_span_attention() if native and not triton
+                            and dtype == torch.float32
+                            and model.shape.head_dim in SPAN_HEAD_DIMS else None)
         model.use_fused_ops(load_fused_ops() if native else None)
         per_block = kv_bytes_per_block(model, config.block_size, dtype)
         self.num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
@@ -165,7 +170,8 @@ class ModelRunner:
                                        self.layer_windows, self.device,
                                        cascade=self.cascade_attention,
                                        buffers=self.copy_buffers, kernel=self.decode_kernel,
-                                       triton_block_m=self.triton_block_m)
+                                       triton_block_m=self.triton_block_m,
+                                       span_kernel=self.span_kernel)
             # The runs and rest layout serve only the torch path's fused op.
             lora = build_lora_metadata(
                 inputs.token_slots, self.device,

@@ -15,42 +15,13 @@ from engine.cascade_attention import (
     build_cascade_plan,
     cascade_available,
 )
+from tests.cascade_batches import random_batch
 from tests.kernels import compiled_decode_kernel
 
 BLOCK = 4
 CPU = torch.device("cpu")
 
 pytestmark = pytest.mark.skipif(not cascade_available(CPU), reason="torch lacks the CPU flash op")
-
-
-def _batch(rng: random.Random, num_blocks: int, shared_pool: int
-           ) -> tuple[list[tuple[list[int], int]], list[tuple[list[int], int, int]]]:
-    """Decodes then prefills; tables draw their leading blocks from a few shared prefixes
-    (as prefix-cache hits do) and the rest from private blocks, scattered or consecutive
-    (read in place, partial last block included)."""
-    free = list(range(shared_pool, num_blocks))[::-1]
-    if rng.random() < 0.5:
-        rng.shuffle(free)
-    prefixes = [list(range(i * 6, i * 6 + rng.randint(1, 6))) for i in range(shared_pool // 6)]
-
-    def table(num_positions: int) -> tuple[list[int], int]:
-        need = -(-num_positions // BLOCK)
-        shared = rng.choice(prefixes)[: rng.randint(0, need)] if rng.random() < 0.8 else []
-        # A shared prefix is only full blocks that precede the request's own positions.
-        shared = shared[: max(0, (num_positions - 1) // BLOCK)]
-        return shared + [free.pop() for _ in range(need - len(shared))], len(shared) * BLOCK
-
-    decodes = []
-    for _ in range(rng.randint(0, 6)):
-        bt, _ = table(rng.randint(1, 30))
-        decodes.append((bt, rng.randint(max(1, (len(bt) - 1) * BLOCK + 1), len(bt) * BLOCK)))
-    prefills = []
-    for _ in range(rng.randint(0 if decodes else 1, 3)):
-        q_len = rng.randint(2, 9)
-        start = rng.choice([0, rng.randint(1, 20), BLOCK * rng.randint(1, 5)])
-        bt, _ = table(start + q_len)
-        prefills.append((bt, start, q_len))
-    return decodes, prefills
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -66,7 +37,7 @@ def test_cascade_matches_reference(seed: int, heads: tuple[int, int], piece_rows
     torch.manual_seed(seed)
     num_heads, num_kv_heads = heads
     head_dim, num_blocks = 16, 200
-    decodes, prefills = _batch(rng, num_blocks, shared_pool=24)
+    decodes, prefills = random_batch(rng, num_blocks, BLOCK, shared_pool=24)
     total = len(decodes) + sum(q for _, _, q in prefills)
     q = torch.randn(total, num_heads, head_dim)
     k = torch.randn(total, num_kv_heads, head_dim)

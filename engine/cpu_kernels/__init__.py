@@ -5,6 +5,13 @@ paged KV cache in place. torch's CPU flash kernel needs each context copied out 
 into a dense tensor and tiles its work for long query blocks; a decode has one query per
 head, so on CPU that path spent most of a decode step copying and padding.
 
+``span_attention`` (span_attention.cpp) is cascade attention's per-layer work in one call:
+the query rows of each shared prefix node, and each prefill chunk's rows causally over its own
+K/V, against keys read in place, then every row's partial results merged. torch's CPU flash
+kernel, which it replaces there, ran at about half the GEMM rate on these shapes, computed
+the masked half of causal chunks, and needed a call per node plus a dozen ops of merging per
+layer.
+
 ``FusedOps`` (fused_elementwise.cpp) are a Llama layer's element-wise steps in one pass each:
 RMSNorm, residual add + RMSNorm, rotary embedding in place, SiLU-and-multiply. Eager torch
 runs four to ten ops (and their temporaries) for each; in a decode step of a 30-layer model
@@ -33,12 +40,18 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("paged_decode_attention.cpp", "fused_elementwise.cpp")]
+           for name in ("paged_decode_attention.cpp", "fused_elementwise.cpp",
+                        "span_attention.cpp")]
 HEADERS = [Path(__file__).with_name("vec_math.h")]
 
 PagedDecodeOp = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """(q, k_cache, v_cache, block_tables, context_lens, scale, softcap, window) -> (out, lse);
 semantics, shapes and dtypes in paged_decode_attention.cpp."""
+
+SpanAttentionOp = Callable[..., torch.Tensor]
+"""(q, k_cache, v_cache, k_copy, v_copy, k_step, v_step, items, rows, prior_out, prior_lse,
+merge_offsets, merge_parts, scale) -> out; semantics, shapes and dtypes in
+span_attention.cpp."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,15 @@ def load_paged_decode() -> PagedDecodeOp | None:
     if not _build():
         return None
     op: PagedDecodeOp = torch.ops.loragate.paged_decode_attention
+    return op
+
+
+def load_span_attention() -> SpanAttentionOp | None:
+    """The compiled span attention (cascade attention's nodes, chunks and merge in one call),
+    from the same build as load_paged_decode."""
+    if not _build():
+        return None
+    op: SpanAttentionOp = torch.ops.loragate.span_attention
     return op
 
 

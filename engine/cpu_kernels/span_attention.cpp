@@ -1,0 +1,484 @@
+// Cascade attention's per-layer work in one call: many query rows attend to spans of
+// consecutive keys read in place (shared prefix blocks, a prefill chunk's own K/V), and
+// every row's partial results are merged with their log-sum-exp weights.
+//
+// Semantics (the torch oracle is engine/cascade_attention.py's flash path):
+//   items [I, 6] int64, one row per item: (source, key_start, key_len, rows_offset,
+//   num_rows, diag). Its queries are the flat-batch rows rows[rows_offset + i],
+//   i in [0, num_rows); query i, head h (kv head j = h / (H / Hkv)) attends to the keys
+//   key_start + t, t in [0, key_len), and when diag >= 0 only to t <= i + diag (causal):
+//     s_t = scale * q[row, h] . K[key_start + t, j]
+//     o   = sum_t softmax(s)_t V[key_start + t, j],   lse = log sum_t exp(s_t)
+//   source 0 reads k_cache/v_cache viewed as slots [num_blocks * bs, Hkv, D], source 1
+//   k_copy/v_copy likewise (scattered blocks copied out once), source 2 k_step/v_step
+//   [T, Hkv, D] (the step's own K/V, rows of the flat batch).
+//   prior_out [P, H, D] / prior_lse [P, H]: partials computed elsewhere (the decodes'
+//   private tails, by paged_decode_attention).
+//   merge_offsets [R + 1], merge_parts [M] int64: output row r merges the partials
+//   merge_parts[merge_offsets[r] .. merge_offsets[r + 1]); part p < P is prior p, part
+//   p >= P is item query p - P (items' queries numbered in rows order).
+//   out[r, h] = sum_p w_p o_p / sum_p w_p with w_p = exp(lse_p - max lse): softmax over the
+//   union of the parts' (disjoint) key sets. A row with no part, or whose parts saw no
+//   key, is zero.
+// Shapes and dtypes: all float32; q [T, H, D] and k_step/v_step [T, Hkv, D] with
+// contiguous heads (any row stride); caches and copies contiguous; D = 32, 64, 128 or
+// 256. Returns out [R, H, D] float32.
+//
+// How: work units are (item, kv head, up to kTileFloats / D query vectors), a query vector
+// being one (row, head) of the kv head's group, biggest first, handed out dynamically to
+// torch's threads. A unit walks its keys 32 at a time: the 32 keys' K rows are transposed
+// once into [D, 32] (read in place from the cache, L1 afterwards), the scores of the unit's
+// query vectors are an outer-product micro-GEMM against them (each vector of K feeds
+// several queries' accumulators held in registers), softmax is online per query vector,
+// and the weighted V rows are summed into accumulators likewise register-blocked. A causal
+// unit stops at the last key its last row may see, so a causal chunk costs half an
+// unmasked one (torch's CPU flash kernel computes the masked half too). Then one pass over
+// the output rows merges their partials.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+using loragate_cpu::exp_lanes;
+using loragate_cpu::exp_scalar;
+using loragate_cpu::LaneInts;
+using loragate_cpu::Lanes;
+using loragate_cpu::load_lanes;
+using loragate_cpu::store_lanes;
+
+constexpr int64_t kKeys = 32;  // keys per tile: two vectors of scores per query
+// Query vectors whose accumulators a micro-kernel keeps in registers: the score tile holds
+// 2 * kQkRows vectors, the output tile kOutLanes in all (32 vector registers with AVX-512,
+// 16 half-width ones with AVX2, where a 16-lane vector takes two).
+#ifdef __AVX512F__
+constexpr int kQkRows = 8;
+constexpr int kOutLanes = 16;
+#else
+constexpr int kQkRows = 3;
+constexpr int kOutLanes = 6;
+#endif
+// A unit's query vectors times D: its queries and accumulators stay in L1/L2.
+constexpr int64_t kTileFloats = 4096;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Item {
+  int64_t source, key_start, key_len, rows_offset, num_rows, diag;
+};
+
+struct Unit {
+  int64_t item, kv, row0, rows, cost;
+};
+
+struct Source {
+  const float* k;
+  const float* v;
+  int64_t k_stride, v_stride;  // floats from one slot (row) to the next
+  int64_t slots;
+};
+
+// r transposed in place (16 x 16 floats): four stages, each swapping the off-diagonal
+// b x b sub-blocks of every 2b x 2b block (b = 8, 4, 2, 1) with two shuffles per row pair.
+inline void transpose16(Lanes (&r)[16]) {
+  for (int b = 8; b >= 1; b /= 2) {
+    LaneInts first, second;
+    for (int j = 0; j < 16; ++j) {
+      first[j] = (j & b) == 0 ? j : 16 + j - b;
+      second[j] = (j & b) == 0 ? j + b : 16 + j;
+    }
+    for (int i = 0; i < 16; ++i) {
+      if ((i & b) != 0) continue;
+      const Lanes a = r[i], c = r[i + b];
+      r[i] = __builtin_shuffle(a, c, first);
+      r[i + b] = __builtin_shuffle(a, c, second);
+    }
+  }
+}
+
+// kt[d][t] = K[t][d] for the tile's count keys (rows stride floats apart), 0 past them.
+template <int kChunks>
+inline void transpose_keys(const float* k, int64_t stride, int64_t count, float* kt) {
+  for (int64_t t0 = 0; t0 < kKeys; t0 += 16) {
+    for (int c = 0; c < kChunks; ++c) {
+      Lanes r[16];
+      for (int64_t t = 0; t < 16; ++t)
+        r[t] = t0 + t < count ? load_lanes(k + (t0 + t) * stride + 16 * c) : Lanes{};
+      transpose16(r);
+      for (int d = 0; d < 16; ++d) store_lanes(kt + (16 * c + d) * kKeys + t0, r[d]);
+    }
+  }
+}
+
+// s[i][0:32] = sum_d q[i][d] * kt[d][0:32] for M query vectors (rows of D floats).
+template <int M, int kChunks>
+inline void score_tile(const float* q, const float* kt, float* s) {
+  constexpr int kDim = 16 * kChunks;
+  Lanes lo[M], hi[M];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i) lo[i] = hi[i] = Lanes{};
+  for (int d = 0; d < kDim; ++d) {
+    const Lanes k0 = load_lanes(kt + d * kKeys), k1 = load_lanes(kt + d * kKeys + 16);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      const Lanes a = Lanes{} + q[i * kDim + d];
+      lo[i] += a * k0;
+      hi[i] += a * k1;
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i) {
+    store_lanes(s + i * kKeys, lo[i]);
+    store_lanes(s + i * kKeys + 16, hi[i]);
+  }
+}
+
+template <int kChunks, int M = kQkRows>
+inline void score_rows(int m, const float* q, const float* kt, float* s) {
+  if constexpr (M > 1) {
+    if (m < M) return score_rows<kChunks, M - 1>(m, q, kt, s);
+  }
+  score_tile<M, kChunks>(q, kt, s);
+}
+
+// acc[i] += sum_t p[i][t] * v[t] over count keys, for M query vectors (acc rows of D).
+template <int M, int kChunks>
+inline void value_tile(const float* p, const float* v, int64_t v_stride, int64_t count,
+                       float* acc) {
+  constexpr int kDim = 16 * kChunks;
+  Lanes a[M][kChunks];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i)
+    for (int c = 0; c < kChunks; ++c) a[i][c] = load_lanes(acc + i * kDim + 16 * c);
+  for (int64_t t = 0; t < count; ++t) {
+    const float* vr = v + t * v_stride;
+    Lanes vv[kChunks];
+    for (int c = 0; c < kChunks; ++c) vv[c] = load_lanes(vr + 16 * c);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      const Lanes w = Lanes{} + p[i * kKeys + t];
+      for (int c = 0; c < kChunks; ++c) a[i][c] += w * vv[c];
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i)
+    for (int c = 0; c < kChunks; ++c) store_lanes(acc + i * kDim + 16 * c, a[i][c]);
+}
+
+template <int kChunks, int M = (kOutLanes / kChunks > 0 ? kOutLanes / kChunks : 1)>
+inline void value_rows(int m, const float* p, const float* v, int64_t v_stride, int64_t count,
+                       float* acc) {
+  if constexpr (M > 1) {
+    if (m < M) return value_rows<kChunks, M - 1>(m, p, v, v_stride, count, acc);
+  }
+  value_tile<M, kChunks>(p, v, v_stride, count, acc);
+}
+
+constexpr int value_block(int chunks) {
+  return kOutLanes / chunks > 0 ? kOutLanes / chunks : 1;
+}
+
+// Per-thread space for one unit.
+struct UnitState {
+  std::vector<float> q, kt, s, acc, run_max, run_sum;
+
+  UnitState(int64_t vectors, int64_t dim)
+      : q(vectors * dim), kt(dim * kKeys), s(vectors * kKeys), acc(vectors * dim),
+        run_max(vectors), run_sum(vectors) {}
+};
+
+template <int kChunks>
+void run_unit(const Unit& unit, const Item& item, const Source& src, const float* q,
+              int64_t q_stride, const int64_t* rows, int64_t num_heads, int64_t group,
+              float scale, float* part_out, float* part_lse, UnitState& st) {
+  constexpr int64_t kDim = 16 * kChunks;
+  const int64_t vectors = unit.rows * group;
+  const int64_t head0 = unit.kv * group;
+  for (int64_t v = 0; v < vectors; ++v) {
+    const int64_t row = rows[item.rows_offset + unit.row0 + v / group];
+    const float* qs = q + row * q_stride + (head0 + v % group) * kDim;
+    float* qd = st.q.data() + v * kDim;
+    for (int64_t d = 0; d < kDim; ++d) qd[d] = qs[d] * scale;
+  }
+  std::fill(st.acc.begin(), st.acc.begin() + vectors * kDim, 0.0f);
+  std::fill(st.run_max.begin(), st.run_max.begin() + vectors, kNegInf);
+  std::fill(st.run_sum.begin(), st.run_sum.begin() + vectors, 0.0f);
+  int64_t key_end = item.key_len;
+  if (item.diag >= 0) key_end = std::min(key_end, unit.row0 + unit.rows + item.diag);
+  const float* kbase = src.k + item.key_start * src.k_stride + unit.kv * kDim;
+  const float* vbase = src.v + item.key_start * src.v_stride + unit.kv * kDim;
+  LaneInts iota;
+  for (int t = 0; t < 16; ++t) iota[t] = t;
+  float* kt = st.kt.data();
+  for (int64_t k0 = 0; k0 < key_end; k0 += kKeys) {
+    const int64_t count = std::min(kKeys, key_end - k0);
+    // The next tile's K and V rows, requested now: the cache is read once per step, cold,
+    // and a tile's compute is too short for the hardware prefetcher to run far enough ahead.
+    const int64_t ahead = std::min(kKeys, key_end - k0 - kKeys);
+    for (int64_t t = 0; t < ahead; ++t) {
+      const int64_t at = k0 + kKeys + t;
+      for (int c = 0; c < kChunks; ++c) {  // a 64-byte line holds 16 floats
+        __builtin_prefetch(kbase + at * src.k_stride + 16 * c);
+        __builtin_prefetch(vbase + at * src.v_stride + 16 * c);
+      }
+    }
+    transpose_keys<kChunks>(kbase + k0 * src.k_stride, src.k_stride, count, kt);
+    for (int64_t v0 = 0; v0 < vectors; v0 += kQkRows) {
+      score_rows<kChunks>(static_cast<int>(std::min<int64_t>(kQkRows, vectors - v0)),
+                          st.q.data() + v0 * kDim, kt, st.s.data() + v0 * kKeys);
+    }
+    // Online softmax per query vector: the tile's scores become weights (0 past the keys
+    // this query may see), the vector's running sum and accumulator are rescaled.
+    for (int64_t v = 0; v < vectors; ++v) {
+      float* sv = st.s.data() + v * kKeys;
+      int64_t limit = count;
+      if (item.diag >= 0) {
+        limit = std::clamp<int64_t>(unit.row0 + v / group + item.diag + 1 - k0, 0, count);
+      }
+      if (limit == 0) {
+        std::memset(sv, 0, kKeys * sizeof(float));
+        continue;
+      }
+      const LaneInts lim = LaneInts{} + static_cast<int32_t>(limit);
+      const Lanes s0 = load_lanes(sv), s1 = load_lanes(sv + 16);
+      const LaneInts in0 = iota < lim, in1 = (iota + 16) < lim;
+      const Lanes m0 = in0 ? s0 : Lanes{} + kNegInf, m1 = in1 ? s1 : Lanes{} + kNegInf;
+      const Lanes both = m0 > m1 ? m0 : m1;
+      float tile_max = st.run_max[v];
+      for (int t = 0; t < 16; ++t) tile_max = std::max(tile_max, both[t]);
+      const float old = st.run_max[v];
+      const float rescale = old == kNegInf ? 0.0f : exp_scalar(old - tile_max);
+      const Lanes zero = {};
+      const Lanes p0 = in0 ? exp_lanes(s0 - tile_max) : zero;
+      const Lanes p1 = in1 ? exp_lanes(s1 - tile_max) : zero;
+      store_lanes(sv, p0);
+      store_lanes(sv + 16, p1);
+      const Lanes sums = p0 + p1;
+      float sum = 0.0f;
+      for (int t = 0; t < 16; ++t) sum += sums[t];
+      st.run_sum[v] = st.run_sum[v] * rescale + sum;
+      st.run_max[v] = tile_max;
+      if (rescale != 1.0f) {
+        float* av = st.acc.data() + v * kDim;
+        for (int c = 0; c < kChunks; ++c)
+          store_lanes(av + 16 * c, load_lanes(av + 16 * c) * rescale);
+      }
+    }
+    constexpr int kBlock = value_block(kChunks);
+    for (int64_t v0 = 0; v0 < vectors; v0 += kBlock) {
+      value_rows<kChunks>(static_cast<int>(std::min<int64_t>(kBlock, vectors - v0)),
+                          st.s.data() + v0 * kKeys, vbase + k0 * src.v_stride, src.v_stride,
+                          count, st.acc.data() + v0 * kDim);
+    }
+  }
+  for (int64_t v = 0; v < vectors; ++v) {
+    const int64_t part = (item.rows_offset + unit.row0 + v / group) * num_heads + head0 + v % group;
+    const float total = st.run_sum[v];
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    const float* av = st.acc.data() + v * kDim;
+    float* dst = part_out + part * kDim;
+    for (int64_t d = 0; d < kDim; ++d) dst[d] = av[d] * inv;
+    part_lse[part] = total > 0.0f ? st.run_max[v] + std::log(total) : kNegInf;
+  }
+}
+
+template <int kChunks>
+void run_items(const std::vector<Item>& items, const Source (&sources)[3], const float* q,
+               int64_t q_stride, const int64_t* rows, int64_t num_heads, int64_t num_kv_heads,
+               float scale, float* part_out, float* part_lse) {
+  constexpr int64_t kDim = 16 * kChunks;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t rows_per_unit = std::max<int64_t>(1, kTileFloats / kDim / group);
+  std::vector<Unit> units;
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+    const Item& it = items[i];
+    for (int64_t r0 = 0; r0 < it.num_rows; r0 += rows_per_unit) {
+      const int64_t n = std::min(rows_per_unit, it.num_rows - r0);
+      const int64_t keys = it.diag >= 0 ? std::min(it.key_len, r0 + n + it.diag) : it.key_len;
+      for (int64_t kv = 0; kv < num_kv_heads; ++kv) units.push_back({i, kv, r0, n, keys * n});
+    }
+  }
+  std::stable_sort(units.begin(), units.end(),
+                   [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+  const int64_t total = static_cast<int64_t>(units.size());
+  const int64_t vectors = rows_per_unit * group;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    UnitState state(vectors, kDim);
+    for (int64_t u = next.fetch_add(1); u < total; u = next.fetch_add(1)) {
+      const Unit& unit = units[u];
+      const Item& item = items[unit.item];
+      run_unit<kChunks>(unit, item, sources[item.source], q, q_stride, rows, num_heads, group,
+                        scale, part_out, part_lse, state);
+    }
+  });
+}
+
+// out[r] = the partials of row r merged (see the header).
+void merge_rows(const int64_t* offsets, const int64_t* parts, int64_t num_rows,
+                int64_t num_prior, const float* prior_out, const float* prior_lse,
+                const float* item_out, const float* item_lse, int64_t num_heads,
+                int64_t head_dim, float* out) {
+  at::parallel_for(0, num_rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> weight;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t first = offsets[r], n = offsets[r + 1] - first;
+      weight.resize(n);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* dst = out + (r * num_heads + h) * head_dim;
+        auto lse_of = [&](int64_t p) {
+          return p < num_prior ? prior_lse[p * num_heads + h]
+                               : item_lse[(p - num_prior) * num_heads + h];
+        };
+        auto out_of = [&](int64_t p) {
+          return p < num_prior ? prior_out + (p * num_heads + h) * head_dim
+                               : item_out + ((p - num_prior) * num_heads + h) * head_dim;
+        };
+        float peak = kNegInf;
+        for (int64_t i = 0; i < n; ++i) peak = std::max(peak, lse_of(parts[first + i]));
+        std::fill(dst, dst + head_dim, 0.0f);
+        if (peak == kNegInf) continue;
+        float total = 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+          const float l = lse_of(parts[first + i]);
+          weight[i] = l == kNegInf ? 0.0f : exp_scalar(l - peak);
+          total += weight[i];
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          const float w = weight[i] / total;
+          const float* src = out_of(parts[first + i]);
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] += w * src[d];
+        }
+      }
+    }
+  });
+}
+
+Source source_of(const at::Tensor& k, const at::Tensor& v, int64_t num_kv_heads,
+                 int64_t head_dim, const char* name) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "span_attention: ", name, " must be float32");
+  TORCH_CHECK(k.sizes() == v.sizes(), "span_attention: ", name,
+              " keys and values differ in shape");
+  if (k.numel() == 0) return {nullptr, nullptr, 0, 0, 0};
+  const at::Tensor ks = k.dim() == 4 ? k.view({-1, k.size(2), k.size(3)}) : k;
+  const at::Tensor vs = v.dim() == 4 ? v.view({-1, v.size(2), v.size(3)}) : v;
+  for (const at::Tensor* x : {&ks, &vs}) {
+    TORCH_CHECK(x->dim() == 3 && x->size(1) == num_kv_heads && x->size(2) == head_dim &&
+                    x->stride(2) == 1 && x->stride(1) == head_dim,
+                "span_attention: ", name, " must be [slots, Hkv, D] with contiguous heads");
+  }
+  return {ks.data_ptr<float>(), vs.data_ptr<float>(), ks.stride(0), vs.stride(0), ks.size(0)};
+}
+
+at::Tensor span_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& k_copy,
+                          const at::Tensor& v_copy, const at::Tensor& k_step,
+                          const at::Tensor& v_step, const at::Tensor& items,
+                          const at::Tensor& rows, const at::Tensor& prior_out,
+                          const at::Tensor& prior_lse, const at::Tensor& merge_offsets,
+                          const at::Tensor& merge_parts, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3,
+              "span_attention: q must be a float32 CPU tensor [T, H, D]");
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == head_dim,
+              "span_attention: q's heads must be contiguous");
+  TORCH_CHECK(head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256,
+              "span_attention: head_dim must be 32, 64, 128 or 256");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4,
+              "span_attention: caches must be contiguous [blocks, bs, Hkv, D]");
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "span_attention: H must be a multiple of Hkv");
+  TORCH_CHECK(k_copy.numel() == 0 || k_copy.is_contiguous(),
+              "span_attention: copies must be contiguous");
+  const Source sources[3] = {source_of(k_cache, v_cache, num_kv_heads, head_dim, "caches"),
+                             source_of(k_copy, v_copy, num_kv_heads, head_dim, "copies"),
+                             source_of(k_step, v_step, num_kv_heads, head_dim, "step K/V")};
+  TORCH_CHECK(items.scalar_type() == at::kLong && items.dim() == 2 && items.size(1) == 6,
+              "span_attention: items must be int64 [I, 6]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1,
+              "span_attention: rows must be int64 [N]");
+  const at::Tensor items_c = items.contiguous(), rows_c = rows.contiguous();
+  const int64_t num_queries = rows_c.numel();
+  const int64_t* rows_ptr = rows_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_queries; ++i) {
+    TORCH_CHECK(rows_ptr[i] >= 0 && rows_ptr[i] < num_tokens, "span_attention: a row is out of range");
+  }
+  std::vector<Item> list(items_c.size(0));
+  const int64_t* it = items_c.data_ptr<int64_t>();
+  for (size_t i = 0; i < list.size(); ++i, it += 6) {
+    list[i] = {it[0], it[1], it[2], it[3], it[4], it[5]};
+    const Item& item = list[i];
+    TORCH_CHECK(item.source >= 0 && item.source < 3, "span_attention: bad item source");
+    TORCH_CHECK(item.key_start >= 0 && item.key_len >= 0 &&
+                    item.key_start + item.key_len <= sources[item.source].slots,
+                "span_attention: an item's keys are out of range");
+    TORCH_CHECK(item.rows_offset >= 0 && item.num_rows >= 0 &&
+                    item.rows_offset + item.num_rows <= num_queries,
+                "span_attention: an item's rows are out of range");
+  }
+  TORCH_CHECK(prior_out.scalar_type() == at::kFloat && prior_lse.scalar_type() == at::kFloat,
+              "span_attention: prior partials must be float32");
+  const int64_t num_prior = prior_out.size(0);
+  TORCH_CHECK(prior_out.dim() == 3 && prior_out.size(1) == num_heads &&
+                  prior_out.size(2) == head_dim && prior_lse.dim() == 2 &&
+                  prior_lse.size(0) == num_prior && prior_lse.size(1) == num_heads,
+              "span_attention: prior_out [P, H, D] and prior_lse [P, H]");
+  TORCH_CHECK(merge_offsets.scalar_type() == at::kLong && merge_parts.scalar_type() == at::kLong,
+              "span_attention: merge_offsets and merge_parts must be int64");
+  const at::Tensor offsets = merge_offsets.contiguous(), parts = merge_parts.contiguous();
+  const int64_t num_rows = offsets.numel() - 1;
+  TORCH_CHECK(num_rows >= 0, "span_attention: merge_offsets needs R + 1 entries");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t* part = parts.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[num_rows] == parts.numel(),
+              "span_attention: merge_offsets must run from 0 to the number of parts");
+  for (int64_t r = 0; r < num_rows; ++r) {
+    TORCH_CHECK(off[r] <= off[r + 1], "span_attention: merge_offsets must not decrease");
+  }
+  for (int64_t i = 0; i < parts.numel(); ++i) {
+    TORCH_CHECK(part[i] >= 0 && part[i] < num_prior + num_queries,
+                "span_attention: a merge part is out of range");
+  }
+  const at::Tensor prior_o = prior_out.contiguous(), prior_l = prior_lse.contiguous();
+  at::Tensor item_out = at::empty({num_queries, num_heads, head_dim}, q.options());
+  at::Tensor item_lse = at::empty({num_queries, num_heads}, q.options());
+  // Queries no item covers are never merged (every part index names a covered query or a
+  // prior), but keep them finite all the same.
+  if (num_queries > 0) item_lse.fill_(kNegInf);
+  const float fscale = static_cast<float>(scale);
+  const int64_t q_stride = q.stride(0);
+  auto run = head_dim == 32    ? &run_items<2>
+             : head_dim == 64  ? &run_items<4>
+             : head_dim == 128 ? &run_items<8>
+                               : &run_items<16>;
+  run(list, sources, q.data_ptr<float>(), q_stride, rows_ptr, num_heads, num_kv_heads, fscale,
+      item_out.data_ptr<float>(), item_lse.data_ptr<float>());
+  at::Tensor out = at::empty({num_rows, num_heads, head_dim}, q.options());
+  merge_rows(off, part, num_rows, num_prior, prior_o.data_ptr<float>(),
+             prior_l.data_ptr<float>(), item_out.data_ptr<float>(), item_lse.data_ptr<float>(),
+             num_heads, head_dim, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(loragate, m) {
+  m.def("span_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_copy, "
+        "Tensor v_copy, Tensor k_step, Tensor v_step, Tensor items, Tensor rows, "
+        "Tensor prior_out, Tensor prior_lse, Tensor merge_offsets, Tensor merge_parts, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(loragate, CPU, m) {
+  m.impl("span_attention", &span_attention);
+}
