@@ -3,15 +3,18 @@ item by item, and as cascade attention's executor against the reference paged at
 
 from __future__ import annotations
 
+import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
+from engine import cpu_kernels
 from engine.attention import build_attention_metadata, paged_attention
 from engine.cascade_attention import CascadeRequest, build_cascade_plan, cascade_available
 from engine.cascade_spans import SOURCE_IDS
-from engine.cpu_kernels import SpanAttentionOp, load_span_attention
+from engine.cpu_kernels import MARCH_ENV, SpanAttentionOp, load_span_attention
 from tests.cascade_batches import random_batch
 from tests.kernels import compiled_decode_kernel, required
 
@@ -190,3 +193,20 @@ def test_bad_items_are_refused(span_kernel: SpanAttentionOp) -> None:
     with pytest.raises(RuntimeError, match="rows are out of range"):
         run([0, 0, 1, 0, 2, -1], [0])
     assert run([0, 0, 12, 0, 1, -1], [3]).abs().sum() == 0  # no merge parts: zeros
+
+
+def test_the_kernel_runs_on_the_widest_vectors_the_target_has() -> None:
+    # Built for AVX2 (LORAGATE_CPU_MARCH=haswell, test_cpu_kernels_avx2.py) the kernels use
+    # 8-float vectors; a build without 8-float vectors keeps torch's flash path instead.
+    width = required(load_span_attention()) and torch.ops.loragate.vector_width()
+    if os.environ.get(MARCH_ENV) == "haswell":
+        assert width == 8
+    elif "avx512f" in Path("/proc/cpuinfo").read_text() and not os.environ.get(MARCH_ENV):
+        assert width == 16
+    assert width >= 8
+
+
+def test_narrow_vectors_keep_the_flash_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    required(load_span_attention())
+    monkeypatch.setattr(cpu_kernels, "_MIN_SPAN_VECTOR_WIDTH", 32)
+    assert load_span_attention() is None

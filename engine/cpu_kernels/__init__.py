@@ -20,15 +20,18 @@ too: ~40-80 us per compiled call here, more than the eager ops at decode sizes.)
 
 The extension is compiled with torch's cpp_extension (g++ and ninja, ~30 s once; cached
 under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions) for this machine's
-instruction set, with OpenMP so that at::parallel_for uses torch's threads (the runtime torch
-already loaded). Where it cannot be built, the loaders say why once in the log and return
-None, and the engine keeps its torch paths (as it does with EngineConfig.native_kernels off).
+instruction set (``-march=native``; ``LORAGATE_CPU_MARCH`` names another target on x86, e.g.
+``haswell`` for an image built on one machine and run on AVX2 ones), with OpenMP so that
+at::parallel_for uses torch's threads (the runtime torch already loaded). Where it cannot be
+built, the loaders say why once in the log and return None, and the engine keeps its torch
+paths (as it does with EngineConfig.native_kernels off).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import threading
 from collections.abc import Callable
@@ -73,6 +76,14 @@ _lock = threading.Lock()
 _built: list[bool] = []  # [] before the first attempt, then [whether it built]
 
 
+MARCH_ENV = "LORAGATE_CPU_MARCH"
+"""The x86 target the kernels are compiled for (gcc's -march; default native)."""
+
+
+def _march() -> str:
+    return os.environ.get(MARCH_ENV, "") or "native"
+
+
 def _build_tag() -> str:
     """Part of the build's name: a build for one instruction set is never loaded on
     another (the cache directory may be shared between machines), and a changed header
@@ -86,7 +97,8 @@ def _build_tag() -> str:
     except OSError:
         pass
     headers = b"".join(h.read_bytes() for h in HEADERS)
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode() + headers).hexdigest()[:10]
+    target = f"{platform.machine()} {_march()} {flags}"
+    return hashlib.sha256(target.encode() + headers).hexdigest()[:10]
 
 
 def _build() -> bool:
@@ -97,7 +109,8 @@ def _build() -> bool:
                 from torch.utils.cpp_extension import load
 
                 log.info("loading the compiled CPU kernels (built once for this machine, ~30 s)")
-                native = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
+                x86 = platform.machine() in ("x86_64", "AMD64")
+                native = [f"-march={_march()}"] if x86 else []
                 load(name=f"loragate_cpu_kernels_{_build_tag()}",
                      sources=[str(s) for s in SOURCES],
                      extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *native],
@@ -119,10 +132,20 @@ def load_paged_decode() -> PagedDecodeOp | None:
     return op
 
 
+# Below 8 floats per vector register (SSE, NEON) the span kernel's micro-kernels are slower
+# than torch's flash kernel (measured on an SSE2 build: 3x), which cascade attention keeps.
+_MIN_SPAN_VECTOR_WIDTH = 8
+
+
 def load_span_attention() -> SpanAttentionOp | None:
     """The compiled span attention (cascade attention's nodes, chunks and merge in one call),
-    from the same build as load_paged_decode."""
+    from the same build as load_paged_decode; None where it cannot be built or where this
+    machine's vectors are too narrow for it to pay."""
     if not _build():
+        return None
+    width = int(torch.ops.loragate.vector_width())
+    if width < _MIN_SPAN_VECTOR_WIDTH:
+        log.info("span attention off: %d-float vectors on this machine", width)
         return None
     op: SpanAttentionOp = torch.ops.loragate.span_attention
     return op

@@ -50,23 +50,29 @@
 
 namespace {
 
-using loragate_cpu::exp_lanes;
 using loragate_cpu::exp_scalar;
-using loragate_cpu::LaneInts;
-using loragate_cpu::Lanes;
-using loragate_cpu::load_lanes;
-using loragate_cpu::store_lanes;
+using loragate_cpu::exp_vec;
+using loragate_cpu::lane_max;
+using loragate_cpu::load_vec;
+using loragate_cpu::store_vec;
+using loragate_cpu::Vec;
+using loragate_cpu::VecInts;
+using loragate_cpu::where_less;
 
-constexpr int64_t kKeys = 32;  // keys per tile: two vectors of scores per query
+// The target's vector width in floats (vec_math.h): 16 with AVX-512, 8 with AVX2, 4
+// elsewhere. Everything below is written in Vec; head_dim is kChunks vectors.
+constexpr int kW = loragate_cpu::kVecWidth;
+
+constexpr int64_t kKeys = 2 * kW;  // keys per tile: two vectors of scores per query
 // Query vectors whose accumulators a micro-kernel keeps in registers: the score tile holds
-// 2 * kQkRows vectors, the output tile kOutLanes in all (32 vector registers with AVX-512,
-// 16 half-width ones with AVX2, where a 16-lane vector takes two).
-#ifdef __AVX512F__
+// 2 * kQkRows vectors, the output tile kOutVecs (32 vector registers with AVX-512, 16
+// with AVX2 and SSE).
+#if defined(__AVX512F__)
 constexpr int kQkRows = 8;
-constexpr int kOutLanes = 16;
+constexpr int kOutVecs = 16;
 #else
-constexpr int kQkRows = 3;
-constexpr int kOutLanes = 6;
+constexpr int kQkRows = 6;
+constexpr int kOutVecs = 12;
 #endif
 // A unit's query vectors times D: its queries and accumulators stay in L1/L2.
 constexpr int64_t kTileFloats = 4096;
@@ -87,58 +93,123 @@ struct Source {
   int64_t slots;
 };
 
-// r transposed in place (16 x 16 floats): four stages, each swapping the off-diagonal
-// b x b sub-blocks of every 2b x 2b block (b = 8, 4, 2, 1) with two shuffles per row pair.
-inline void transpose16(Lanes (&r)[16]) {
-  for (int b = 8; b >= 1; b /= 2) {
-    LaneInts first, second;
-    for (int j = 0; j < 16; ++j) {
-      first[j] = (j & b) == 0 ? j : 16 + j - b;
-      second[j] = (j & b) == 0 ? j + b : 16 + j;
-    }
-    for (int i = 0; i < 16; ++i) {
-      if ((i & b) != 0) continue;
-      const Lanes a = r[i], c = r[i + b];
-      r[i] = __builtin_shuffle(a, c, first);
-      r[i + b] = __builtin_shuffle(a, c, second);
-    }
+// Shuffle masks, constants (built at run time they cost about a quarter of the kernel
+// time): kFirst/kSecond b swap the off-diagonal b x b sub-blocks of every 2b x 2b block of a
+// kW x kW tile (a transpose in log2(kW) stages); kSwap b pairs lane j with lane j ^ b (the
+// halving steps of a reduction).
+#if LORAGATE_VEC_WIDTH == 16
+constexpr VecInts kFirst8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+constexpr VecInts kSecond8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+constexpr VecInts kSwap8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+constexpr VecInts kFirst4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+constexpr VecInts kSecond4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+constexpr VecInts kSwap4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+constexpr VecInts kFirst2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+constexpr VecInts kSecond2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+constexpr VecInts kSwap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+constexpr VecInts kFirst1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+constexpr VecInts kSecond1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+constexpr VecInts kSwap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+#elif LORAGATE_VEC_WIDTH == 8
+constexpr VecInts kFirst4 = {0, 1, 2, 3, 8, 9, 10, 11};
+constexpr VecInts kSecond4 = {4, 5, 6, 7, 12, 13, 14, 15};
+constexpr VecInts kSwap4 = {4, 5, 6, 7, 0, 1, 2, 3};
+constexpr VecInts kFirst2 = {0, 1, 8, 9, 4, 5, 12, 13};
+constexpr VecInts kSecond2 = {2, 3, 10, 11, 6, 7, 14, 15};
+constexpr VecInts kSwap2 = {2, 3, 0, 1, 6, 7, 4, 5};
+constexpr VecInts kFirst1 = {0, 8, 2, 10, 4, 12, 6, 14};
+constexpr VecInts kSecond1 = {1, 9, 3, 11, 5, 13, 7, 15};
+constexpr VecInts kSwap1 = {1, 0, 3, 2, 5, 4, 7, 6};
+#else
+constexpr VecInts kFirst2 = {0, 1, 4, 5};
+constexpr VecInts kSecond2 = {2, 3, 6, 7};
+constexpr VecInts kSwap2 = {2, 3, 0, 1};
+constexpr VecInts kFirst1 = {0, 4, 2, 6};
+constexpr VecInts kSecond1 = {1, 5, 3, 7};
+constexpr VecInts kSwap1 = {1, 0, 3, 2};
+#endif
+
+template <int b>
+inline void transpose_stage(Vec (&r)[kW], VecInts first, VecInts second) {
+  for (int i = 0; i < kW; ++i) {
+    if ((i & b) != 0) continue;
+    const Vec a = r[i], c = r[i + b];
+    r[i] = __builtin_shuffle(a, c, first);
+    r[i + b] = __builtin_shuffle(a, c, second);
   }
+}
+
+// r transposed in place (kW x kW floats).
+inline void transpose_tile(Vec (&r)[kW]) {
+#if LORAGATE_VEC_WIDTH >= 16
+  transpose_stage<8>(r, kFirst8, kSecond8);
+#endif
+#if LORAGATE_VEC_WIDTH >= 8
+  transpose_stage<4>(r, kFirst4, kSecond4);
+#endif
+  transpose_stage<2>(r, kFirst2, kSecond2);
+  transpose_stage<1>(r, kFirst1, kSecond1);
+}
+
+// The largest and the sum of x's lanes, by halving shuffles.
+inline float max_of(Vec x) {
+#if LORAGATE_VEC_WIDTH >= 16
+  x = lane_max(x, __builtin_shuffle(x, kSwap8));
+#endif
+#if LORAGATE_VEC_WIDTH >= 8
+  x = lane_max(x, __builtin_shuffle(x, kSwap4));
+#endif
+  x = lane_max(x, __builtin_shuffle(x, kSwap2));
+  x = lane_max(x, __builtin_shuffle(x, kSwap1));
+  return x[0];
+}
+
+inline float sum_of(Vec x) {
+#if LORAGATE_VEC_WIDTH >= 16
+  x += __builtin_shuffle(x, kSwap8);
+#endif
+#if LORAGATE_VEC_WIDTH >= 8
+  x += __builtin_shuffle(x, kSwap4);
+#endif
+  x += __builtin_shuffle(x, kSwap2);
+  x += __builtin_shuffle(x, kSwap1);
+  return x[0];
 }
 
 // kt[d][t] = K[t][d] for the tile's count keys (rows stride floats apart), 0 past them.
 template <int kChunks>
 inline void transpose_keys(const float* k, int64_t stride, int64_t count, float* kt) {
-  for (int64_t t0 = 0; t0 < kKeys; t0 += 16) {
+  for (int64_t t0 = 0; t0 < kKeys; t0 += kW) {
     for (int c = 0; c < kChunks; ++c) {
-      Lanes r[16];
-      for (int64_t t = 0; t < 16; ++t)
-        r[t] = t0 + t < count ? load_lanes(k + (t0 + t) * stride + 16 * c) : Lanes{};
-      transpose16(r);
-      for (int d = 0; d < 16; ++d) store_lanes(kt + (16 * c + d) * kKeys + t0, r[d]);
+      Vec r[kW];
+      for (int64_t t = 0; t < kW; ++t)
+        r[t] = t0 + t < count ? load_vec(k + (t0 + t) * stride + kW * c) : Vec{};
+      transpose_tile(r);
+      for (int d = 0; d < kW; ++d) store_vec(kt + (kW * c + d) * kKeys + t0, r[d]);
     }
   }
 }
 
-// s[i][0:32] = sum_d q[i][d] * kt[d][0:32] for M query vectors (rows of D floats).
+// s[i][0:kKeys] = sum_d q[i][d] * kt[d][0:kKeys] for M query vectors (rows of D floats).
 template <int M, int kChunks>
 inline void score_tile(const float* q, const float* kt, float* s) {
-  constexpr int kDim = 16 * kChunks;
-  Lanes lo[M], hi[M];
+  constexpr int kDim = kW * kChunks;
+  Vec lo[M], hi[M];
 #pragma GCC unroll 8
-  for (int i = 0; i < M; ++i) lo[i] = hi[i] = Lanes{};
+  for (int i = 0; i < M; ++i) lo[i] = hi[i] = Vec{};
   for (int d = 0; d < kDim; ++d) {
-    const Lanes k0 = load_lanes(kt + d * kKeys), k1 = load_lanes(kt + d * kKeys + 16);
+    const Vec k0 = load_vec(kt + d * kKeys), k1 = load_vec(kt + d * kKeys + kW);
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
-      const Lanes a = Lanes{} + q[i * kDim + d];
+      const Vec a = Vec{} + q[i * kDim + d];
       lo[i] += a * k0;
       hi[i] += a * k1;
     }
   }
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i) {
-    store_lanes(s + i * kKeys, lo[i]);
-    store_lanes(s + i * kKeys + 16, hi[i]);
+    store_vec(s + i * kKeys, lo[i]);
+    store_vec(s + i * kKeys + kW, hi[i]);
   }
 }
 
@@ -154,37 +225,38 @@ inline void score_rows(int m, const float* q, const float* kt, float* s) {
 template <int M, int kChunks>
 inline void value_tile(const float* p, const float* v, int64_t v_stride, int64_t count,
                        float* acc) {
-  constexpr int kDim = 16 * kChunks;
-  Lanes a[M][kChunks];
+  constexpr int kDim = kW * kChunks;
+  Vec a[M][kChunks];
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i)
-    for (int c = 0; c < kChunks; ++c) a[i][c] = load_lanes(acc + i * kDim + 16 * c);
+    for (int c = 0; c < kChunks; ++c) a[i][c] = load_vec(acc + i * kDim + kW * c);
   for (int64_t t = 0; t < count; ++t) {
     const float* vr = v + t * v_stride;
-    Lanes vv[kChunks];
-    for (int c = 0; c < kChunks; ++c) vv[c] = load_lanes(vr + 16 * c);
+    Vec w[M];
 #pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) {
-      const Lanes w = Lanes{} + p[i * kKeys + t];
-      for (int c = 0; c < kChunks; ++c) a[i][c] += w * vv[c];
+    for (int i = 0; i < M; ++i) w[i] = Vec{} + p[i * kKeys + t];
+    for (int c = 0; c < kChunks; ++c) {
+      const Vec vv = load_vec(vr + kW * c);
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) a[i][c] += w[i] * vv;
     }
   }
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i)
-    for (int c = 0; c < kChunks; ++c) store_lanes(acc + i * kDim + 16 * c, a[i][c]);
+    for (int c = 0; c < kChunks; ++c) store_vec(acc + i * kDim + kW * c, a[i][c]);
 }
 
-template <int kChunks, int M = (kOutLanes / kChunks > 0 ? kOutLanes / kChunks : 1)>
+constexpr int value_block(int chunks) {
+  return kOutVecs / chunks > 0 ? kOutVecs / chunks : 1;
+}
+
+template <int kChunks, int M = value_block(kChunks)>
 inline void value_rows(int m, const float* p, const float* v, int64_t v_stride, int64_t count,
                        float* acc) {
   if constexpr (M > 1) {
     if (m < M) return value_rows<kChunks, M - 1>(m, p, v, v_stride, count, acc);
   }
   value_tile<M, kChunks>(p, v, v_stride, count, acc);
-}
-
-constexpr int value_block(int chunks) {
-  return kOutLanes / chunks > 0 ? kOutLanes / chunks : 1;
 }
 
 // Per-thread space for one unit.
@@ -200,7 +272,7 @@ template <int kChunks>
 void run_unit(const Unit& unit, const Item& item, const Source& src, const float* q,
               int64_t q_stride, const int64_t* rows, int64_t num_heads, int64_t group,
               float scale, float* part_out, float* part_lse, UnitState& st) {
-  constexpr int64_t kDim = 16 * kChunks;
+  constexpr int64_t kDim = kW * kChunks;
   const int64_t vectors = unit.rows * group;
   const int64_t head0 = unit.kv * group;
   for (int64_t v = 0; v < vectors; ++v) {
@@ -216,8 +288,8 @@ void run_unit(const Unit& unit, const Item& item, const Source& src, const float
   if (item.diag >= 0) key_end = std::min(key_end, unit.row0 + unit.rows + item.diag);
   const float* kbase = src.k + item.key_start * src.k_stride + unit.kv * kDim;
   const float* vbase = src.v + item.key_start * src.v_stride + unit.kv * kDim;
-  LaneInts iota;
-  for (int t = 0; t < 16; ++t) iota[t] = t;
+  Vec iota;  // lane numbers, as floats
+  for (int t = 0; t < kW; ++t) iota[t] = static_cast<float>(t);
   float* kt = st.kt.data();
   for (int64_t k0 = 0; k0 < key_end; k0 += kKeys) {
     const int64_t count = std::min(kKeys, key_end - k0);
@@ -226,9 +298,9 @@ void run_unit(const Unit& unit, const Item& item, const Source& src, const float
     const int64_t ahead = std::min(kKeys, key_end - k0 - kKeys);
     for (int64_t t = 0; t < ahead; ++t) {
       const int64_t at = k0 + kKeys + t;
-      for (int c = 0; c < kChunks; ++c) {  // a 64-byte line holds 16 floats
-        __builtin_prefetch(kbase + at * src.k_stride + 16 * c);
-        __builtin_prefetch(vbase + at * src.v_stride + 16 * c);
+      for (int64_t d = 0; d < kDim; d += 16) {  // a 64-byte line holds 16 floats
+        __builtin_prefetch(kbase + at * src.k_stride + d);
+        __builtin_prefetch(vbase + at * src.v_stride + d);
       }
     }
     transpose_keys<kChunks>(kbase + k0 * src.k_stride, src.k_stride, count, kt);
@@ -248,29 +320,24 @@ void run_unit(const Unit& unit, const Item& item, const Source& src, const float
         std::memset(sv, 0, kKeys * sizeof(float));
         continue;
       }
-      const LaneInts lim = LaneInts{} + static_cast<int32_t>(limit);
-      const Lanes s0 = load_lanes(sv), s1 = load_lanes(sv + 16);
-      const LaneInts in0 = iota < lim, in1 = (iota + 16) < lim;
-      const Lanes m0 = in0 ? s0 : Lanes{} + kNegInf, m1 = in1 ? s1 : Lanes{} + kNegInf;
-      const Lanes both = m0 > m1 ? m0 : m1;
-      float tile_max = st.run_max[v];
-      for (int t = 0; t < 16; ++t) tile_max = std::max(tile_max, both[t]);
+      const Vec lim = Vec{} + static_cast<float>(limit), none = Vec{} + kNegInf;
+      const Vec s0 = load_vec(sv), s1 = load_vec(sv + kW);
+      const Vec m0 = where_less(iota, lim, s0, none);
+      const Vec m1 = where_less(iota + static_cast<float>(kW), lim, s1, none);
       const float old = st.run_max[v];
+      const float tile_max = std::max(old, max_of(lane_max(m0, m1)));
       const float rescale = old == kNegInf ? 0.0f : exp_scalar(old - tile_max);
-      const Lanes zero = {};
-      const Lanes p0 = in0 ? exp_lanes(s0 - tile_max) : zero;
-      const Lanes p1 = in1 ? exp_lanes(s1 - tile_max) : zero;
-      store_lanes(sv, p0);
-      store_lanes(sv + 16, p1);
-      const Lanes sums = p0 + p1;
-      float sum = 0.0f;
-      for (int t = 0; t < 16; ++t) sum += sums[t];
-      st.run_sum[v] = st.run_sum[v] * rescale + sum;
+      const Vec zero = {};
+      const Vec p0 = where_less(iota, lim, exp_vec(s0 - tile_max), zero);
+      const Vec p1 = where_less(iota + static_cast<float>(kW), lim, exp_vec(s1 - tile_max), zero);
+      store_vec(sv, p0);
+      store_vec(sv + kW, p1);
+      st.run_sum[v] = st.run_sum[v] * rescale + sum_of(p0 + p1);
       st.run_max[v] = tile_max;
       if (rescale != 1.0f) {
         float* av = st.acc.data() + v * kDim;
         for (int c = 0; c < kChunks; ++c)
-          store_lanes(av + 16 * c, load_lanes(av + 16 * c) * rescale);
+          store_vec(av + kW * c, load_vec(av + kW * c) * rescale);
       }
     }
     constexpr int kBlock = value_block(kChunks);
@@ -295,7 +362,7 @@ template <int kChunks>
 void run_items(const std::vector<Item>& items, const Source (&sources)[3], const float* q,
                int64_t q_stride, const int64_t* rows, int64_t num_heads, int64_t num_kv_heads,
                float scale, float* part_out, float* part_lse) {
-  constexpr int64_t kDim = 16 * kChunks;
+  constexpr int64_t kDim = kW * kChunks;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t rows_per_unit = std::max<int64_t>(1, kTileFloats / kDim / group);
   std::vector<Unit> units;
@@ -457,10 +524,10 @@ at::Tensor span_attention(const at::Tensor& q, const at::Tensor& k_cache,
   if (num_queries > 0) item_lse.fill_(kNegInf);
   const float fscale = static_cast<float>(scale);
   const int64_t q_stride = q.stride(0);
-  auto run = head_dim == 32    ? &run_items<2>
-             : head_dim == 64  ? &run_items<4>
-             : head_dim == 128 ? &run_items<8>
-                               : &run_items<16>;
+  auto run = head_dim == 32    ? &run_items<32 / kW>
+             : head_dim == 64  ? &run_items<64 / kW>
+             : head_dim == 128 ? &run_items<128 / kW>
+                               : &run_items<256 / kW>;
   run(list, sources, q.data_ptr<float>(), q_stride, rows_ptr, num_heads, num_kv_heads, fscale,
       item_out.data_ptr<float>(), item_lse.data_ptr<float>());
   at::Tensor out = at::empty({num_rows, num_heads, head_dim}, q.options());
@@ -470,9 +537,12 @@ at::Tensor span_attention(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
+int64_t vector_width() { return kW; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(loragate, m) {
+  m.def("vector_width() -> int", &vector_width);  // no tensors: one kernel for every key
   m.def("span_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_copy, "
         "Tensor v_copy, Tensor k_step, Tensor v_step, Tensor items, Tensor rows, "
         "Tensor prior_out, Tensor prior_lse, Tensor merge_offsets, Tensor merge_parts, "
