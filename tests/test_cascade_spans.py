@@ -198,7 +198,8 @@ def test_bad_items_are_refused(span_kernel: SpanAttentionOp) -> None:
 def test_the_kernel_runs_on_the_widest_vectors_the_target_has() -> None:
     # Built for AVX2 (LORAGATE_CPU_MARCH=haswell, test_cpu_kernels_avx2.py) the kernels use
     # 8-float vectors; a build without 8-float vectors keeps torch's flash path instead.
-    width = required(load_span_attention()) and torch.ops.loragate.vector_width()
+    required(load_span_attention())
+    width = torch.ops.loragate.vector_width()
     if os.environ.get(MARCH_ENV) == "haswell":
         assert width == 8
     elif "avx512f" in Path("/proc/cpuinfo").read_text() and not os.environ.get(MARCH_ENV):
