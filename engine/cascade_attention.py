@@ -42,7 +42,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from engine.cascade_spans import SpanPlan, build_span_plan, span_attention
+from engine.cascade_spans import SpanPlan, build_span_plan, span_attention, tails_through_spans
 from engine.cpu_kernels import PagedDecodeOp, SpanAttentionOp
 from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batches, decode_attention
 
@@ -129,6 +129,23 @@ class CascadePlan:
     whole prefill chunks as its items; fresh, whole and merge_rows are then unused."""
 
 
+def _runs(blocks: list[int], block_size: int) -> list[KeySpan]:
+    """The blocks' positions as spans of the cache, one per run of consecutive blocks."""
+    spans: list[KeySpan] = []
+    first = 0
+    for j in range(1, len(blocks) + 1):
+        if j == len(blocks) or blocks[j] != blocks[j - 1] + 1:
+            spans.append(KeySpan("cache", blocks[first] * block_size, (j - first) * block_size))
+            first = j
+    return spans
+
+
+def _cut(spans: list[KeySpan], cut: int) -> list[KeySpan]:
+    """spans without the last ``cut`` positions of the last one (a partial last block)."""
+    last = spans[-1]
+    return [*spans[:-1], KeySpan(last.source, last.start, last.length - cut)]
+
+
 def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
                        device: torch.device,
                        fresh_piece_rows: int | None = None,
@@ -166,19 +183,12 @@ def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
         if len(members) == 1 and only.q_len == 1 and not only.fresh:
             tails.append((only.query_start, blocks, len(blocks) * block_size - cut))
             return
-        spans: list[KeySpan] = []
-        first = 0
-        for j in range(1, len(blocks) + 1):
-            if j == len(blocks) or blocks[j] != blocks[j - 1] + 1:
-                spans.append(KeySpan("cache", blocks[first] * block_size,
-                                     (j - first) * block_size))
-                first = j
+        spans = _runs(blocks, block_size)
         if len(spans) * _BLOCKS_PER_CALL > len(blocks):
             spans = [KeySpan("copy", len(gather) * block_size, len(blocks) * block_size)]
             gather.extend(blocks)
-        last = spans[-1]
-        spans[-1] = KeySpan(last.source, last.start, last.length - cut)
-        nodes.append(CascadeNode(spans, torch.cat([rows[m] for m in members]).to(device)))
+        nodes.append(CascadeNode(_cut(spans, cut),
+                                 torch.cat([rows[m] for m in members]).to(device)))
 
     # Iterative walk over groups of the sorted keys that share keys[:depth].
     stack: list[tuple[list[int], int]] = [(order, 0)] if order else []
@@ -219,6 +229,13 @@ def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
                 nodes.append(CascadeNode([KeySpan("step", r.query_start, lo)],
                                          torch.arange(r.query_start + lo,
                                                       r.query_start + hi).to(device)))
+    if span_kernel is not None and tails_through_spans(kernel):
+        # One single-row node per tail, read in place run by run (see cascade_spans.py).
+        for row, blocks, positions in tails:
+            spans = _runs(blocks, block_size)
+            nodes.append(CascadeNode(_cut(spans, len(blocks) * block_size - positions),
+                                     torch.tensor([row], device=device)))
+        tails = []
     private = build_decode_batches(tails, block_size, device, buffers=buffers, kernel=kernel)
     num_rows = max((r.query_start + r.q_len for r in requests), default=0)
     gather_blocks = torch.tensor(gather, dtype=torch.int64, device=device)
