@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 Decodes = list[tuple[list[int], int]]
 Prefills = list[tuple[list[int], int, int]]
 
@@ -39,3 +41,15 @@ def random_batch(rng: random.Random, num_blocks: int, block: int, shared_pool: i
         bt, _ = table(start + q_len)
         prefills.append((bt, start, q_len))
     return decodes, prefills
+
+
+def random_step_tensors(decodes: Decodes, prefills: Prefills, num_heads: int,
+                        num_kv_heads: int, head_dim: int, block: int, num_blocks: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's q, k, v (one row per decode and per chunk token) and both caches stacked
+    [2, num_blocks, block, Hkv, D], random (torch's global generator)."""
+    total = len(decodes) + sum(n for _, _, n in prefills)
+    q = torch.randn(total, num_heads, head_dim)
+    k = torch.randn(total, num_kv_heads, head_dim)
+    v = torch.randn(total, num_kv_heads, head_dim)
+    return q, k, v, torch.randn(2, num_blocks, block, num_kv_heads, head_dim)

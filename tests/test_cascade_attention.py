@@ -15,7 +15,7 @@ from engine.cascade_attention import (
     build_cascade_plan,
     cascade_available,
 )
-from tests.cascade_batches import random_batch
+from tests.cascade_batches import random_batch, random_step_tensors
 from tests.kernels import compiled_decode_kernel
 
 BLOCK = 4
@@ -38,11 +38,8 @@ def test_cascade_matches_reference(seed: int, heads: tuple[int, int], piece_rows
     num_heads, num_kv_heads = heads
     head_dim, num_blocks = 16, 200
     decodes, prefills = random_batch(rng, num_blocks, BLOCK, shared_pool=24)
-    total = len(decodes) + sum(q for _, _, q in prefills)
-    q = torch.randn(total, num_heads, head_dim)
-    k = torch.randn(total, num_kv_heads, head_dim)
-    v = torch.randn(total, num_kv_heads, head_dim)
-    caches = torch.randn(2, num_blocks, BLOCK, num_kv_heads, head_dim)
+    q, k, v, caches = random_step_tensors(decodes, prefills, num_heads, num_kv_heads, head_dim,
+                                          BLOCK, num_blocks)
     ref_meta = build_attention_metadata(decodes, prefills, BLOCK, None, CPU)
     cas_meta = build_attention_metadata(decodes, prefills, BLOCK, None, CPU, cascade=True,
                                         kernel=kernel)

@@ -15,7 +15,7 @@ from engine.attention import build_attention_metadata, paged_attention
 from engine.cascade_attention import CascadeRequest, build_cascade_plan, cascade_available
 from engine.cascade_spans import SOURCE_IDS
 from engine.cpu_kernels import MARCH_ENV, SpanAttentionOp, load_span_attention
-from tests.cascade_batches import random_batch
+from tests.cascade_batches import random_batch, random_step_tensors
 from tests.kernels import compiled_decode_kernel, required
 
 CPU = torch.device("cpu")
@@ -130,11 +130,8 @@ def test_cascade_through_the_kernel_matches_reference(span_kernel: SpanAttention
     num_blocks = 800 // block * 4
     decodes, prefills = random_batch(rng, num_blocks, block, shared_pool=36,
                                      length_scale=96 // block)
-    total = len(decodes) + sum(n for _, _, n in prefills)
-    q = torch.randn(total, num_heads, head_dim)
-    k = torch.randn(total, num_kv_heads, head_dim)
-    v = torch.randn(total, num_kv_heads, head_dim)
-    caches = torch.randn(2, num_blocks, block, num_kv_heads, head_dim)
+    q, k, v, caches = random_step_tensors(decodes, prefills, num_heads, num_kv_heads, head_dim,
+                                          block, num_blocks)
     ref_meta = build_attention_metadata(decodes, prefills, block, None, CPU)
     meta = build_attention_metadata(decodes, prefills, block, None, CPU, cascade=True,
                                     kernel=kernel, span_kernel=span_kernel)
