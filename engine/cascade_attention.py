@@ -42,7 +42,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from engine.cascade_spans import SpanPlan, build_span_plan, span_attention, tails_through_spans
+from engine.cascade_spans import SpanPlan, build_span_plan, span_attention
 from engine.cpu_kernels import PagedDecodeOp, SpanAttentionOp
 from engine.paged_decode import CopyBuffers, DecodeBatch, build_decode_batches, decode_attention
 
@@ -229,13 +229,6 @@ def build_cascade_plan(requests: list[CascadeRequest], block_size: int,
                 nodes.append(CascadeNode([KeySpan("step", r.query_start, lo)],
                                          torch.arange(r.query_start + lo,
                                                       r.query_start + hi).to(device)))
-    if span_kernel is not None and tails_through_spans(kernel):
-        # One single-row node per tail, read in place run by run (see cascade_spans.py).
-        for row, blocks, positions in tails:
-            spans = _runs(blocks, block_size)
-            nodes.append(CascadeNode(_cut(spans, len(blocks) * block_size - positions),
-                                     torch.tensor([row], device=device)))
-        tails = []
     private = build_decode_batches(tails, block_size, device, buffers=buffers, kernel=kernel)
     num_rows = max((r.query_start + r.q_len for r in requests), default=0)
     gather_blocks = torch.tensor(gather, dtype=torch.int64, device=device)

@@ -6,9 +6,8 @@ plan becomes the inputs of ``loragate::span_attention`` (engine/cpu_kernels/
 span_attention.cpp): one item per node span (that node's query rows against keys read in
 place), one causal item per prefill chunk over its own K/V (whole: the kernel skips the
 masked tiles, so chunks need no pieces), and for each flat-batch row the list of partial
-results to merge, the decodes' private tails among them: the compiled decode kernel's output,
-or single-row items of the kernel itself where that is faster (TAILS_BELOW_WIDTH). Built
-once per step, executed once per layer.
+results to merge, the decodes' private tails (the compiled decode kernel's output) among
+them. Built once per step, executed once per layer.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.cpu_kernels import PagedDecodeOp, SpanAttentionOp
+from engine.cpu_kernels import SpanAttentionOp
 from engine.paged_decode import DecodeBatch, decode_attention
 
 if TYPE_CHECKING:
@@ -31,19 +30,6 @@ SOURCE_IDS = {"cache": 0, "copy": 1, "step": 2}
 
 SPAN_HEAD_DIMS = (32, 64, 128, 256)
 """Head sizes the kernel is compiled for (float32 only)."""
-
-TAILS_BELOW_WIDTH = 16
-"""Below this vector width (floats per register) the decodes' private tails run in the span
-kernel too, as single-row items: the compiled decode kernel is written for 16-float vectors
-and an AVX2 build of it is the slower one there (this host, an AVX2 build, mixed lengths:
-85.3 s with the decode kernel against 61.6 s; RAG 19.5 against 17.9 s). With AVX-512 the
-decode kernel keeps them (mixed lengths 52.8 against 56.0 s)."""
-
-
-def tails_through_spans(decode_kernel: PagedDecodeOp | None) -> bool:
-    """Whether the span kernel (already loaded) also runs the decodes' private tails."""
-    return decode_kernel is None or int(torch.ops.loragate.vector_width()) < TAILS_BELOW_WIDTH
-
 
 @dataclass(frozen=True)
 class SpanPlan:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import cascade_spans, cpu_kernels
+from engine import cpu_kernels
 from engine.attention import build_attention_metadata, paged_attention
 from engine.cascade_attention import CascadeRequest, build_cascade_plan, cascade_available
 from engine.cascade_spans import SOURCE_IDS
@@ -143,14 +143,11 @@ def test_cascade_through_the_kernel_matches_reference(span_kernel: SpanAttention
     torch.testing.assert_close(out, ref, atol=3e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tails", ["decode kernel", "span items"])
-def test_the_plan_has_an_item_per_node_span_and_per_chunk(
-        span_kernel: SpanAttentionOp, tails: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_plan_has_an_item_per_node_span_and_per_chunk(span_kernel: SpanAttentionOp) -> None:
     # Two decodes share blocks 0-2 (read in place) with a 5-row chunk after 13 cached
-    # positions; the decodes' private blocks are tails (the decode kernel's, or single-row
-    # items), the chunk's block 12 is a one-block copy; the chunk is one causal item over its
-    # own K/V, not pieces.
-    monkeypatch.setattr(cascade_spans, "TAILS_BELOW_WIDTH", 0 if tails == "decode kernel" else 64)
+    # positions; the decodes' private blocks are batched tails of the decode kernel, the
+    # chunk's block 12 is a one-block copy; the chunk is one causal item over its own K/V,
+    # not pieces.
     requests = [
         CascadeRequest([0, 1, 2, 10], 14, 0, 1, fresh=False),
         CascadeRequest([0, 1, 2, 11], 15, 1, 1, fresh=False),
@@ -158,21 +155,15 @@ def test_the_plan_has_an_item_per_node_span_and_per_chunk(
     ]
     plan = build_cascade_plan(requests, 4, CPU, kernel=compiled_decode_kernel(),
                               span_kernel=span_kernel)
-    assert plan.spans is not None
-    items = sorted(tuple(i[:3] + i[4:]) for i in plan.spans.items.tolist())
-    shared = [
+    assert plan.spans is not None and len(plan.private) == 1
+    assert sorted(tuple(i[:3] + i[4:]) for i in plan.spans.items.tolist()) == [
         (0, 0, 12, 7, -1),  # blocks 0-2 in place for all seven rows
         (1, 0, 1, 5, -1),   # the chunk's copied block 12, one cached position
         (2, 2, 5, 5, 0),    # the chunk over its own K/V, causally
     ]
-    if tails == "decode kernel":
-        assert items == shared and len(plan.private) == 1
-        assert plan.spans.merge_parts[:1].tolist() in ([0], [1])  # row 0's tail first
-    else:  # block 10's first 2 positions for row 0, block 11's 3 for row 1
-        assert items == sorted([*shared, (0, 40, 2, 1, -1), (0, 44, 3, 1, -1)])
-        assert plan.private == []
     # Each row's partials: both decodes a tail and the shared node; chunk rows three each.
     assert plan.spans.merge_offsets.diff().tolist() == [2, 2, 3, 3, 3, 3, 3]
+    assert plan.spans.merge_parts[:1].tolist() in ([0], [1])  # row 0's tail comes first
 
 
 def test_bad_items_are_refused(span_kernel: SpanAttentionOp) -> None:

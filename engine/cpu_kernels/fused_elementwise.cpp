@@ -32,10 +32,11 @@
 
 namespace {
 
-using loragate_cpu::exp_lanes;
-using loragate_cpu::Lanes;
-using loragate_cpu::load_lanes;
-using loragate_cpu::store_lanes;
+using loragate_cpu::exp_vec;
+using loragate_cpu::load_vec;
+using loragate_cpu::store_vec;
+using loragate_cpu::Vec;
+constexpr int kW = loragate_cpu::kVecWidth;
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
@@ -67,22 +68,22 @@ void add_rows(const scalar_t* x, const scalar_t* residual, scalar_t* sum, int64_
   }
 }
 
-// 16 elements at a time through the vector exp; float rows load and store whole vectors, the
-// other dtypes (and a row's last partial vector) go element by element.
+// A vector (kW elements) at a time through the vector exp; float rows load and store whole
+// vectors, the other dtypes (and a row's last partial vector) go element by element.
 template <typename scalar_t>
 void silu_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64_t n) {
-  for (int64_t i0 = 0; i0 < n; i0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - i0);
+  for (int64_t i0 = 0; i0 < n; i0 += kW) {
+    const int64_t m = std::min<int64_t>(kW, n - i0);
     if constexpr (std::is_same_v<scalar_t, float>) {
-      if (m == 16) {
-        const Lanes g = load_lanes(gate + i0);
-        store_lanes(out + i0, g / (1.0f + exp_lanes(-g)) * load_lanes(up + i0));
+      if (m == kW) {
+        const Vec g = load_vec(gate + i0);
+        store_vec(out + i0, g / (1.0f + exp_vec(-g)) * load_vec(up + i0));
         continue;
       }
     }
-    Lanes g = {};
+    Vec g = {};
     for (int64_t i = 0; i < m; ++i) g[i] = to_float(gate[i0 + i]);
-    const Lanes act = g / (1.0f + exp_lanes(-g));
+    const Vec act = g / (1.0f + exp_vec(-g));
     for (int64_t i = 0; i < m; ++i) {
       // silu rounded to the dtype before the product, as the eager ops round it.
       const scalar_t a = static_cast<scalar_t>(act[i]);

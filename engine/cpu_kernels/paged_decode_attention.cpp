@@ -41,42 +41,21 @@ namespace {
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
-using loragate_cpu::exp_lanes;
 using loragate_cpu::exp_scalar;
-using loragate_cpu::Lanes;
-using loragate_cpu::load_lanes;
-using loragate_cpu::store_lanes;
-using LaneIndex = loragate_cpu::LaneInts;
+using loragate_cpu::exp_vec;
+using loragate_cpu::load_vec;
+using loragate_cpu::store_vec;
+using loragate_cpu::sum_of;
+using loragate_cpu::transpose_sum;
+using loragate_cpu::Vec;
+constexpr int kW = loragate_cpu::kVecWidth;
 
-// q . k (the float kernel below computes 16 of them at once instead).
+// q . k (the float kernel below computes kW of them at once instead).
 template <typename scalar_t, int64_t kDim>
 inline float dot(const float* q, const scalar_t* k, int64_t head_dim) {
   float s = 0.0f;
   for (int64_t d = 0; d < head_dim; ++d) s += q[d] * to_float(k[d]);
   return s;
-}
-
-// Lane i of the result is the sum of v[i]'s 16 lanes: sixteen dot products finished at once
-// by a transposing tree (30 two-input shuffles and 15 adds) instead of a halving reduction
-// per vector (64 shuffles and 64 adds).
-inline Lanes transpose_sum16(const Lanes (&v)[16]) {
-  constexpr LaneIndex lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  constexpr LaneIndex hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  constexpr LaneIndex lo2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  constexpr LaneIndex hi2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-  constexpr LaneIndex lo3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  constexpr LaneIndex hi3 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-  constexpr LaneIndex lo4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  constexpr LaneIndex hi4 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-  Lanes u[8], w[4], x[2];
-  // u[i]: lanes 0-7 partial sums of v[i], 8-15 of v[i + 8]; then 4 lanes each, then 2.
-  for (int i = 0; i < 8; ++i)
-    u[i] = __builtin_shuffle(v[i], v[i + 8], lo1) + __builtin_shuffle(v[i], v[i + 8], hi1);
-  for (int i = 0; i < 4; ++i)
-    w[i] = __builtin_shuffle(u[i], u[i + 4], lo2) + __builtin_shuffle(u[i], u[i + 4], hi2);
-  for (int i = 0; i < 2; ++i)
-    x[i] = __builtin_shuffle(w[i], w[i + 2], lo3) + __builtin_shuffle(w[i], w[i + 2], hi3);
-  return __builtin_shuffle(x[0], x[1], lo4) + __builtin_shuffle(x[0], x[1], hi4);
 }
 
 // Work items: a sequence's kv heads [kv0, kv0 + kv_per_item): all of them when there are
@@ -135,18 +114,19 @@ struct ItemState {
   }
 };
 
-// The float32 kernel for head_dim = 16 * kChunks, same semantics and work items as
-// decode_kernel below. Per cache block and query head: scores of 16 positions at a time
-// (transpose_sum16), softmax over the block's scores as vectors, then the weighted V rows
-// summed into accumulators held in registers for the whole block. Query heads sharing a kv
-// head read its K/V rows back to back, so the second and later reads hit L1.
+// The float32 kernel for head_dim = kW * kChunks (kW: the target's vector width, vec_math.h),
+// same semantics and work items as decode_kernel below. Per cache block and query head:
+// scores of kW positions at a time (transpose_sum), softmax over the block's scores as
+// vectors, then the weighted V rows summed into accumulators held in registers for the
+// whole block. Query heads sharing a kv head read its K/V rows back to back, so the second
+// and later reads hit L1.
 template <typename index_t, int kChunks>
 void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cache,
                        const index_t* block_tables, const int64_t* context_lens, float* out,
                        float* lse, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                        int64_t block_size, int64_t table_width, double scale, double softcap,
                        int64_t window) {
-  constexpr int64_t kDim = 16 * kChunks;
+  constexpr int64_t kDim = kW * kChunks;
   const WorkItems work(num_seqs, num_kv_heads, context_lens);
   const int64_t kv_per_item = work.kv_per_item, items_per_seq = work.items_per_seq;
   const int64_t items = static_cast<int64_t>(work.order.size());
@@ -158,7 +138,7 @@ void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cach
   const float fcap = static_cast<float>(softcap);
   const float qscale = fcap > 0.0f ? 1.0f : fscale;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int64_t padded_block = (block_size + 15) / 16 * 16;
+  const int64_t padded_block = (block_size + kW - 1) / kW * kW;
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     ItemState state(heads, kDim);
@@ -183,20 +163,20 @@ void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cach
           const int64_t offset = (kv0 + h / group) * kDim;
           const float* kb = k_cache + (block * block_size + t0) * row_stride + offset;
           const float* vb = v_cache + (block * block_size + t0) * row_stride + offset;
-          Lanes qv[kChunks];
-          for (int c = 0; c < kChunks; ++c) qv[c] = load_lanes(qf.data() + h * kDim + 16 * c);
-          for (int64_t c0 = 0; c0 < count; c0 += 16) {
-            const int64_t in_chunk = std::min<int64_t>(16, count - c0);
-            Lanes partial[16];
-            for (int64_t t = 0; t < 16; ++t) {
-              Lanes s = {};
+          Vec qv[kChunks];
+          for (int c = 0; c < kChunks; ++c) qv[c] = load_vec(qf.data() + h * kDim + kW * c);
+          for (int64_t c0 = 0; c0 < count; c0 += kW) {
+            const int64_t in_chunk = std::min<int64_t>(kW, count - c0);
+            Vec partial[kW];
+            for (int64_t t = 0; t < kW; ++t) {
+              Vec s = {};
               if (t < in_chunk) {
                 const float* kr = kb + (c0 + t) * row_stride;
-                for (int c = 0; c < kChunks; ++c) s += qv[c] * load_lanes(kr + 16 * c);
+                for (int c = 0; c < kChunks; ++c) s += qv[c] * load_vec(kr + kW * c);
               }
               partial[t] = s;
             }
-            store_lanes(scores.data() + c0, transpose_sum16(partial));
+            store_vec(scores.data() + c0, transpose_sum(partial));
           }
           float* sc = scores.data();
           if (fcap > 0.0f) {
@@ -206,26 +186,24 @@ void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cach
           for (int64_t t = 0; t < count; ++t) block_max = std::max(block_max, sc[t]);
           const float rescale = run_max[h] == kNegInf ? 0.0f
                                                       : exp_scalar(run_max[h] - block_max);
-          Lanes sums = {};
-          for (int64_t c0 = 0; c0 < count; c0 += 16) {
-            Lanes p = exp_lanes(load_lanes(sc + c0) - block_max);
-            for (int64_t t = count - c0; t < 16; ++t) p[t] = 0.0f;  // past the block's end
-            store_lanes(sc + c0, p);
+          Vec sums = {};
+          for (int64_t c0 = 0; c0 < count; c0 += kW) {
+            Vec p = exp_vec(load_vec(sc + c0) - block_max);
+            for (int64_t t = count - c0; t < kW; ++t) p[t] = 0.0f;  // past the block's end
+            store_vec(sc + c0, p);
             sums += p;
           }
-          float sum = 0.0f;
-          for (int t = 0; t < 16; ++t) sum += sums[t];
-          run_sum[h] = run_sum[h] * rescale + sum;
+          run_sum[h] = run_sum[h] * rescale + sum_of(sums);
           run_max[h] = block_max;
           float* ah = acc.data() + h * kDim;
-          Lanes a[kChunks];
-          for (int c = 0; c < kChunks; ++c) a[c] = load_lanes(ah + 16 * c) * rescale;
+          Vec a[kChunks];
+          for (int c = 0; c < kChunks; ++c) a[c] = load_vec(ah + kW * c) * rescale;
           for (int64_t t = 0; t < count; ++t) {
             const float* vr = vb + t * row_stride;
-            const float p = sc[t];
-            for (int c = 0; c < kChunks; ++c) a[c] += p * load_lanes(vr + 16 * c);
+            const Vec p = Vec{} + sc[t];
+            for (int c = 0; c < kChunks; ++c) a[c] += p * load_vec(vr + kW * c);
           }
-          for (int c = 0; c < kChunks; ++c) store_lanes(ah + 16 * c, a[c]);
+          for (int c = 0; c < kChunks; ++c) store_vec(ah + kW * c, a[c]);
         }
       }
       state.finish(out, lse, n * num_heads + h0);
@@ -355,9 +333,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
     auto run = [&](auto* table_ptr) {
       using index_t = std::remove_const_t<std::remove_pointer_t<decltype(table_ptr)>>;
       if constexpr (std::is_same_v<scalar_t, float>) {
-        auto fast = head_dim == 32    ? &decode_kernel_f32<index_t, 2>
-                    : head_dim == 64  ? &decode_kernel_f32<index_t, 4>
-                    : head_dim == 128 ? &decode_kernel_f32<index_t, 8>
+        auto fast = head_dim == 32    ? &decode_kernel_f32<index_t, 32 / kW>
+                    : head_dim == 64  ? &decode_kernel_f32<index_t, 64 / kW>
+                    : head_dim == 128 ? &decode_kernel_f32<index_t, 128 / kW>
                                       : nullptr;
         if (fast != nullptr) {
           fast(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),

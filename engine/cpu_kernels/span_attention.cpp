@@ -54,7 +54,10 @@ using loragate_cpu::exp_scalar;
 using loragate_cpu::exp_vec;
 using loragate_cpu::lane_max;
 using loragate_cpu::load_vec;
+using loragate_cpu::max_of;
 using loragate_cpu::store_vec;
+using loragate_cpu::sum_of;
+using loragate_cpu::transpose_tile;
 using loragate_cpu::Vec;
 using loragate_cpu::VecInts;
 using loragate_cpu::where_less;
@@ -93,88 +96,6 @@ struct Source {
   int64_t slots;
 };
 
-// Shuffle masks, constants (built at run time they cost about a quarter of the kernel
-// time): kFirst/kSecond b swap the off-diagonal b x b sub-blocks of every 2b x 2b block of a
-// kW x kW tile (a transpose in log2(kW) stages); kSwap b pairs lane j with lane j ^ b (the
-// halving steps of a reduction).
-#if LORAGATE_VEC_WIDTH == 16
-constexpr VecInts kFirst8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-constexpr VecInts kSecond8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-constexpr VecInts kSwap8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-constexpr VecInts kFirst4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-constexpr VecInts kSecond4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-constexpr VecInts kSwap4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-constexpr VecInts kFirst2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-constexpr VecInts kSecond2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-constexpr VecInts kSwap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-constexpr VecInts kFirst1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-constexpr VecInts kSecond1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-constexpr VecInts kSwap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-#elif LORAGATE_VEC_WIDTH == 8
-constexpr VecInts kFirst4 = {0, 1, 2, 3, 8, 9, 10, 11};
-constexpr VecInts kSecond4 = {4, 5, 6, 7, 12, 13, 14, 15};
-constexpr VecInts kSwap4 = {4, 5, 6, 7, 0, 1, 2, 3};
-constexpr VecInts kFirst2 = {0, 1, 8, 9, 4, 5, 12, 13};
-constexpr VecInts kSecond2 = {2, 3, 10, 11, 6, 7, 14, 15};
-constexpr VecInts kSwap2 = {2, 3, 0, 1, 6, 7, 4, 5};
-constexpr VecInts kFirst1 = {0, 8, 2, 10, 4, 12, 6, 14};
-constexpr VecInts kSecond1 = {1, 9, 3, 11, 5, 13, 7, 15};
-constexpr VecInts kSwap1 = {1, 0, 3, 2, 5, 4, 7, 6};
-#else
-constexpr VecInts kFirst2 = {0, 1, 4, 5};
-constexpr VecInts kSecond2 = {2, 3, 6, 7};
-constexpr VecInts kSwap2 = {2, 3, 0, 1};
-constexpr VecInts kFirst1 = {0, 4, 2, 6};
-constexpr VecInts kSecond1 = {1, 5, 3, 7};
-constexpr VecInts kSwap1 = {1, 0, 3, 2};
-#endif
-
-template <int b>
-inline void transpose_stage(Vec (&r)[kW], VecInts first, VecInts second) {
-  for (int i = 0; i < kW; ++i) {
-    if ((i & b) != 0) continue;
-    const Vec a = r[i], c = r[i + b];
-    r[i] = __builtin_shuffle(a, c, first);
-    r[i + b] = __builtin_shuffle(a, c, second);
-  }
-}
-
-// r transposed in place (kW x kW floats).
-inline void transpose_tile(Vec (&r)[kW]) {
-#if LORAGATE_VEC_WIDTH >= 16
-  transpose_stage<8>(r, kFirst8, kSecond8);
-#endif
-#if LORAGATE_VEC_WIDTH >= 8
-  transpose_stage<4>(r, kFirst4, kSecond4);
-#endif
-  transpose_stage<2>(r, kFirst2, kSecond2);
-  transpose_stage<1>(r, kFirst1, kSecond1);
-}
-
-// The largest and the sum of x's lanes, by halving shuffles.
-inline float max_of(Vec x) {
-#if LORAGATE_VEC_WIDTH >= 16
-  x = lane_max(x, __builtin_shuffle(x, kSwap8));
-#endif
-#if LORAGATE_VEC_WIDTH >= 8
-  x = lane_max(x, __builtin_shuffle(x, kSwap4));
-#endif
-  x = lane_max(x, __builtin_shuffle(x, kSwap2));
-  x = lane_max(x, __builtin_shuffle(x, kSwap1));
-  return x[0];
-}
-
-inline float sum_of(Vec x) {
-#if LORAGATE_VEC_WIDTH >= 16
-  x += __builtin_shuffle(x, kSwap8);
-#endif
-#if LORAGATE_VEC_WIDTH >= 8
-  x += __builtin_shuffle(x, kSwap4);
-#endif
-  x += __builtin_shuffle(x, kSwap2);
-  x += __builtin_shuffle(x, kSwap1);
-  return x[0];
-}
 
 // kt[d][t] = K[t][d] for the tile's count keys (rows stride floats apart), 0 past them.
 template <int kChunks>

@@ -1,28 +1,16 @@
-// Float math on vectors (GCC vector extensions), shared by the CPU kernels. GCC 12 does not
-// vectorize a loop whose exp builds 2^n through a scalar bit cast, so the kernels call exp
-// on whole vectors here instead.
-//
-// Two vector types: Lanes, 16 floats whatever the target (one AVX-512 register, two AVX2
-// ones), and Vec, the target's own register width (16 floats with AVX-512, 8 with AVX2, 4
-// elsewhere). Without AVX-512, GCC 12 handles 64-byte vectors poorly: a comparison becomes
-// 16 scalar compares and branches, a broadcast goes through the stack lane by lane, and
-// values cross between general and vector registers (measured on an AVX2 build: exp_lanes
-// and the decode kernel 4x slower, a Lanes-based span kernel 30x slower than on Vec). So
-// kernels written for speed on every target use Vec; comparisons of Lanes go through the
-// where_less / lane_max / lane_min overloads below, which compare 256-bit halves with
-// intrinsics on AVX2.
+// Float math on vectors of the target's own register width (GCC vector extensions): Vec is
+// 16 floats with AVX-512, 8 with AVX2, 4 elsewhere; the kernels are written in it. Not a fixed
+// 16-float type: without AVX-512, GCC 12 compiles one badly (a comparison becomes 16 scalar
+// compares and branches, a broadcast goes through the stack lane by lane; measured on an AVX2
+// build, the decode kernel in 16-float vectors ran 3-4x slower than in Vec). GCC 12 does not vectorize a loop whose exp builds 2^n through a scalar bit cast, so
+// the kernels call exp on whole vectors here instead.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX2__) && !defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include <type_traits>
 
 namespace loragate_cpu {
-
-using Lanes = float __attribute__((vector_size(64)));
-using LaneInts = int32_t __attribute__((vector_size(64)));
 
 #if defined(__AVX512F__)
 #define LORAGATE_VEC_WIDTH 16
@@ -35,14 +23,6 @@ constexpr int kVecWidth = LORAGATE_VEC_WIDTH;
 using Vec = float __attribute__((vector_size(4 * kVecWidth)));
 using VecInts = int32_t __attribute__((vector_size(4 * kVecWidth)));
 
-inline Lanes load_lanes(const float* p) {
-  Lanes a;
-  std::memcpy(&a, p, sizeof(Lanes));
-  return a;
-}
-
-inline void store_lanes(float* p, Lanes a) { std::memcpy(p, &a, sizeof(Lanes)); }
-
 inline Vec load_vec(const float* p) {
   Vec a;
   std::memcpy(&a, p, sizeof(Vec));
@@ -52,56 +32,18 @@ inline Vec load_vec(const float* p) {
 inline void store_vec(float* p, Vec a) { std::memcpy(p, &a, sizeof(Vec)); }
 
 // Lane i: a[i] < b[i] ? x[i] : y[i]; the lane-wise max and min.
-template <typename V>
-inline V where_less(V a, V b, V x, V y) { return a < b ? x : y; }
+inline Vec where_less(Vec a, Vec b, Vec x, Vec y) { return a < b ? x : y; }
 
-template <typename V>
-inline V lane_max(V a, V b) { return a < b ? b : a; }
+inline Vec lane_max(Vec a, Vec b) { return a < b ? b : a; }
 
-template <typename V>
-inline V lane_min(V a, V b) { return a < b ? a : b; }
-
-#if defined(__AVX2__) && !defined(__AVX512F__)
-struct LaneHalves {
-  __m256 lo, hi;
-};
-
-inline LaneHalves halves(Lanes a) {
-  LaneHalves h;
-  std::memcpy(&h, &a, sizeof(Lanes));
-  return h;
-}
-
-inline Lanes joined(__m256 lo, __m256 hi) {
-  const LaneHalves h{lo, hi};
-  Lanes a;
-  std::memcpy(&a, &h, sizeof(Lanes));
-  return a;
-}
-
-inline Lanes where_less(Lanes a, Lanes b, Lanes x, Lanes y) {
-  const LaneHalves ah = halves(a), bh = halves(b), xh = halves(x), yh = halves(y);
-  return joined(_mm256_blendv_ps(yh.lo, xh.lo, _mm256_cmp_ps(ah.lo, bh.lo, _CMP_LT_OQ)),
-                _mm256_blendv_ps(yh.hi, xh.hi, _mm256_cmp_ps(ah.hi, bh.hi, _CMP_LT_OQ)));
-}
-
-inline Lanes lane_max(Lanes a, Lanes b) {
-  const LaneHalves ah = halves(a), bh = halves(b);
-  return joined(_mm256_max_ps(ah.lo, bh.lo), _mm256_max_ps(ah.hi, bh.hi));
-}
-
-inline Lanes lane_min(Lanes a, Lanes b) {
-  const LaneHalves ah = halves(a), bh = halves(b);
-  return joined(_mm256_min_ps(ah.lo, bh.lo), _mm256_min_ps(ah.hi, bh.hi));
-}
-#endif
+inline Vec lane_min(Vec a, Vec b) { return a < b ? a : b; }
 
 // exp of every lane, inputs clamped to [-87, 88] (float's normal range: exp(-87) ~ 1.6e-38):
 // x = n ln2 + r, |r| <= ln2 / 2, exp(r) by the degree-6 Cephes polynomial (relative error
-// ~2e-7), times 2^n built in the exponent bits. V: Lanes or Vec.
-template <typename V>
-inline V exp_vec(V x) {
-  using Ints = decltype(x < x);
+// ~2e-7), times 2^n built in the exponent bits.
+inline Vec exp_vec(Vec x) {
+  using V = Vec;
+  using Ints = VecInts;
   x = lane_min(lane_max(x, V{} - 87.0f), V{} + 88.0f);
   const V t = x * 1.44269504088896341f;
   const V half = where_less(t, V{}, V{} - 0.5f, V{} + 0.5f);
@@ -119,7 +61,91 @@ inline V exp_vec(V x) {
   return p * reinterpret_cast<V>((n + 127) << 23);  // same-size vectors: the bits as floats
 }
 
-inline Lanes exp_lanes(Lanes x) { return exp_vec(x); }
+// Shuffle masks, constants (built at run time they cost about a quarter of the kernel
+// time): kFirst/kSecond b swap the off-diagonal b x b sub-blocks of every 2b x 2b block of a
+// kVecWidth x kVecWidth tile (a transpose in log2(kVecWidth) stages); kSwap b pairs lane j with lane j ^ b (the
+// halving steps of a reduction).
+#if LORAGATE_VEC_WIDTH == 16
+constexpr VecInts kFirst8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+constexpr VecInts kSecond8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+constexpr VecInts kSwap8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+constexpr VecInts kFirst4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+constexpr VecInts kSecond4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+constexpr VecInts kSwap4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+constexpr VecInts kFirst2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+constexpr VecInts kSecond2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+constexpr VecInts kSwap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+constexpr VecInts kFirst1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+constexpr VecInts kSecond1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+constexpr VecInts kSwap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+#elif LORAGATE_VEC_WIDTH == 8
+constexpr VecInts kFirst4 = {0, 1, 2, 3, 8, 9, 10, 11};
+constexpr VecInts kSecond4 = {4, 5, 6, 7, 12, 13, 14, 15};
+constexpr VecInts kSwap4 = {4, 5, 6, 7, 0, 1, 2, 3};
+constexpr VecInts kFirst2 = {0, 1, 8, 9, 4, 5, 12, 13};
+constexpr VecInts kSecond2 = {2, 3, 10, 11, 6, 7, 14, 15};
+constexpr VecInts kSwap2 = {2, 3, 0, 1, 6, 7, 4, 5};
+constexpr VecInts kFirst1 = {0, 8, 2, 10, 4, 12, 6, 14};
+constexpr VecInts kSecond1 = {1, 9, 3, 11, 5, 13, 7, 15};
+constexpr VecInts kSwap1 = {1, 0, 3, 2, 5, 4, 7, 6};
+#else
+constexpr VecInts kFirst2 = {0, 1, 4, 5};
+constexpr VecInts kSecond2 = {2, 3, 6, 7};
+constexpr VecInts kSwap2 = {2, 3, 0, 1};
+constexpr VecInts kFirst1 = {0, 4, 2, 6};
+constexpr VecInts kSecond1 = {1, 5, 3, 7};
+constexpr VecInts kSwap1 = {1, 0, 3, 2};
+#endif
+
+// step(b, kFirst b, kSecond b, kSwap b) for b = kVecWidth / 2, ..., 2, 1 (b as an
+// std::integral_constant): the stages of a transpose or of a halving reduction.
+template <typename Step>
+inline void each_stage(Step step) {
+#if LORAGATE_VEC_WIDTH >= 16
+  step(std::integral_constant<int, 8>{}, kFirst8, kSecond8, kSwap8);
+#endif
+#if LORAGATE_VEC_WIDTH >= 8
+  step(std::integral_constant<int, 4>{}, kFirst4, kSecond4, kSwap4);
+#endif
+  step(std::integral_constant<int, 2>{}, kFirst2, kSecond2, kSwap2);
+  step(std::integral_constant<int, 1>{}, kFirst1, kSecond1, kSwap1);
+}
+
+// r transposed in place (kVecWidth x kVecWidth floats).
+inline void transpose_tile(Vec (&r)[kVecWidth]) {
+  each_stage([&](auto b, VecInts first, VecInts second, VecInts) {
+    for (int i = 0; i < kVecWidth; ++i) {
+      if ((i & b) != 0) continue;
+      const Vec x = r[i], y = r[i + b];
+      r[i] = __builtin_shuffle(x, y, first);
+      r[i + b] = __builtin_shuffle(x, y, second);
+    }
+  });
+}
+
+// Lane i of the result is the sum of v[i]'s lanes: kVecWidth dot products finished at once
+// by the transpose's stages with adds (each stage halves the vectors) instead of a halving
+// reduction per vector.
+inline Vec transpose_sum(Vec (&v)[kVecWidth]) {
+  each_stage([&](auto b, VecInts first, VecInts second, VecInts) {
+    for (int i = 0; i < b; ++i)
+      v[i] = __builtin_shuffle(v[i], v[i + b], first) + __builtin_shuffle(v[i], v[i + b], second);
+  });
+  return v[0];
+}
+
+// The largest and the sum of x's lanes, by halving shuffles.
+inline float max_of(Vec x) {
+  each_stage([&](auto, VecInts, VecInts, VecInts swap) {
+    x = lane_max(x, __builtin_shuffle(x, swap));
+  });
+  return x[0];
+}
+
+inline float sum_of(Vec x) {
+  each_stage([&](auto, VecInts, VecInts, VecInts swap) { x += __builtin_shuffle(x, swap); });
+  return x[0];
+}
 
 // exp of one float, by exp_vec (for the few scalars outside vector loops).
 inline float exp_scalar(float x) { return exp_vec(Vec{} + x)[0]; }
