@@ -26,8 +26,9 @@
 //
 // How: work units are (item, kv head, up to kTileFloats / D query vectors), a query vector
 // being one (row, head) of the kv head's group, biggest first, handed out dynamically to
-// torch's threads. A unit walks its keys 32 at a time: the 32 keys' K rows are transposed
-// once into [D, 32] (read in place from the cache, L1 afterwards), the scores of the unit's
+// torch's threads. A unit walks its keys kKeys at a time (two vectors' worth: 32 with
+// AVX-512, 16 with AVX2): their K rows are transposed once into [D, kKeys] (read in place
+// from the cache, L1 afterwards), the scores of the unit's
 // query vectors are an outer-product micro-GEMM against them (each vector of K feeds
 // several queries' accumulators held in registers), softmax is online per query vector,
 // and the weighted V rows are summed into accumulators likewise register-blocked. A causal
