@@ -24,6 +24,10 @@ attention (0.64 s against 0.79 s) was eaten by their merges and copies (4.18 s a
 4.04 s of CPU for the whole prefill); with another job on the cores, the 7 calls and merges
 per layer cost far more (22.1 s against 14.4 s).
 
+On a CPU in float32 with the compiled kernels (engine/cpu_kernels), steps 2-4 are one call
+per layer of the span kernel instead (engine/cascade_spans.py): an item per node span, one
+causal item per prefill chunk (its masked tiles skipped, so no pieces), and the merge.
+
 The blocks only one decode holds (its whole context when nothing is shared) skip step 2:
 all those private tails are one batched call per layer (engine/paged_decode.py) instead of
 one flash call per request.
