@@ -31,6 +31,7 @@ SOURCE_IDS = {"cache": 0, "copy": 1, "step": 2}
 SPAN_HEAD_DIMS = (32, 64, 128, 256)
 """Head sizes the kernel is compiled for (float32 only)."""
 
+
 @dataclass(frozen=True)
 class SpanPlan:
     """A step's inputs of the span kernel (shapes and semantics in span_attention.cpp)."""

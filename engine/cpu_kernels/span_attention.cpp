@@ -60,7 +60,6 @@ using loragate_cpu::store_vec;
 using loragate_cpu::sum_of;
 using loragate_cpu::transpose_tile;
 using loragate_cpu::Vec;
-using loragate_cpu::VecInts;
 using loragate_cpu::where_less;
 
 // The target's vector width in floats (vec_math.h): 16 with AVX-512, 8 with AVX2, 4
@@ -343,6 +342,7 @@ void merge_rows(const int64_t* offsets, const int64_t* parts, int64_t num_rows,
           total += weight[i];
         }
         for (int64_t i = 0; i < n; ++i) {
+          if (weight[i] == 0.0f) continue;  // saw no key (or no item): nothing to add
           const float w = weight[i] / total;
           const float* src = out_of(parts[first + i]);
           for (int64_t d = 0; d < head_dim; ++d) dst[d] += w * src[d];
@@ -441,8 +441,8 @@ at::Tensor span_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const at::Tensor prior_o = prior_out.contiguous(), prior_l = prior_lse.contiguous();
   at::Tensor item_out = at::empty({num_queries, num_heads, head_dim}, q.options());
   at::Tensor item_lse = at::empty({num_queries, num_heads}, q.options());
-  // Queries no item covers are never merged (every part index names a covered query or a
-  // prior), but keep them finite all the same.
+  // A query no item covers (the planner never leaves one) has lse -inf: a part naming it
+  // weighs nothing and its uninitialized output is never read (merge_rows skips it).
   if (num_queries > 0) item_lse.fill_(kNegInf);
   const float fscale = static_cast<float>(scale);
   const int64_t q_stride = q.stride(0);
