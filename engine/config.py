@@ -158,8 +158,8 @@ class EngineConfig:
     """On a CPU, run decode attention with the compiled kernel of engine/cpu_kernels, which
     reads the paged KV cache in place, and a Llama layer's element-wise steps (residual add +
     RMSNorm, rope, SiLU-and-multiply) as fused compiled ops (built with the host's C++
-    compiler on first use, ~30 s once, then cached); where they cannot be built the engine
-    logs why and keeps the torch paths. Off: torch's flash kernel over contexts copied out of
+    compiler on first use, a minute or two once, then cached); where they cannot be built the
+    engine logs why and keeps the torch paths. Off: torch's flash kernel over contexts copied out of
     the cache and eager element-wise ops, the reference."""
 
     attention_backend: AttentionBackend = "auto"

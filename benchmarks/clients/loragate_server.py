@@ -21,7 +21,7 @@ from pathlib import Path
 from benchmarks.peers.serving import stop_server, wait_healthy
 from gateway.serve import free_port
 
-STARTUP_TIMEOUT_S = 300.0  # first start on a new machine compiles the CPU kernels (~30 s)
+STARTUP_TIMEOUT_S = 300.0  # first start on a new machine compiles the CPU kernels (a minute or two)
 STOP_TIMEOUT_S = 30.0
 
 

@@ -18,8 +18,8 @@ runs four to ten ops (and their temporaries) for each; in a decode step of a 30-
 those ops cost more than their arithmetic. (torch.compile of the same functions was measured
 too: ~40-80 us per compiled call here, more than the eager ops at decode sizes.)
 
-The extension is compiled with torch's cpp_extension (g++ and ninja, ~30 s once; cached
-under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions) for this machine's
+The extension is compiled with torch's cpp_extension (g++ and ninja, a minute or two once;
+cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions) for this machine's
 instruction set (``-march=native``; ``LORAGATE_CPU_MARCH`` names another target on x86, e.g.
 ``haswell`` for an image built on one machine and run on AVX2 ones), with OpenMP so that
 at::parallel_for uses torch's threads (the runtime torch already loaded). Where it cannot be
@@ -29,12 +29,15 @@ paths (as it does with EngineConfig.native_kernels off).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +90,8 @@ def _march() -> str:
 def _build_tag() -> str:
     """Part of the build's name: a build for one instruction set is never loaded on
     another (the cache directory may be shared between machines), and a changed header
-    rebuilds (cpp_extension tracks the sources' contents, not the headers they include)."""
+    rebuilds (cpp_extension tracks the sources' contents, not the headers they include), as
+    does another torch or Python (the extension links against both)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -97,8 +101,49 @@ def _build_tag() -> str:
     except OSError:
         pass
     headers = b"".join(h.read_bytes() for h in HEADERS)
-    target = f"{platform.machine()} {_march()} {flags}"
+    target = (f"{platform.machine()} {_march()} {flags} torch {torch.__version__} "
+              f"python {sys.version_info.major}.{sys.version_info.minor}{sys.abiflags}")
     return hashlib.sha256(target.encode() + headers).hexdigest()[:10]
+
+
+TORCH_BATON = "lock"
+"""The file torch's cpp_extension creates in the build directory while it builds, and waits
+(forever) for as long as it exists."""
+
+
+@contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an OS lock on build_dir while building into it.
+
+    torch's own lock is a file that exists while a build runs; a build that is killed (Ctrl-C
+    or SIGKILL during a first ``loragate serve``) leaves it behind, and every later start then
+    waits for it forever. Every build of ours takes this lock first, and the kernel releases it
+    when its holder dies: whoever holds it knows no build of ours is running, so a torch lock
+    file found then was left by a dead one and is removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "loragate.flock", "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building the CPU kernels into %s; waiting for it",
+                     build_dir)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            baton = build_dir / TORCH_BATON
+            if baton.exists():
+                log.warning("removing %s, left by a kernel build that was stopped", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
+def build_directory(name: str) -> Path:
+    """Where the build named name lives: under TORCH_EXTENSIONS_DIR, by default torch's
+    cache root (~/.cache/torch_extensions)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
 
 
 def _build() -> bool:
@@ -108,13 +153,17 @@ def _build() -> bool:
             try:
                 from torch.utils.cpp_extension import load
 
-                log.info("loading the compiled CPU kernels (built once for this machine, ~30 s)")
+                log.info("loading the compiled CPU kernels (built once for this machine: a "
+                         "minute or two)")
                 x86 = platform.machine() in ("x86_64", "AMD64")
                 native = [f"-march={_march()}"] if x86 else []
-                load(name=f"loragate_cpu_kernels_{_build_tag()}",
-                     sources=[str(s) for s in SOURCES],
-                     extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *native],
-                     extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                name = f"loragate_cpu_kernels_{_build_tag()}"
+                build_dir = build_directory(name)
+                with build_lock(build_dir):
+                    load(name=name, sources=[str(s) for s in SOURCES],
+                         extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *native],
+                         extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                         is_python_module=False, verbose=False)
                 _built.append(True)
             except Exception as exc:
                 log.warning("compiled CPU kernels unavailable (%s: %s); the engine uses its "
