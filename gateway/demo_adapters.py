@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from engine.parent_watch import child_env, exit_with_parent
 from gateway.auth import StateView
 from gateway.tenancy import AdapterRecord
 from lora.demo_data import STYLES
@@ -104,7 +105,8 @@ def start_training(model_dir: Path, log_path: Path) -> subprocess.Popen[bytes] |
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         process = subprocess.Popen([sys.executable, "-m", "gateway.demo_adapters",
-                                    str(model_dir)], stdout=out, stderr=subprocess.STDOUT)
+                                    str(model_dir)], stdout=out, stderr=subprocess.STDOUT,
+                                   env=child_env(dict(os.environ)))
     print(f"training the demo adapters {', '.join(missing)} in the background (a few minutes "
           f"each; the base model is served meanwhile; log in {log_path})", flush=True)
     return process
@@ -160,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     with contextlib.suppress(OSError):
         os.nice(10)  # serving comes first on a small machine
+    exit_with_parent()  # an interrupted run resumes at the next start
     train_missing(Path(args[0]))
     return 0
 

@@ -40,6 +40,7 @@ from engine.config_args import field_default
 from engine.http.auth import TOKEN_ENV
 from engine.http.draining import DrainingServer
 from engine.kv_events import for_instance
+from engine.parent_watch import child_env
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.engine_supervisor import EngineSupervisor
@@ -114,7 +115,7 @@ def start_engines(config: EngineConfig, count: int, log_dir: Path,
     """`loragate engine` children on free loopback ports, requiring token when one is given;
     adapters registered through their API must lie in adapter_roots (or be one of
     adapters)."""
-    env = dict(os.environ)
+    env = child_env(dict(os.environ))  # an engine outlives no gateway (engine/parent_watch.py)
     if token is not None:
         env[TOKEN_ENV] = token
     if adapter_roots:

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -185,6 +186,51 @@ def test_engine_logs_are_removed_after_a_clean_exit(tiny_model_dir: Path,
     assert re.search(r"engine http://127\.0\.0\.1:\d+ ready after \d+s", output), output
     assert "stopping 1 engine instance(s)" in output
     assert list(tmp.iterdir()) == [], output
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaper may be slow to collect it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+def test_engines_do_not_outlive_a_gateway_killed_outright(tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    port = free_port()
+    process = subprocess.Popen(serve_command(tiny_model_dir, port),
+                               env=serve_env(tmp_path / "tmp"), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    engines: list[int] = []
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("loragate gateway listening on"):
+                break
+        engines += children_of(process.pid)
+        assert len(engines) == 1
+        process.kill()  # as the OOM killer would: no handler runs, no child is told
+        process.wait()
+        deadline = time.monotonic() + 60
+        while running(engines[0]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running(engines[0]), "the engine outlived its gateway"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in filter(running, engines):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture

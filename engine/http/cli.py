@@ -60,8 +60,10 @@ def run(args: argparse.Namespace) -> int:
                          "--engine-token or LORAGATE_ENGINE_TOKEN): gateways only route to "
                          "registrations signed with it")
     from engine.http.server import serve
+    from engine.parent_watch import exit_with_parent
 
     setup_logging()
+    exit_with_parent()
     config = engine_config(args, load_config_file(args.config), args.model)
     # Flags win over the environment; --adapter-dir is a root as its adapters are trusted.
     roots = [*(args.adapter_root or roots_from_env()), *filter(None, [args.adapter_dir])]
