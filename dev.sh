@@ -45,7 +45,7 @@ case "$cmd" in
         echo "dev.sh: mypy" >&2
         .venv/bin/mypy
         echo "dev.sh: pytest" >&2
-        .venv/bin/python -m pytest -q "$@"
+        .venv/bin/python -m pytest -q --durations=20 "$@"  # the slowest tests, for keeping CI short
         ;;
     serve)
         setup

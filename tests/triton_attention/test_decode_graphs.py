@@ -28,9 +28,9 @@ def test_graph_batch_sizes() -> None:
 
 def _run(model_dir: Path, adapters: dict[str, Path], device: str, **knobs: object
          ) -> tuple[LLMEngine, dict[str, RequestOutput]]:
-    """Seven requests, three of them on adapters (the longest on none), greedy: decode
-    steps of 1 to 7 rows with and without adapter rows, so the buckets pad and the LoRA
-    segments change from step to step."""
+    """Seven requests, three of them on adapters (the longest on none), greedy, each one
+    token longer than the one before: decode steps of 1 to 7 rows with and without adapter
+    rows, so the buckets pad and the LoRA segments change from step to step."""
     knobs = {"max_loras": 2, "max_lora_rank": 8, **knobs}
     engine = LLMEngine.from_model(str(model_dir), device=device, block_size=8,
                                   num_kv_blocks=64, max_num_seqs=7, max_num_batched_tokens=64,
@@ -43,7 +43,7 @@ def _run(model_dir: Path, adapters: dict[str, Path], device: str, **knobs: objec
     for i, lora in enumerate(lora_of):
         prompt = torch.randint(5, 512, (4 + 5 * i,), generator=g).tolist()
         engine.add_request(f"g{i}", prompt, SamplingParams(
-            max_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True, logprobs=3), lora=lora)
+            max_tokens=2 + i, temperature=0.0, ignore_eos=True, logprobs=3), lora=lora)
     outputs: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
