@@ -21,6 +21,7 @@ import pytest
 
 from gateway.serve import EngineProcess, free_port, wait_ready
 from tests.live_servers import LiveServer, start_engine, start_gateway
+from tests.test_parent_watch import alive
 
 ADMIN = "ops-admin-key"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -195,15 +196,6 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's reaper may be slow to collect it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
 def test_engines_do_not_outlive_a_gateway_killed_outright(tiny_model_dir: Path,
                                                           tmp_path: Path) -> None:
@@ -222,14 +214,14 @@ def test_engines_do_not_outlive_a_gateway_killed_outright(tiny_model_dir: Path,
         process.kill()  # as the OOM killer would: no handler runs, no child is told
         process.wait()
         deadline = time.monotonic() + 60
-        while running(engines[0]) and time.monotonic() < deadline:
+        while alive(engines[0]) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not running(engines[0]), "the engine outlived its gateway"
+        assert not alive(engines[0]), "the engine outlived its gateway"
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-        for pid in filter(running, engines):
+        for pid in filter(alive, engines):
             os.kill(pid, signal.SIGKILL)
 
 

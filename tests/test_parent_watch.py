@@ -37,6 +37,7 @@ time.sleep(60)
 
 
 def alive(pid: int) -> bool:
+    """Running and not a zombie (an orphan's reaper may be slow to collect it)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
