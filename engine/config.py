@@ -159,8 +159,8 @@ class EngineConfig:
     reads the paged KV cache in place, and a Llama layer's element-wise steps (residual add +
     RMSNorm, rope, SiLU-and-multiply) as fused compiled ops (built with the host's C++
     compiler on first use, a minute or two once, then cached); where they cannot be built the
-    engine logs why and keeps the torch paths. Off: torch's flash kernel over contexts copied out of
-    the cache and eager element-wise ops, the reference."""
+    engine logs why and keeps the torch paths. Off: torch's flash kernel over contexts copied
+    out of the cache and eager element-wise ops, the reference."""
 
     attention_backend: AttentionBackend = "auto"
     """"auto": the Triton paged attention kernels (engine/triton_attention) on a GPU, the

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,8 @@ GRACE_S = 30.0
 """After SIGTERM (the child's own graceful stop), how long before the watch exits hard."""
 
 
-def child_env(env: dict[str, str]) -> dict[str, str]:
-    """env for a child that must not outlive this process."""
+def child_env(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of env for a child that must not outlive this process."""
     return {**env, PARENT_ENV: str(os.getpid())}
 
 

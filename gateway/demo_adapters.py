@@ -106,7 +106,7 @@ def start_training(model_dir: Path, log_path: Path) -> subprocess.Popen[bytes] |
     with open(log_path, "ab") as out:
         process = subprocess.Popen([sys.executable, "-m", "gateway.demo_adapters",
                                     str(model_dir)], stdout=out, stderr=subprocess.STDOUT,
-                                   env=child_env(dict(os.environ)))
+                                   env=child_env(os.environ))
     print(f"training the demo adapters {', '.join(missing)} in the background (a few minutes "
           f"each; the base model is served meanwhile; log in {log_path})", flush=True)
     return process

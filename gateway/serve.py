@@ -115,7 +115,7 @@ def start_engines(config: EngineConfig, count: int, log_dir: Path,
     """`loragate engine` children on free loopback ports, requiring token when one is given;
     adapters registered through their API must lie in adapter_roots (or be one of
     adapters)."""
-    env = child_env(dict(os.environ))  # an engine outlives no gateway (engine/parent_watch.py)
+    env = child_env(os.environ)  # an engine outlives no gateway (engine/parent_watch.py)
     if token is not None:
         env[TOKEN_ENV] = token
     if adapter_roots:

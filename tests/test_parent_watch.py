@@ -29,7 +29,7 @@ PARENT = """
 import os, subprocess, sys, time
 from engine.parent_watch import child_env
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE,
-                         text=True, env=child_env(dict(os.environ)))
+                         text=True, env=child_env(os.environ))
 assert child.stdout.readline().strip() == "watching"
 print(child.pid, flush=True)
 time.sleep(60)

@@ -128,14 +128,11 @@ def build_lock(build_dir: Path) -> Iterator[None]:
             log.info("another process is building the CPU kernels into %s; waiting for it",
                      build_dir)
             fcntl.flock(held, fcntl.LOCK_EX)
-        try:
-            baton = build_dir / TORCH_BATON
-            if baton.exists():
-                log.warning("removing %s, left by a kernel build that was stopped", baton)
-                baton.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(held, fcntl.LOCK_UN)
+        baton = build_dir / TORCH_BATON
+        if baton.exists():
+            log.warning("removing %s, left by a kernel build that was stopped", baton)
+            baton.unlink(missing_ok=True)
+        yield  # closing the file on the way out releases the lock
 
 
 def build_directory(name: str) -> Path:
