@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from engine.demo_model import DemoModelSpec, make_demo_model
+from engine.demo_model import make_demo_model
+from engine.demo_shapes import DemoModelSpec
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 

@@ -22,7 +22,7 @@ The capacity ratio depends on the model's shape: prefix caching saves the projec
 attention of the cached tokens, not the attention of the computed tokens over the whole
 ~1,300-token context nor the decode steps. On the default demo shape (hidden 512) that
 attention is ~45% of a token's FLOPs, far above a real model's (~5-15%), so the capacity
-runs are repeated on the "wide" demo shape (engine/demo_model.py WIDE_SPEC, ~20%), built in
+runs are repeated on the "wide" demo shape (engine/demo_shapes.py WIDE_SPEC, ~20%), built in
 a temporary directory unless ``--wide-model`` names one (``--no-wide``: skip; ``--quick``
 skips it unless named).
 
@@ -57,7 +57,8 @@ from benchmarks.rag_workload import (
 )
 from benchmarks.serving_metrics import nearest_rank
 from benchmarks.text_corpus import text_corpus
-from engine.demo_model import WIDE_SPEC, make_demo_model
+from engine.demo_model import make_demo_model
+from engine.demo_shapes import WIDE_SPEC
 from engine.llm_engine import LLMEngine
 from engine.models.loader import load_hf_config
 from engine.sampling_params import SamplingParams

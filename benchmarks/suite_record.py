@@ -106,7 +106,7 @@ def measured_commit(repo: Path = REPO) -> str:
 def default_label(model: str) -> str:
     """'demo' / 'wide' for the named shapes of ``loragate make-demo``, else the model
     directory's name."""
-    from engine.demo_model import SHAPES
+    from engine.demo_shapes import SHAPES
 
     marker = Path(model) / "loragate_demo.json"
     if marker.is_file():

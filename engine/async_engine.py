@@ -40,7 +40,7 @@ from engine.protocol import (
 )
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
-from lora.manager import AdapterInfo
+from lora.adapter_info import AdapterInfo
 
 T = TypeVar("T")
 TIMED_OUT_MESSAGE = "the request passed its deadline"

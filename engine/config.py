@@ -10,6 +10,9 @@ from prefix_cache.adaptive import PrefixCachingMode
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+"""The float types weights are loaded in or converted to, by torch's names (light to import: the
+CLI lists them)."""
 AttentionBackend = Literal["auto", "torch", "triton"]
 LoadFormat = Literal["safetensors", "dummy"]
 GenerationConfigMode = Literal["auto", "off"]

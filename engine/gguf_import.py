@@ -29,12 +29,14 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from engine.config import FLOAT_DTYPES
+
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 """The GGUF ``general.architecture`` values import_gguf converts."""
 _LOSSY_ARCHITECTURES = ("gemma2", "gemma3")
 """Served from Hugging Face directories, but not importable from GGUF (module docstring)."""
 
-GGUF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GGUF_DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
 """The float types ``import_gguf`` can write."""
 
 Progress = Callable[[str], None]

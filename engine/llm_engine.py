@@ -26,7 +26,8 @@ from engine.request_builder import RequestBuilder, eos_token_ids
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from lora.adapter import LoraAdapter
-from lora.manager import AdapterInfo, LoraManager
+from lora.adapter_info import AdapterInfo
+from lora.manager import LoraManager
 from prefix_cache.adaptive import AdaptiveConfig
 from prefix_cache.cache import PrefixUpdate
 

@@ -15,9 +15,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
+# Gateways import PromptLogprob (without torch), and the request module imports it from here.
+if TYPE_CHECKING:
+    import torch
 
-if TYPE_CHECKING:  # the request module imports PromptLogprob from here
     from engine.input_batch import RunningRequest
     from engine.scheduler_output import ScheduledChunk
 
@@ -76,6 +77,8 @@ def score_prompt_rows(hidden: torch.Tensor, plan: list[PromptRows],
 
     ``hidden`` is the step's [T, H] final hidden states; ``compute_logits`` the LM head
     (float32 logits). Log-softmax of the raw logits, as the sampler's logprobs."""
+    import torch  # engine side only (see the imports above)
+
     rows = torch.cat([torch.arange(p.first_row, p.first_row + p.count) for p in plan])
     targets = torch.tensor([t for p in plan for t in requests[p.request_id].token_ids[
         p.first_position:p.first_position + p.count]], dtype=torch.int64)

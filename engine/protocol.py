@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from engine.generation_defaults import SamplingDefaults
 from engine.prompt_logprobs import PromptLogprob
 from engine.sampling_params import SamplingParams
-from lora.manager import AdapterInfo
+from lora.adapter_info import AdapterInfo
 from prefix_cache.cache import PrefixUpdate
 
 ERROR_STATUS: dict[str, int] = {

@@ -18,9 +18,10 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch  # annotations only: the gateway imports this module for its specs
 
 log = logging.getLogger(__name__)
 KINDS = ("json", "json_object", "regex", "choice", "grammar")

@@ -45,7 +45,6 @@ def _configs(args: argparse.Namespace, model: str) -> tuple[Any, Any]:
 
 def _serve(args: argparse.Namespace) -> int:
     from engine.adapter_roots import parse_adapters, roots_from_env
-    from engine.default_model import ensure_default_model
     from gateway.demo_adapters import start_training
     from gateway.serve import serve
 
@@ -53,6 +52,8 @@ def _serve(args: argparse.Namespace) -> int:
     model = args.model
     trainer = None
     if model is None and not args.engine:
+        from engine.default_model import ensure_default_model  # converting needs torch
+
         model = str(ensure_default_model(DEMO_HOME))
         # Its demo style adapters are trained in the background on first start.
         trainer = start_training(Path(model), DEMO_HOME / "logs" / "demo-adapters.log")

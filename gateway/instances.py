@@ -29,7 +29,7 @@ from engine.protocol import (
 )
 from gateway.engine_client import HttpEngineClient
 from gateway.kv_events_subscriber import KVEventSubscriber, reachable
-from lora.manager import AdapterInfo
+from lora.adapter_info import AdapterInfo
 from prefix_cache.index import PrefixIndex
 
 log = logging.getLogger(__name__)

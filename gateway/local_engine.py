@@ -39,7 +39,7 @@ from engine.protocol import (
     LoadedAdapter,
 )
 from gateway.engine_supervisor import FIRST_BACKOFF_S, MAX_BACKOFF_S, STABLE_AFTER_S
-from lora.manager import AdapterInfo
+from lora.adapter_info import AdapterInfo
 
 log = logging.getLogger(__name__)
 LOCAL_INSTANCE_ID = "local"

@@ -36,7 +36,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter
 from gateway.router import Candidate, Router
 from gateway.tenancy import derive_cache_salt
-from lora.manager import AdapterInfo
+from lora.adapter_info import AdapterInfo
 from prefix_cache.hashing import request_extra_keys
 
 log = logging.getLogger(__name__)

@@ -26,24 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lora.adapter import LoraAdapter, load_adapter
+from lora.adapter_info import AdapterInfo
 from lora.targets import LoraTargets
 
 _Stamp = tuple[tuple[int, int, int] | None, ...] | None
 """What _stamp() returns: the state of an adapter's files on disk."""
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    """What list_adapters() reports for one adapter."""
-
-    name: str
-    path: str
-    digest: str
-    rank: int
-    in_cpu: bool
-    slot: int | None
-    pinned: bool
-    running_requests: int
 
 
 @dataclass(frozen=True)

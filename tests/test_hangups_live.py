@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
+from engine.demo_model import make_demo_model, make_peft_adapter
+from engine.demo_shapes import DemoModelSpec
 from gateway.serve import free_port
 from tests.live_http import poll, sse_events, wait_engines_idle
 from tests.live_servers import LiveServer, _spawn, running, start_engine, start_gateway

@@ -5,6 +5,8 @@ package's public names import from the package itself."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,11 @@ def test_public_names_import_from_the_package(package: str, names: list[str]) ->
     module = __import__(package)
     assert set(names) <= set(module.__all__)
     assert all(getattr(module, name) is not None for name in names)
+
+
+def test_the_cli_and_the_packages_import_without_torch() -> None:
+    """`loragate --help` and its argument errors answer in a fraction of a second: torch
+    (seconds to import) loads with the model code only, not with the packages or the CLI."""
+    code = ("import sys, engine, lora, gateway.cli\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

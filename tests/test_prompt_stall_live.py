@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from engine.demo_model import DemoModelSpec, make_demo_model
+from engine.demo_model import make_demo_model
+from engine.demo_shapes import DemoModelSpec
 from tests.live_http import sse_events, wait_engines_idle
 from tests.live_servers import LiveServer, running, start_engine, start_gateway
 

@@ -18,7 +18,7 @@ from engine.protocol import (
     StreamChunk,
 )
 from engine.sampling_params import SamplingParams
-from lora.manager import AdapterInfo
+from lora.adapter_info import AdapterInfo
 from prefix_cache.cache import PrefixUpdate
 
 

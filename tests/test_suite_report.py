@@ -158,7 +158,7 @@ def test_a_run_replaces_only_its_model_and_benchmarks(tmp_path: Path) -> None:
 def test_labels_name_the_demo_shapes_and_other_models_by_directory(tmp_path: Path) -> None:
     from dataclasses import asdict
 
-    from engine.demo_model import WIDE_SPEC, DemoModelSpec
+    from engine.demo_shapes import WIDE_SPEC, DemoModelSpec
 
     for name, spec in (("demo", DemoModelSpec()), ("wide", WIDE_SPEC)):
         model = tmp_path / f"some-{name}"

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
+from engine.demo_model import make_demo_model, make_peft_adapter
+from engine.demo_shapes import DemoModelSpec
 from gateway.exposure import instance_tag
 from gateway.sliding_window import SPAN_S
 from lora.targets import SUPPORTED_MODULES

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.demo_model import DemoModelSpec, make_demo_model, make_peft_adapter
+from engine.demo_model import make_demo_model, make_peft_adapter
+from engine.demo_shapes import DemoModelSpec
 from lora.targets import SUPPORTED_MODULES
 
 TINY_SPEC = DemoModelSpec(

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from engine.async_engine import AsyncEngine
 from engine.metrics import EngineStats
 from engine.request import RequestOutput
-from lora.manager import AdapterInfo
+from lora.adapter_info import AdapterInfo
 
 PREFIX = "loragate_"
 VLLM_PREFIX = "vllm:"

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from engine.config import FLOAT_DTYPES
 from engine.models.gemma import GemmaForFlatBatch
 from engine.models.llama import LlamaForFlatBatch
 from engine.models.rope import rope_tables
@@ -19,7 +20,7 @@ from engine.models.shape import ModelShape, check_architecture
 from lora.cpu_gemm import prepack, prepack_supported
 from lora.layers import LoraLinear
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
 
 
 def load_hf_config(model_dir: str) -> PretrainedConfig:

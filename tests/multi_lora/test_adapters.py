@@ -76,7 +76,8 @@ def test_bad_adapters_are_refused(adapters: dict[str, Path], shape: ModelShape, 
 
 def test_adapter_for_another_base_model_is_refused(tiny_model_dir: Path, shape: ModelShape,
                                                    tmp_path: Path) -> None:
-    from engine.demo_model import DemoModelSpec, make_demo_model
+    from engine.demo_model import make_demo_model
+    from engine.demo_shapes import DemoModelSpec
 
     other = make_demo_model(tmp_path / "other", DemoModelSpec(
         vocab_size=512, hidden_size=96, intermediate_size=128, num_layers=2, num_heads=4,
