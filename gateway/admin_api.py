@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import uuid
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -36,6 +37,7 @@ from gateway import adapter_admin as lifecycle
 from gateway.adapter_upload import remove_tree
 from gateway.admin_common import NAME_PATTERN, AdminGateway, on_instances, owner_uid
 from gateway.admin_tenants import build_tenant_router
+from gateway.openai_fields import StrictRequest, Unsupported
 from gateway.service import Gateway
 from gateway.tenancy import AdapterRecord
 from lora.adapter import LoraAdapter, load_adapter
@@ -57,19 +59,25 @@ class AdapterPatch(BaseModel):
     shared_with: list[str] | None = None
 
 
-class VllmLoadBody(BaseModel):
+class VllmLoadBody(StrictRequest):
     """vLLM's POST /v1/load_lora_adapter body."""
 
-    model_config = ConfigDict(extra="ignore")  # lora_int_id, load_inplace: vLLM-internal
     lora_name: str = Field(pattern=NAME_PATTERN)
     lora_path: str
+    lora_int_id: int | None = None
+    """vLLM's internal number for the adapter: loragate names adapters by name only."""
+    UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = {
+        "load_inplace": Unsupported((False,), "a registered adapter is replaced by unloading "
+                                              "it, then loading the new one"),
+    }
 
 
-class VllmUnloadBody(BaseModel):
+class VllmUnloadBody(StrictRequest):
     """vLLM's POST /v1/unload_lora_adapter body."""
 
-    model_config = ConfigDict(extra="ignore")
     lora_name: str
+    lora_int_id: int | None = None
+    """As in VllmLoadBody."""
 
 
 class PlacementBody(BaseModel):

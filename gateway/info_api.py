@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from engine.http.errors import ApiError
+from gateway import openai_fields
 from gateway.caller import Caller
 from gateway.openai_chat_protocol import (
     MAX_TOOLS,
@@ -28,27 +29,34 @@ from gateway.openai_chat_protocol import (
     NamedToolChoice,
     ToolDefinition,
 )
+from gateway.openai_fields import StrictRequest, Unsupported
 from gateway.openai_protocol import MAX_MODEL_NAME, MAX_PROMPT_TOKEN_IDS, TokenId
 from gateway.openai_text import Text
 from gateway.prompts import PromptEncoder
 from gateway.service import Gateway
 
+CHAT_ONLY = frozenset({"add_generation_prompt", "continue_final_message",
+                       "chat_template_kwargs", "tools", "tool_choice"})
+"""TokenizeRequest's fields that a prompt (not messages) cannot use."""
 
-class TokenizeRequest(BaseModel):
-    """A prompt (as /v1/completions takes it) or messages (as /v1/chat/completions does)."""
 
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(StrictRequest):
+    """A prompt (as /v1/completions takes it) or messages with the chat request's template
+    options (as /v1/chat/completions takes them)."""
+
     model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)]
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
     add_special_tokens: bool | None = None
     """Only the endpoint's own behaviour: True for a prompt, False for messages."""
-    add_generation_prompt: bool = True
-    """Only True: the template ends with the assistant's turn opened, as in chat requests."""
     return_token_strs: bool = False
+    # With messages, as a chat request takes them (gateway/openai_chat_protocol.py):
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
-    """With messages: the tools a chat request offers (rendered as it renders them)."""
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.TOKENIZE
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -59,16 +67,25 @@ class TokenizeRequest(BaseModel):
             raise ValueError(f"add_special_tokens={self.add_special_tokens} is not supported "
                              f"for {'prompt' if as_sent else 'messages'}: the ids are those "
                              f"a request sends (add_special_tokens={as_sent})")
-        if not self.add_generation_prompt:
-            raise ValueError("add_generation_prompt=false is not supported: the ids are "
-                             "those a chat request sends")
+        if as_sent:
+            chat_only = sorted(name for name in CHAT_ONLY & self.model_fields_set
+                               if getattr(self, name) != type(self).model_fields[name].default)
+            if chat_only:
+                raise ValueError(f"{', '.join(chat_only)} only apply to messages")
         return self
 
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat request these messages and options stand for (validated as one)."""
+        return ChatCompletionRequest(
+            model=self.model, messages=self.messages or [], tools=self.tools,
+            tool_choice=self.tool_choice, add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs)
 
-class DetokenizeRequest(BaseModel):
+
+class DetokenizeRequest(StrictRequest):
     """Token ids back to text."""
 
-    model_config = ConfigDict(extra="ignore")
     model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)]
     tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
 
@@ -103,10 +120,11 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
             ids = await prompts.encode_prompt(body.prompt)
         else:
             try:
-                chat = ChatCompletionRequest(model=body.model, messages=body.messages or [],
-                                             tools=body.tools, tool_choice=body.tool_choice)
-            except ValidationError as exc:  # tools and tool_choice that do not agree
-                raise ApiError(400, exc.errors()[0]["msg"], param="tool_choice") from None
+                chat = body.chat_request()
+            except ValidationError as exc:  # options that do not agree, as a chat request's
+                error = exc.errors()[0]
+                raise ApiError(400, error["msg"],
+                               param=".".join(map(str, error["loc"])) or None) from None
             PromptEncoder.check_chars(chat.prompt_chars(), context, "messages")
             ids = await prompts.encode_chat_request(chat)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": context, "tokens": ids}

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
+from pydantic import BaseModel, ConfigDict, ValidatorFunctionWrapHandler, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 
@@ -101,6 +102,27 @@ CHAT: Mapping[str, Unsupported] = {
     "mm_processor_kwargs": _off(reason="text only"),
 }
 """POST /v1/chat/completions."""
+
+TOKENIZE: Mapping[str, Unsupported] = {name: CHAT[name]
+                                       for name in ("chat_template", "mm_processor_kwargs")}
+"""POST /tokenize (vLLM's fields for it that loragate does not implement)."""
+
+
+class StrictRequest(BaseModel):
+    """A request body that refuses what it does not implement: a key that is neither one of
+    the model's fields nor in its UNSUPPORTED table, or a field of that table at a value other
+    than its neutral ones, is a ValidationError naming the field (a 400 at the HTTP edge)."""
+
+    model_config = ConfigDict(extra="ignore")  # every unknown key was refused already
+    UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = {}
+    """The endpoint's table of fields accepted at their neutral value only."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # Before the fields: a refused field is the one error, whatever else is wrong.
+        check_unsupported(data, cls.UNSUPPORTED, cls.model_fields, cls.__name__)
+        return handler(data)
 
 
 def check_unsupported(data: Any, table: Mapping[str, Unsupported], known: Collection[str],

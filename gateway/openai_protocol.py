@@ -29,7 +29,6 @@ from pydantic import (
     StrictBool,
     StrictStr,
     ValidationInfo,
-    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
@@ -37,7 +36,7 @@ from pydantic import (
 from engine.generation_defaults import SamplingDefaults
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
-from gateway.openai_fields import Unsupported
+from gateway.openai_fields import StrictRequest, Unsupported
 from gateway.openai_structured import ResponseFormat, StructuredOutputs, schema_text
 from gateway.openai_text import Text, valid_text
 
@@ -87,10 +86,10 @@ Stop = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_LENGTH)] | A
     Field(max_length=MAX_STOP_STRINGS)]
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StrictRequest):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False)
     model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)]
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -144,14 +143,6 @@ class SamplingFields(BaseModel):
     guided_grammar: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
 
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.SHARED
-    """The endpoint's table of fields accepted at their neutral value only."""
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        # Before the fields: a refused field is the one error, whatever else is wrong.
-        openai_fields.check_unsupported(data, cls.UNSUPPORTED, cls.model_fields, cls.__name__)
-        return handler(data)
 
     @field_validator("stream_options")
     @classmethod

@@ -190,6 +190,10 @@ def test_vllm_runtime_adapter_endpoints_register_and_remove(setup: Setup) -> Non
     assert text_of(complete(setup, "tb", "vllm-style")) == want
     again = admin(setup, "POST", "/v1/load_lora_adapter", json=body)
     assert again.status_code == 409
+    # vLLM's in-place replacement is not done here: refused, naming the field.
+    inplace = admin(setup, "POST", "/v1/load_lora_adapter", json={**body, "load_inplace": True})
+    assert inplace.status_code == 400, inplace.text
+    assert inplace.json()["error"]["param"] == "load_inplace"
     wait_engines_idle(setup.engine.url)
     removed = admin(setup, "POST", "/v1/unload_lora_adapter",
                     json={"lora_name": "vllm-style"})

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -50,11 +51,46 @@ def test_detokenize_round_trips(gateway: LiveServer, base_model: str,
         "prompt": tokenizer.decode(ids)}
 
 
+CONTINUED = [{"role": "user", "content": "Name a colour."},
+             {"role": "assistant", "content": "The colour is"}]
+
+
+@pytest.mark.parametrize("options", [
+    {"add_generation_prompt": False},
+    {"add_generation_prompt": False, "continue_final_message": True},
+    {"chat_template_kwargs": {"enable_thinking": False}},
+])
+def test_tokenize_takes_the_chat_requests_template_options(
+        gateway: LiveServer, client: openai.OpenAI, base_model: str,
+        tokenizer: PreTrainedTokenizerBase, options: dict[str, Any]) -> None:
+    out = post(gateway, "/tokenize", {"model": base_model, "messages": CONTINUED,
+                                      **options}).json()
+    assert "tokens" in out, out
+    template = {"add_generation_prompt": True, **options}
+    kwargs = template.pop("chat_template_kwargs", {})
+    rendered = tokenizer.apply_chat_template(CONTINUED, tokenize=True, return_dict=True,
+                                             **template, **kwargs)
+    assert isinstance(rendered, Mapping)
+    assert out["tokens"] == list(rendered["input_ids"])
+    reply = client.chat.completions.create(model=base_model, messages=CONTINUED,  # type: ignore[arg-type]
+                                           max_tokens=1, extra_body=options)
+    assert reply.usage is not None and reply.usage.prompt_tokens == out["count"]
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/tokenize", {"prompt": "x", "messages": MESSAGES}, None),
     ("/tokenize", {}, None),
     ("/tokenize", {"prompt": "x", "add_special_tokens": False}, None),
-    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, None),
+    # What a chat request with the same options refuses.
+    ("/tokenize", {"messages": CONTINUED, "continue_final_message": True}, None),
+    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False,
+                   "continue_final_message": True}, None),
+    ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}}, None),
+    # Chat options with a prompt, fields not implemented, fields of no schema: named.
+    ("/tokenize", {"prompt": "x", "continue_final_message": True}, None),
+    ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ messages }}"}, "chat_template"),
+    ("/tokenize", {"prompt": "x", "bogus_field": 1}, "bogus_field"),
+    ("/detokenize", {"tokens": [1], "bogus_field": 1}, "bogus_field"),
     ("/detokenize", {"tokens": [10**9]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
 ])
