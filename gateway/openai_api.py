@@ -2,7 +2,8 @@
 
 Streaming responses are SSE in OpenAI's chunk format, ending with ``data: [DONE]``; with
 ``stream_options.include_usage`` every chunk carries ``"usage": null`` and one last chunk
-with no choices carries the usage. Errors found before the first byte (bad body, unknown
+with no choices carries the usage (with vLLM's ``continuous_usage_stats`` every chunk
+carries the usage so far instead of null). Errors found before the first byte (bad body, unknown
 model, prompt too long, no capacity) are HTTP errors in OpenAI's schema; an engine failure
 after the stream started is an ``error`` event followed by ``[DONE]``.
 
@@ -243,7 +244,7 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
                        job.adapter)
 
     if req.body.stream:
-        events = sse(gateway, jobs, streams, fmt, req.body.include_usage)
+        events = sse(gateway, jobs, streams, fmt, req.body.stream_usage)
         return ClosingStream(events, streams, settle, headers=headers)
     try:
         result = await next_or_disconnect(req.http, collect(gateway, jobs, streams, fmt))

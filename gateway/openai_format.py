@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.prompt_logprobs import PromptLogprob
 from engine.protocol import StreamChunk
+from gateway.openai_protocol import StreamUsage
 from gateway.token_bytes import TokenBytes
 from gateway.tool_calls import ToolPlan
 
@@ -330,7 +331,7 @@ class ResponseFormatter:
         if self.prompt_logprobs is not None and first:
             where["prompt_logprobs"] = self._vllm_prompt_logprobs(choice)
 
-    def stream_events(self, chunk: StreamChunk, include_usage: bool, index: int = 0
+    def stream_events(self, chunk: StreamChunk, usage: StreamUsage, index: int = 0
                       ) -> list[dict[str, Any]]:
         """The SSE payloads for one engine chunk of choice ``index`` (none when it carries
         nothing)."""
@@ -368,8 +369,8 @@ class ResponseFormatter:
         event: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created,
                                  "model": self.model, "choices": [body]}
         self._add_prompt_fields(event, body, choice, new_ids, first)
-        if include_usage:
-            event["usage"] = None
+        if usage != "none":  # the usage so far, or null until the last chunk
+            event["usage"] = self.usage() if usage == "every_chunk" else None
         return [event]
 
     def usage_event(self) -> dict[str, Any]:

@@ -18,10 +18,9 @@ names them (repetition_penalty, min_p, min_tokens, stop_token_ids, bad_words, ..
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
@@ -76,9 +75,15 @@ TokenId = Annotated[int, Field(ge=0, lt=INT32_LIMIT)]
 MaxTokens = Annotated[int, Field(ge=1, lt=INT32_LIMIT)]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+StreamUsage = Literal["none", "last_chunk", "every_chunk"]
+
+
+class StreamOptions(StrictRequest):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: with include_usage, every chunk carries the usage so far (not null)."""
+    UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = {
+        "include_obfuscation": Unsupported((False,), "chunks are not padded")}
 
 
 Stop = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_LENGTH)] | Annotated[
@@ -272,8 +277,12 @@ class SamplingFields(StrictRequest):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+    def stream_usage(self) -> StreamUsage:
+        """Where a stream reports usage: nowhere, a last chunk, or also every chunk."""
+        options = self.stream_options
+        if options is None or not options.include_usage:
+            return "none"
+        return "every_chunk" if options.continuous_usage_stats else "last_chunk"
 
 
 Prompt = str | list[int]

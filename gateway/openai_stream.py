@@ -23,6 +23,7 @@ from engine.protocol import EngineError, StreamChunk
 from gateway.batch_stream import BatchStream
 from gateway.job import Job
 from gateway.openai_format import ResponseFormatter
+from gateway.openai_protocol import StreamUsage
 from gateway.service import Gateway
 
 DISCONNECT_POLL_S = 0.25
@@ -87,7 +88,7 @@ async def collect(gateway: Gateway, jobs: list[Job], streams: BatchStream,
 
 
 async def sse(gateway: Gateway, jobs: list[Job], streams: BatchStream, fmt: ResponseFormatter,
-              include_usage: bool) -> AsyncGenerator[bytes, None]:
+              usage: StreamUsage) -> AsyncGenerator[bytes, None]:
     status = "200"
     job = jobs[0]
     try:
@@ -99,10 +100,10 @@ async def sse(gateway: Gateway, jobs: list[Job], streams: BatchStream, fmt: Resp
                     status = "500"
                     yield _event({"error": _own_error(chunk.error)})
                     break
-                for event in fmt.stream_events(chunk, include_usage, index):
+                for event in fmt.stream_events(chunk, usage, index):
                     yield _event(event)
         timer.done()
-        if include_usage and status == "200":
+        if usage != "none" and status == "200":
             yield _event(fmt.usage_event())
         yield b"data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):

@@ -38,7 +38,7 @@ def test_non_finite_logprobs_come_out_as_finite_json(tiny_model_dir: Path,
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     streamed = ResponseFormatter(endpoint, "m", tokenizer, 3)
     events = [_strict(e) for e in streamed.stream_events(_chunk(tokenizer),
-                                                         include_usage=True)]
+                                                         usage="last_chunk")]
     whole = ResponseFormatter(endpoint, "m", tokenizer, 3)
     whole.add(_chunk(tokenizer))
     final = _strict(whole.final())

@@ -117,6 +117,32 @@ def test_a_batch_answers_as_its_prompts_one_by_one(client: openai.OpenAI,
     assert texts == single and finished == {0, 1, 2}
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
+        client: openai.OpenAI, base_model: str, endpoint: str) -> None:
+    # vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens
+    # streamed up to it; the last, choice-less chunk has the whole usage as before.
+    args: dict[str, Any] = {
+        "model": base_model, "max_tokens": 6, "stream": True, "extra_body": NO_EOS,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **GREEDY}
+    events = list(client.completions.create(prompt=PROMPT, **args) if endpoint == "completions"
+                  else client.chat.completions.create(messages=MESSAGES, **args))
+    *chunks, last = events
+    assert not last.choices and last.usage is not None and last.usage.completion_tokens == 6
+    counts = []
+    for chunk in chunks:
+        assert chunk.usage is not None
+        assert chunk.usage.prompt_tokens == last.usage.prompt_tokens
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + \
+            chunk.usage.completion_tokens
+        counts.append(chunk.usage.completion_tokens)
+    assert counts == sorted(counts) and counts[-1] == 6 and len(chunks) >= 2
+    # Without it, the chunks' usage stays null.
+    args["stream_options"] = {"include_usage": True}
+    plain = list(client.completions.create(prompt=PROMPT, **args))
+    assert all(chunk.usage is None for chunk in plain[:-1]) and plain[-1].usage is not None
+
+
 def test_vllm_prompt_logprobs_on_both_endpoints(
         client: openai.OpenAI, base_model: str, reference: torch.nn.Module) -> None:
     done = client.completions.create(model=base_model, prompt=PROMPT, max_tokens=1,

@@ -10,12 +10,13 @@ from typing import Any
 import openai
 import pytest
 from openai.types import completion_create_params
+from openai.types.chat import ChatCompletionStreamOptionsParam
 from openai.types.chat import completion_create_params as chat_create_params
 from pydantic import BaseModel, ValidationError
 
 from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.openai_fields import CHAT, COMPLETIONS, Unsupported
-from gateway.openai_protocol import CompletionRequest
+from gateway.openai_protocol import CompletionRequest, StreamOptions
 from tests.live_servers import LiveServer
 
 VLLM_EXTRAS = (
@@ -158,3 +159,19 @@ def test_the_server_answers_400_naming_an_unknown_field(gateway: LiveServer,
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == "x_trace", error
     assert error["message"].endswith("Unrecognized request argument supplied: x_trace")
+
+
+@pytest.mark.parametrize("name", [*ChatCompletionStreamOptionsParam.__annotations__,
+                                  "continuous_usage_stats", "not_a_field"])
+def test_stream_options_are_honoured_or_refused_by_name(name: str) -> None:
+    # OpenAI's stream options and vLLM's continuous_usage_stats, set to true: each is a field
+    # StreamOptions implements (its use is tested end to end) or a refusal naming it.
+    for endpoint, (model, _, _) in ENDPOINTS.items():
+        body = {**BASE[endpoint], "stream": True, "stream_options": {name: True}}
+        try:
+            model.model_validate(body)
+        except ValidationError as exc:
+            assert name not in StreamOptions.model_fields
+            assert exc.errors()[0]["loc"][-1] == name, exc
+        else:
+            assert name in StreamOptions.model_fields
