@@ -103,6 +103,13 @@ CHAT: Mapping[str, Unsupported] = {
 }
 """POST /v1/chat/completions."""
 
+STRUCTURED_OUTPUTS: Mapping[str, Unsupported] = {
+    "structural_tag": _off(reason="structural tags are not implemented"),
+    "whitespace_pattern": _off(reason="JSON follows xgrammar's whitespace rules "
+                                      "(disable_any_whitespace: compact JSON)"),
+}
+"""The structured_outputs object (vLLM's)."""
+
 TOKENIZE: Mapping[str, Unsupported] = {name: CHAT[name]
                                        for name in ("chat_template", "mm_processor_kwargs")}
 """POST /tokenize (vLLM's fields for it that loragate does not implement)."""
@@ -121,7 +128,8 @@ class StrictRequest(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         # Before the fields: a refused field is the one error, whatever else is wrong.
-        check_unsupported(data, cls.UNSUPPORTED, cls.model_fields, cls.__name__)
+        known = {*cls.model_fields, *(f.alias for f in cls.model_fields.values() if f.alias)}
+        check_unsupported(data, cls.UNSUPPORTED, known, cls.__name__)
         return handler(data)
 
 

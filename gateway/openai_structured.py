@@ -5,11 +5,14 @@ request asks for is decided by SamplingFields (gateway/openai_protocol.py)."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.structured_output import MAX_SPEC_CHARS
+from gateway import openai_fields
+from gateway.openai_fields import StrictRequest, Unsupported
 from gateway.openai_text import Text
 
 
@@ -45,10 +48,9 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(StrictRequest):
     """vLLM's structured_outputs object: exactly one constraint."""
 
-    model_config = ConfigDict(extra="ignore")
     json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
     regex: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
     choice: Annotated[list[Annotated[Text, Field(min_length=1)]],
@@ -57,3 +59,9 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     """JSON kinds: compact JSON only (no whitespace between tokens)."""
+    disable_additional_properties: bool = False
+    """Either value: xgrammar (as vLLM runs it) never generates a property the schema does not
+    name unless the schema allows others."""
+    disable_fallback: bool = False
+    """Either value: xgrammar is the only backend, so there is nothing to fall back to."""
+    UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.STRUCTURED_OUTPUTS

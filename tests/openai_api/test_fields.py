@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.openai_fields import CHAT, COMPLETIONS, Unsupported
 from gateway.openai_protocol import CompletionRequest, StreamOptions
+from gateway.openai_structured import StructuredOutputs
 from tests.live_servers import LiveServer
 
 VLLM_EXTRAS = (
@@ -175,3 +176,27 @@ def test_stream_options_are_honoured_or_refused_by_name(name: str) -> None:
             assert exc.errors()[0]["loc"][-1] == name, exc
         else:
             assert name in StreamOptions.model_fields
+
+
+VLLM_STRUCTURED_OUTPUTS = {
+    # vLLM's StructuredOutputsParams fields, each with a value that would matter if honoured.
+    "json": {"type": "object"}, "regex": "a+", "choice": ["a", "b"], "grammar": "root ::= \"a\"",
+    "json_object": True, "disable_fallback": True, "disable_any_whitespace": True,
+    "disable_additional_properties": True, "whitespace_pattern": " ",
+    "structural_tag": "{}", "not_a_field": 1,
+}
+
+
+@pytest.mark.parametrize("name", VLLM_STRUCTURED_OUTPUTS)
+def test_structured_outputs_fields_are_honoured_or_refused_by_name(name: str) -> None:
+    body = {**BASE["completions"], "structured_outputs": {name: VLLM_STRUCTURED_OUTPUTS[name]}}
+    if name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+        body["structured_outputs"]["regex"] = "a+"  # options of a constraint
+    fields = {f.alias or n for n, f in StructuredOutputs.model_fields.items()}
+    try:
+        CompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        assert name not in fields
+        assert exc.errors()[0]["loc"][-1] == name, exc
+    else:
+        assert name in fields
