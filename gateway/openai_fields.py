@@ -1,5 +1,6 @@
 """The request fields of OpenAI's completions and chat completions schemas, and vLLM's extra
-parameters, that loragate does not implement: each is accepted only at a value that means
+parameters (and of the objects and bodies beside them: stream_options, structured_outputs,
+/tokenize), that loragate does not implement: each is accepted only at a value that means
 "off" (its neutral values), and anything else is a 400 naming the field, never a silent
 difference. The fields it implements are the pydantic models' own (gateway/openai_protocol.py);
 tests/openai_api/test_fields.py walks both tables.
