@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch  # annotations only: the gateway imports this module for its specs
 
 log = logging.getLogger(__name__)
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 1024
 COMPILED_CACHE = 256
@@ -35,7 +35,9 @@ COMPILED_CACHE = 256
 class StructuredOutput:
     """What the generated text must match. ``kind``: "json" (``spec`` a JSON schema, as
     text), "json_object" (any JSON object), "regex" (``spec``), "choice" (exactly one of
-    ``choices``) or "grammar" (``spec`` in xgrammar's EBNF, GBNF-style)."""
+    ``choices``), "grammar" (``spec`` in xgrammar's EBNF, GBNF-style) or "structural_tag"
+    (``spec`` an xgrammar structural tag, as JSON text: free text in which each trigger
+    starts a tagged section that must match its content, as strict tool calls are)."""
 
     kind: str
     spec: str = ""
@@ -52,7 +54,7 @@ class StructuredOutput:
         if not isinstance(self.spec, str) or len(self.spec) > MAX_SPEC_CHARS:
             raise ValueError(f"a structured output spec is a string of at most "
                              f"{MAX_SPEC_CHARS} characters")
-        if self.kind in ("json", "regex", "grammar") and not self.spec:
+        if self.kind in ("json", "regex", "grammar", "structural_tag") and not self.spec:
             raise ValueError(f"structured output {self.kind!r} needs its spec")
         if self.kind == "choice" and (
                 not self.choices or len(self.choices) > MAX_CHOICES
@@ -96,6 +98,8 @@ class GrammarCompiler:
                 return self._compiler.compile_regex(spec.spec)
             if spec.kind == "choice":
                 return self._compiler.compile_grammar(_choice_grammar(spec.choices))
+            if spec.kind == "structural_tag":
+                return self._compiler.compile_structural_tag(spec.spec)
             return self._compiler.compile_grammar(spec.spec)
         except json.JSONDecodeError as exc:
             raise ValueError(f"the JSON schema is not valid JSON: {exc.msg}") from None

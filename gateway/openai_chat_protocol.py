@@ -168,7 +168,8 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tool_choice 'required' needs tools")
         plan = self.tool_plan()
         if plan.constraint() is not None and self.structured_output() is not None:
-            raise ValueError("a forced tool call cannot be combined with another structured "
+            raise ValueError("a constrained tool call (tool_choice required or named, or a "
+                             "strict function) cannot be combined with another structured "
                              "output constraint")
         return self
 
@@ -211,7 +212,8 @@ class ChatCompletionRequest(SamplingFields):
 
     def tool_plan(self) -> ToolPlan:
         functions = tuple(Function(t.function.name, t.function.description,
-                                   t.function.parameters) for t in self.tools or [])
+                                   t.function.parameters, bool(t.function.strict))
+                          for t in self.tools or [])
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice):
             return ToolPlan(functions, "named", choice.function.name, self.parallel_tool_calls)

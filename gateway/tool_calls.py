@@ -39,6 +39,8 @@ class Function:
     name: str
     description: str | None
     parameters: dict[str, Any] | None
+    strict: bool = False
+    """OpenAI's strict: a call's arguments always match the parameters, with auto too."""
 
     def schema(self) -> dict[str, Any]:
         return self.parameters or {"type": "object"}
@@ -66,7 +68,11 @@ class ToolPlan:
         return self.mode != "none" and bool(self.functions)
 
     def constraint(self) -> StructuredOutput | None:
-        """The structured output a forced call generates under (None for auto / none)."""
+        """The structured output a forced call generates under; with auto, the one that
+        holds every call block to its function when a function is strict (None otherwise,
+        and for none)."""
+        if self.mode == "auto" and any(f.strict for f in self.functions):
+            return self._strict_blocks()
         if self.mode == "named":
             function = next(f for f in self.functions if f.name == self.named)
             return StructuredOutput("json", json.dumps(function.schema()),
@@ -84,6 +90,22 @@ class ToolPlan:
         # Compact: the arguments are re-encoded anyway, and whitespace is where a small
         # model's forced call would wander.
         return StructuredOutput("json", json.dumps(array), any_whitespace=False)
+
+    def _strict_blocks(self) -> StructuredOutput:
+        """Free text, but every call block that opens names a known function and is closed
+        after arguments matching its parameters (any object for a function not strict), as
+        vLLM holds strict functions under auto. A block may put a newline after its open tag
+        and before its close tag, as the templates that take tools show it."""
+        tags = [{"begin": f'{OPEN_TAG}{gap}{{"name": {json.dumps(f.name)}, "arguments": ',
+                 "content": {"type": "json_schema", "json_schema":
+                             f.schema() if f.strict else {"type": "object"}},
+                 "end": f"}}{gap}{CLOSE_TAG}"}
+                for f in self.functions for gap in ("", "\n")]
+        # stop_after_first: the text ends with the first call when calls are not parallel.
+        return StructuredOutput("structural_tag", json.dumps({
+            "type": "structural_tag", "format": {
+                "type": "triggered_tags", "triggers": [OPEN_TAG], "tags": tags,
+                "at_least_one": False, "stop_after_first": not self.parallel}}))
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, OpenAI tool_calls) of a finished output; no calls when none parse."""
