@@ -10,7 +10,9 @@ its text becomes OpenAI ``tool_calls``.
   ``{"name", "arguments"}`` valid against its function's parameters; one call when
   ``parallel_tool_calls`` is false) or a named function (the output is constrained to that
   function's arguments). The constraints are structured outputs, so a forced call always
-  parses and validates.
+  parses and validates. Under ``auto``, a function with ``strict`` puts the output under a
+  structural tag instead: free text, but every call block that opens is held to its
+  function.
 - Parsing ``auto`` output: ``<tool_call>{...}</tool_call>`` blocks (the Hermes / Qwen
   format most tool-tuned templates use), or a reply that is nothing but a call object (or
   an array of them) naming a known tool. Anything else is content.
