@@ -45,10 +45,14 @@ def _configs(args: argparse.Namespace, model: str) -> tuple[Any, Any]:
 
 def _serve(args: argparse.Namespace) -> int:
     from engine.adapter_roots import parse_adapters, roots_from_env
+    from engine.config import EngineConfig
+    from engine.env_names import warn_unknown
+    from gateway.config import GatewayConfig
     from gateway.demo_adapters import start_training
     from gateway.serve import serve
 
     engine_cli.setup_logging()
+    warn_unknown("loragate serve", GatewayConfig, EngineConfig)
     model = args.model
     trainer = None
     if model is None and not args.engine:

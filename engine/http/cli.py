@@ -59,10 +59,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--register-redis-url needs an engine token (--engine-token-file, "
                          "--engine-token or LORAGATE_ENGINE_TOKEN): gateways only route to "
                          "registrations signed with it")
+    from engine.config import EngineConfig
+    from engine.env_names import warn_unknown
     from engine.http.server import serve
-    from engine.parent_watch import exit_with_parent
+    from engine.parent_watch import PARENT_ENV, exit_with_parent
 
     setup_logging()
+    if PARENT_ENV not in os.environ:  # a child of serve: serve checked what it passed on
+        warn_unknown("loragate engine", EngineConfig)
     exit_with_parent()
     config = engine_config(args, load_config_file(args.config), args.model)
     # Flags win over the environment; --adapter-dir is a root as its adapters are trusted.
