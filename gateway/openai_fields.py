@@ -104,6 +104,11 @@ CHAT: Mapping[str, Unsupported] = {
 }
 """POST /v1/chat/completions."""
 
+STREAM_OPTIONS: Mapping[str, Unsupported] = {
+    "include_obfuscation": _off(False, reason="chunks are not padded"),
+}
+"""The stream_options object."""
+
 STRUCTURED_OUTPUTS: Mapping[str, Unsupported] = {
     "structural_tag": _off(reason="structural tags are not implemented"),
     "whitespace_pattern": _off(reason="JSON follows xgrammar's whitespace rules "

@@ -82,8 +82,7 @@ class StreamOptions(StrictRequest):
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM's: with include_usage, every chunk carries the usage so far (not null)."""
-    UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = {
-        "include_obfuscation": Unsupported((False,), "chunks are not padded")}
+    UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.STREAM_OPTIONS
 
 
 Stop = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_LENGTH)] | Annotated[
