@@ -271,14 +271,18 @@ def main(argv: list[str] | None = None) -> None:
                              "(EngineConfig.native_kernels=False)")
     parser.add_argument("--no-prepack", action="store_true",
                         help="plain F.linear GEMMs (EngineConfig.prepack_weights=False)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights, activations and KV cache (bfloat16: the fast dtype on "
+                             "CPUs with AMX)")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
 
     config = load_hf_config(args.model)
     extra = ({"prepack_weights": not args.no_prepack}
              if "prepack_weights" in inspect.signature(load_model).parameters else {})
-    model = load_model(args.model, config, torch.float32, torch.device("cpu"), 4096, **extra)
+    model = load_model(args.model, config, dtype, torch.device("cpu"), 4096, **extra)
     model.use_fused_ops(None if args.no_native else load_fused_ops())
     batches, num_blocks = make_batches(model, args.adapters, cascade=not args.no_cascade,
                                       kernel=None if args.no_native else load_paged_decode())
@@ -286,12 +290,14 @@ def main(argv: list[str] | None = None) -> None:
         batches = [b for b in batches if b.name in args.only.split(",")]
     s = model.shape
     gen = torch.Generator().manual_seed(1)
-    kv = [(torch.randn(num_blocks, BLOCK_SIZE, s.num_kv_heads, s.head_dim, generator=gen),
-           torch.randn(num_blocks, BLOCK_SIZE, s.num_kv_heads, s.head_dim, generator=gen))
+    kv = [(torch.randn(num_blocks, BLOCK_SIZE, s.num_kv_heads, s.head_dim, generator=gen,
+                       dtype=dtype),
+           torch.randn(num_blocks, BLOCK_SIZE, s.num_kv_heads, s.head_dim, generator=gen,
+                       dtype=dtype))
           for _ in range(s.num_layers)]
     if args.adapters:
         slots = LoraSlots(model.model.layers, s.lora_targets(), args.adapters, 8,
-                          torch.float32, torch.device("cpu"))
+                          dtype, torch.device("cpu"))
         for i in range(args.adapters):
             slots.load(i, random_adapter(model, i))
 

@@ -33,8 +33,10 @@ class EngineConfig:
     """Local Hugging Face model directory (config.json, *.safetensors, tokenizer files)."""
 
     dtype: DType = "auto"
-    """Weights and activations dtype; "auto" takes the checkpoint's torch_dtype on a GPU and
-    float32 on a CPU (CPU bf16 matmuls are slow on most x86 parts)."""
+    """Weights, activations, KV cache and LoRA slots dtype (sampling is always float32);
+    "auto" takes the checkpoint's torch_dtype on a GPU, and on a CPU bfloat16 where it has
+    AMX tile units (Intel Sapphire Rapids and later: 2-3x faster prefill than float32),
+    float32 elsewhere (bf16 matmuls without AMX are slower than fp32 ones)."""
 
     device: str = "auto"
     """"cpu", "cuda", "cuda:N" or "auto" (cuda when available)."""
@@ -151,11 +153,12 @@ class EngineConfig:
     """Cap (fraction of the KV blocks) of every pool not named in kv_pool_shares."""
 
     prepack_weights: bool = True
-    """On a CPU with float32 weights, reorder every projection's weight (and the LM head's)
-    once at load into oneDNN's blocked layout and run the GEMMs through oneDNN
-    (lora/cpu_gemm.py): 2-2.5x faster GEMMs than torch's default BLAS path on the AMD EPYC
-    hosts measured. A tied LM head gets a packed copy of its own (vocab x hidden floats more
-    memory). Ignored on a GPU and for other dtypes. Off: F.linear, the reference path."""
+    """On a CPU with float32 weights (or bfloat16 ones on a CPU with AMX), reorder every
+    projection's weight (and the LM head's) once at load into oneDNN's blocked layout and run
+    the GEMMs through oneDNN (lora/cpu_gemm.py): 2-2.5x faster fp32 GEMMs than torch's default
+    BLAS path on the AMD EPYC hosts measured, 1.1-2x faster bf16 ones on a Xeon with AMX. A
+    tied LM head gets a packed copy of its own (vocab x hidden more memory). Ignored on a GPU
+    and for other dtypes. Off: F.linear, the reference path."""
 
     native_kernels: bool = True
     """On a CPU, run decode attention with the compiled kernel of engine/cpu_kernels, which

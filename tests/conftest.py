@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from gateway.redis_store import RedisStore
 from gateway.sqlite_store import STATE_PATH_ENV, SqliteStore
@@ -25,6 +26,19 @@ os.environ[STATE_PATH_ENV] = ":memory:"
 # `loragate serve` without --model trains the demo adapters in the background: not in tests
 # (tests/test_demo_adapters_background.py runs that training on a tiny model).
 os.environ["LORAGATE_DEMO_ADAPTERS"] = "0"
+# dtype="auto" runs bfloat16 on a CPU with AMX (engine/models/loader.py): tests compare with
+# float32 references on every host, so engines they start (as children, which read this, or
+# in process, where cpu_auto_dtype is pinned below) run float32 unless a test asks for
+# another dtype; tests/test_auto_dtype.py covers the rule itself.
+os.environ["LORAGATE_DTYPE"] = "float32"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _float32_auto_dtype() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("engine.models.loader.cpu_auto_dtype", lambda: torch.float32)
+        yield
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

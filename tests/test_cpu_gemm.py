@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.llm_engine import LLMEngine
-from lora.cpu_gemm import linear, prepack, prepack_supported
+from lora.cpu_gemm import linear, native_bf16, prepack, prepack_supported
 from tests.parity import random_workload, run_workload
 
 pytestmark = pytest.mark.skipif(not prepack_supported(torch.zeros(1, 1)),
@@ -32,9 +32,24 @@ def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
     assert torch.equal(linear(x, weight, b), F.linear(x, weight, b))  # plain: F.linear
 
 
-def test_only_fp32_cpu_weights_are_packed() -> None:
-    assert not prepack_supported(torch.zeros(2, 2, dtype=torch.bfloat16))
+def test_float16_and_packed_weights_are_not_packed() -> None:
+    assert not prepack_supported(torch.zeros(2, 2, dtype=torch.float16))
     assert not prepack_supported(prepack(torch.zeros(2, 2)))
+
+
+def test_bfloat16_weights_are_packed_only_with_amx() -> None:
+    weight = torch.randn(96, 72).bfloat16()
+    assert prepack_supported(weight) == native_bf16()
+    if not native_bf16():
+        pytest.skip("this CPU has no AMX: bfloat16 weights stay plain")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 144, generator=gen).bfloat16()[:, ::2]
+    bias = torch.randn(96, generator=gen).bfloat16()
+    packed = prepack(weight)
+    assert packed.is_mkldnn and packed.dtype == torch.bfloat16
+    # One bf16 rounding of float32 sums accumulated in another order, at most.
+    torch.testing.assert_close(linear(x, packed, bias), F.linear(x, weight, bias),
+                               rtol=1e-2, atol=1e-2)
 
 
 def test_packed_engine_serves_what_the_plain_one_does(tiny_model_dir: Path) -> None:

@@ -39,6 +39,9 @@ CASES = [  # (dtype, heads, kv heads, head_dim, block size, sequences, window, s
     (torch.float32, 4, 1, 64, 32, 1, 50, 0.0),
     (torch.float32, 8, 4, 32, 4, 5, 9, 30.0),
     (torch.bfloat16, 9, 3, 64, 32, 10, 0, 0.0),
+    (torch.bfloat16, 8, 2, 128, 16, 3, 0, 0.0),
+    (torch.bfloat16, 8, 4, 32, 4, 5, 9, 30.0),
+    (torch.bfloat16, 6, 6, 48, 8, 40, 0, 0.0),
     (torch.float16, 8, 2, 64, 16, 6, 20, 0.0),
 ]
 

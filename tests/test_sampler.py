@@ -86,3 +86,13 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch() -> N
         return [sampler.sample(LOGITS.expand(len(ids), -1).clone(), ids, rows)[0][0]
                 for _ in range(50)]
     assert draws(0) == draws(7) == draws(31)
+
+
+def test_greedy_takes_the_first_of_tied_maxima() -> None:
+    logits = torch.full((3, 4096), -1.0)
+    logits[0, [9, 4000]] = 5.0           # a tie: the lower id, as argmax picks
+    logits[1, 4095] = 2.0                # the last column
+    logits[2, [10, 3000]] = float("inf")
+    rows = [RowState(SamplingParams(temperature=0.0), 0, [], i) for i in range(3)]
+    tokens, _ = Sampler(0, CPU).sample(logits, ["a", "b", "c"], rows)
+    assert tokens == [9, 4095, 10] == logits.argmax(dim=-1).tolist()

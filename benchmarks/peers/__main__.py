@@ -2,7 +2,7 @@
 
     python -m benchmarks.peers [--model DIR] [--venv PATH] [--quick] [--repeats N]
         [--parts agreement,mixed,rag,lora,serving] [--rates 0.25,0.5,1] [--profile-ops]
-        [--out FILE]
+        [--dtype float32|bfloat16] [--out FILE]
 
 Creates the vLLM venv first if it is missing (benchmarks.peers.setup_venv), writes the
 multi-LoRA adapters once under MODEL/peer-adapters, then runs the offline jobs and the
@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                            + ",".join(PARTS))
     p.add_argument("--rates", help="serving request rates, comma-separated req/s")
     p.add_argument("--threads", type=int, default=EngineSettings.threads)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=EngineSettings.dtype,
+                   help="both engines' dtype (bfloat16: vLLM's CPU default; loragate's "
+                        "\"auto\" on a CPU with AMX)")
     p.add_argument("--omp-wait-policy", choices=("active", "passive"), default="",
                    help="OMP_WAIT_POLICY for both engines (default: the runtime's; passive "
                         "on a host shared with other work, where spinning threads stall)")
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(args.model or default_model_dir())
     peer = PeerEnv(ensure_venv(args.venv.resolve()))
     eager = args.quick if args.vllm_eager is None else args.vllm_eager
-    settings = EngineSettings(threads=args.threads, vllm_eager=eager,
+    settings = EngineSettings(threads=args.threads, dtype=args.dtype, vllm_eager=eager,
                               omp_wait_policy=args.omp_wait_policy,
                               profile_ops=args.profile_ops)
     tokenizer = AutoTokenizer.from_pretrained(model)

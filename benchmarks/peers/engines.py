@@ -72,7 +72,7 @@ def runner_command(engine: EngineName, peer: PeerEnv, job: Path, result: Path) -
 def serve_command(engine: EngineName, peer: PeerEnv, model: str, settings: EngineSettings,
                   port: int) -> list[str]:
     """`loragate serve` or vLLM's OpenAI server on 127.0.0.1:port with the comparison settings."""
-    common = {"--dtype": "float32", "--block-size": str(settings.block_size),
+    common = {"--dtype": settings.dtype, "--block-size": str(settings.block_size),
               "--max-num-seqs": str(settings.max_num_seqs),
               "--max-num-batched-tokens": str(settings.max_num_batched_tokens),
               "--seed": str(settings.seed), "--port": str(port), "--host": "127.0.0.1"}

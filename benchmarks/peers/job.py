@@ -45,6 +45,11 @@ class EngineSettings:
     max_lora_rank: int = 8
     kv_cache_gib: int = 4
     seed: int = 0
+    dtype: str = "float32"
+    """Weights, activations and KV cache of both engines: float32 (greedy outputs agree
+    token for token) or bfloat16 (vLLM's CPU default for any checkpoint, and loragate's
+    "auto" on a CPU with AMX; outputs then differ after a few tokens between two engines'
+    orders of summation)."""
     omp_wait_policy: str = ""
     """OMP_WAIT_POLICY for both engines ("" = the OpenMP runtime's default, which spins).
     On a host busier than its cores, spinning threads wait on descheduled siblings: loragate
@@ -65,6 +70,8 @@ class EngineSettings:
         if self.omp_wait_policy.upper() not in ("", "ACTIVE", "PASSIVE"):
             raise ValueError(f"omp_wait_policy must be ACTIVE or PASSIVE, got "
                              f"{self.omp_wait_policy!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
 

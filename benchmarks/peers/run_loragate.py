@@ -44,7 +44,7 @@ def run(job: Job) -> dict[str, Any]:
     s = job.settings
     torch.set_num_threads(s.threads)
     start = time.perf_counter()
-    llm = LLM(job.model, dtype="float32", device="cpu", block_size=s.block_size,
+    llm = LLM(job.model, dtype=s.dtype, device="cpu", block_size=s.block_size,
               max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
               prefix_caching="on" if s.prefix_caching else "off",
               kv_cache_memory_bytes=s.kv_cache_gib << 30, max_loras=max(1, s.max_loras),

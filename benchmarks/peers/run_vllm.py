@@ -48,7 +48,8 @@ def main(job_path: str, result_path: str) -> None:
         lora_kwargs = {"enable_lora": True, "max_loras": settings["max_loras"],
                        "max_lora_rank": settings["max_lora_rank"],
                        "max_cpu_loras": max(settings["max_loras"], len(job["adapters"]))}
-    llm = LLM(model=job["model"], dtype="float32", block_size=settings["block_size"],
+    llm = LLM(model=job["model"], dtype=settings["dtype"],
+              block_size=settings["block_size"],
               max_num_seqs=settings["max_num_seqs"],
               max_num_batched_tokens=settings["max_num_batched_tokens"],
               enable_prefix_caching=settings["prefix_caching"], seed=settings["seed"],

@@ -15,8 +15,8 @@
 // Shapes and dtypes: x, residual, out [T, N] with contiguous rows (any row stride), weight
 // [N]; q [T, H, D] and k [T, Hkv, D] with contiguous head vectors (views into the fused QKV
 // output are fine), cos and sin [T, D] or [T, 1, D]; gate_up [T, 2I] -> [T, I]. float32,
-// bfloat16 or float16, all operands alike. Rows are spread over torch's threads. (Loops with
-// pragmas live in helpers: GCC takes no #pragma inside the dispatch macros' arguments.)
+// bfloat16 or float16, all operands alike (float32 and bfloat16 in vectors, float16 element
+// by element). Rows are spread over torch's threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,48 +47,124 @@ inline int64_t row_grain(int64_t row_elems) {
   return std::max<int64_t>(1, kElemsPerChunk / std::max<int64_t>(row_elems, 1));
 }
 
+// float32 and bfloat16 rows go a vector (kW elements) at a time, read and written as
+// storage_t (float, or bfloat16's raw bits widened and narrowed by vec_math.h); float16
+// goes element by element (torch's conversions).
 template <typename scalar_t>
-void norm_row(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t n, float eps) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += to_float(x[i]) * to_float(x[i]);
-  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const scalar_t normed = static_cast<scalar_t>(to_float(x[i]) * inv);
-    out[i] = static_cast<scalar_t>(to_float(w[i]) * to_float(normed));
+struct Storage {
+  using type = void;
+};
+template <>
+struct Storage<float> {
+  using type = float;
+};
+template <>
+struct Storage<c10::BFloat16> {
+  using type = uint16_t;
+};
+template <typename scalar_t>
+constexpr bool kVectorRows = !std::is_void_v<typename Storage<scalar_t>::type>;
+
+// x rounded to the storage dtype and back (the value an eager op would have stored).
+template <typename storage_t>
+inline Vec rounded(Vec x) {
+  if constexpr (std::is_same_v<storage_t, float>) {
+    return x;
+  } else {
+    return loragate_cpu::round_bf16(x);
+  }
+}
+
+// f(i0, m) for each vector of a row of n: i0 the first element, m (<= kW) how many.
+template <typename F>
+inline void each_vector(int64_t n, F f) {
+  for (int64_t i0 = 0; i0 < n; i0 += kW) f(i0, std::min<int64_t>(kW, n - i0));
+}
+
+template <typename T>
+inline Vec load_n(const T* p, int64_t m) {
+  return m == kW ? load_vec(p) : loragate_cpu::load_partial(p, m);
+}
+
+template <typename T>
+inline void store_n(T* p, Vec a, int64_t m) {
+  if (m == kW) {
+    store_vec(p, a);
+  } else {
+    loragate_cpu::store_partial(p, a, m);
+  }
+}
+
+template <typename scalar_t>
+void norm_row(const scalar_t* x_in, const scalar_t* w_in, scalar_t* out_in, int64_t n,
+              float eps) {
+  if constexpr (kVectorRows<scalar_t>) {
+    using storage_t = typename Storage<scalar_t>::type;
+    const auto* x = reinterpret_cast<const storage_t*>(x_in);
+    const auto* w = reinterpret_cast<const storage_t*>(w_in);
+    auto* out = reinterpret_cast<storage_t*>(out_in);
+    Vec squares = {};
+    each_vector(n, [&](int64_t i0, int64_t m) {
+      const Vec v = load_n(x + i0, m);
+      squares += v * v;
+    });
+    const float inv = 1.0f / std::sqrt(loragate_cpu::sum_of(squares) / static_cast<float>(n)
+                                       + eps);
+    each_vector(n, [&](int64_t i0, int64_t m) {
+      const Vec normed = rounded<storage_t>(load_n(x + i0, m) * inv);
+      store_n(out + i0, load_n(w + i0, m) * normed, m);
+    });
+  } else {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) sum += to_float(x_in[i]) * to_float(x_in[i]);
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t normed = static_cast<scalar_t>(to_float(x_in[i]) * inv);
+      out_in[i] = static_cast<scalar_t>(to_float(w_in[i]) * to_float(normed));
+    }
   }
 }
 
 template <typename scalar_t>
 void add_rows(const scalar_t* x, const scalar_t* residual, scalar_t* sum, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    sum[i] = static_cast<scalar_t>(to_float(x[i]) + to_float(residual[i]));
+  if constexpr (kVectorRows<scalar_t>) {
+    using storage_t = typename Storage<scalar_t>::type;
+    const auto* a = reinterpret_cast<const storage_t*>(x);
+    const auto* b = reinterpret_cast<const storage_t*>(residual);
+    auto* c = reinterpret_cast<storage_t*>(sum);
+    each_vector(n, [&](int64_t i0, int64_t m) {
+      store_n(c + i0, load_n(a + i0, m) + load_n(b + i0, m), m);
+    });
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      sum[i] = static_cast<scalar_t>(to_float(x[i]) + to_float(residual[i]));
+    }
   }
 }
 
-// A vector (kW elements) at a time through the vector exp; float rows load and store whole
-// vectors, the other dtypes (and a row's last partial vector) go element by element.
 template <typename scalar_t>
 void silu_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64_t n) {
-  for (int64_t i0 = 0; i0 < n; i0 += kW) {
-    const int64_t m = std::min<int64_t>(kW, n - i0);
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      if (m == kW) {
-        const Vec g = load_vec(gate + i0);
-        store_vec(out + i0, g / (1.0f + exp_vec(-g)) * load_vec(up + i0));
-        continue;
-      }
-    }
-    Vec g = {};
-    for (int64_t i = 0; i < m; ++i) g[i] = to_float(gate[i0 + i]);
-    const Vec act = g / (1.0f + exp_vec(-g));
-    for (int64_t i = 0; i < m; ++i) {
+  if constexpr (kVectorRows<scalar_t>) {
+    using storage_t = typename Storage<scalar_t>::type;
+    const auto* g = reinterpret_cast<const storage_t*>(gate);
+    const auto* u = reinterpret_cast<const storage_t*>(up);
+    auto* o = reinterpret_cast<storage_t*>(out);
+    each_vector(n, [&](int64_t i0, int64_t m) {
+      const Vec gv = load_n(g + i0, m);
       // silu rounded to the dtype before the product, as the eager ops round it.
-      const scalar_t a = static_cast<scalar_t>(act[i]);
-      out[i0 + i] = static_cast<scalar_t>(to_float(a) * to_float(up[i0 + i]));
-    }
+      const Vec act = rounded<storage_t>(gv / (1.0f + exp_vec(-gv)));
+      store_n(o + i0, act * load_n(u + i0, m), m);
+    });
+  } else {
+    each_vector(n, [&](int64_t i0, int64_t m) {
+      Vec g = {};
+      for (int64_t i = 0; i < m; ++i) g[i] = to_float(gate[i0 + i]);
+      const Vec act = g / (1.0f + exp_vec(-g));
+      for (int64_t i = 0; i < m; ++i) {
+        const scalar_t a = static_cast<scalar_t>(act[i]);
+        out[i0 + i] = static_cast<scalar_t>(to_float(a) * to_float(up[i0 + i]));
+      }
+    });
   }
 }
 
@@ -149,16 +225,32 @@ void rotate_heads(scalar_t* x, int64_t heads, int64_t head_stride, const scalar_
   const int64_t half = dim / 2;
   for (int64_t h = 0; h < heads; ++h) {
     scalar_t* v = x + h * head_stride;
-#pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = to_float(v[i]), b = to_float(v[i + half]);
-      // Each product rounded to the dtype, then the sum, as the eager ops do.
-      const float a_cos = to_float(static_cast<scalar_t>(a * to_float(cos[i])));
-      const float b_sin = to_float(static_cast<scalar_t>(-b * to_float(sin[i])));
-      const float b_cos = to_float(static_cast<scalar_t>(b * to_float(cos[i + half])));
-      const float a_sin = to_float(static_cast<scalar_t>(a * to_float(sin[i + half])));
-      v[i] = static_cast<scalar_t>(a_cos + b_sin);
-      v[i + half] = static_cast<scalar_t>(b_cos + a_sin);
+    if constexpr (kVectorRows<scalar_t>) {
+      using storage_t = typename Storage<scalar_t>::type;
+      auto* lo = reinterpret_cast<storage_t*>(v);
+      auto* hi = lo + half;
+      const auto* c = reinterpret_cast<const storage_t*>(cos);
+      const auto* s = reinterpret_cast<const storage_t*>(sin);
+      each_vector(half, [&](int64_t i0, int64_t m) {
+        const Vec a = load_n(lo + i0, m), b = load_n(hi + i0, m);
+        // Each product rounded to the dtype, then the sum, as the eager ops do.
+        const Vec a_cos = rounded<storage_t>(a * load_n(c + i0, m));
+        const Vec b_sin = rounded<storage_t>(-b * load_n(s + i0, m));
+        const Vec b_cos = rounded<storage_t>(b * load_n(c + half + i0, m));
+        const Vec a_sin = rounded<storage_t>(a * load_n(s + half + i0, m));
+        store_n(lo + i0, a_cos + b_sin, m);
+        store_n(hi + i0, b_cos + a_sin, m);
+      });
+    } else {
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = to_float(v[i]), b = to_float(v[i + half]);
+        const float a_cos = to_float(static_cast<scalar_t>(a * to_float(cos[i])));
+        const float b_sin = to_float(static_cast<scalar_t>(-b * to_float(sin[i])));
+        const float b_cos = to_float(static_cast<scalar_t>(b * to_float(cos[i + half])));
+        const float a_sin = to_float(static_cast<scalar_t>(a * to_float(sin[i + half])));
+        v[i] = static_cast<scalar_t>(a_cos + b_sin);
+        v[i + half] = static_cast<scalar_t>(b_cos + a_sin);
+      }
     }
   }
 }

@@ -36,6 +36,16 @@
 
 #include "vec_math.h"
 
+// With AVX512-BF16 (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4), a bfloat16
+// cache's scores are dot products of the raw bf16 query and key rows, 32 products summed
+// into 16 float lanes per instruction (exact products, float sums): no widening of either.
+#if defined(__AVX512BF16__) && LORAGATE_VEC_WIDTH == 16
+#include <immintrin.h>
+#define PAGED_DECODE_DOT_BF16 1
+#else
+#define PAGED_DECODE_DOT_BF16 0
+#endif
+
 namespace {
 
 template <typename T>
@@ -114,19 +124,32 @@ struct ItemState {
   }
 };
 
-// The float32 kernel for head_dim = kW * kChunks (kW: the target's vector width, vec_math.h),
-// same semantics and work items as decode_kernel below. Per cache block and query head:
+// The vector kernel for head_dim = kW * kChunks (kW: the target's vector width, vec_math.h)
+// over float32 or bfloat16 caches, same semantics and work items as decode_kernel below.
+// scalar_t is float or c10::BFloat16; the caches are read as storage_t (float or the raw
+// uint16_t bits, widened a vector at a time by vec_math.h). Per cache block and query head:
 // scores of kW positions at a time (transpose_sum), softmax over the block's scores as
 // vectors, then the weighted V rows summed into accumulators held in registers for the
 // whole block. Query heads sharing a kv head read its K/V rows back to back, so the second
 // and later reads hit L1.
-template <typename index_t, int kChunks>
-void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cache,
-                       const index_t* block_tables, const int64_t* context_lens, float* out,
+template <typename scalar_t, typename index_t, int kChunks>
+void decode_kernel_vec(const scalar_t* q, const scalar_t* k_cache_in,
+                       const scalar_t* v_cache_in, const index_t* block_tables,
+                       const int64_t* context_lens, scalar_t* out,
                        float* lse, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                        int64_t block_size, int64_t table_width, double scale, double softcap,
                        int64_t window) {
+  using storage_t = std::conditional_t<std::is_same_v<scalar_t, float>, float, uint16_t>;
+  const auto* k_cache = reinterpret_cast<const storage_t*>(k_cache_in);
+  const auto* v_cache = reinterpret_cast<const storage_t*>(v_cache_in);
   constexpr int64_t kDim = kW * kChunks;
+  // bfloat16 rows are read a pair of vectors at a time (vec_math.h's load_bf16_pairs): the
+  // queries and the accumulators are kept in that split order, put back at the end.
+  constexpr bool kPaired = std::is_same_v<storage_t, uint16_t>;
+  static_assert(!kPaired || kChunks % 2 == 0, "a bf16 head is a whole number of pairs");
+  // Two sets of kChunks accumulators fit the vector registers (32 with AVX-512, 16 else)
+  // beside the loads: up to head_dim 128 with AVX-512, 64 with AVX2.
+  constexpr bool kTwoRows = 2 * kChunks <= (kW >= 16 ? 16 : 8);
   const WorkItems work(num_seqs, num_kv_heads, context_lens);
   const int64_t kv_per_item = work.kv_per_item, items_per_seq = work.items_per_seq;
   const int64_t items = static_cast<int64_t>(work.order.size());
@@ -154,6 +177,9 @@ void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cach
       const int64_t len = context_lens[n];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       state.start(q, n * num_heads + h0, qscale);
+      if constexpr (kPaired) {
+        for (int64_t h = 0; h < heads; ++h) loragate_cpu::pair_split(qf.data() + h * kDim, kDim);
+      }
       for (int64_t b = lo / block_size; b * block_size < len; ++b) {
         const int64_t block = static_cast<int64_t>(block_tables[n * table_width + b]);
         const int64_t t0 = std::max<int64_t>(lo - b * block_size, 0);
@@ -161,29 +187,70 @@ void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cach
         const int64_t count = t1 - t0;
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t offset = (kv0 + h / group) * kDim;
-          const float* kb = k_cache + (block * block_size + t0) * row_stride + offset;
-          const float* vb = v_cache + (block * block_size + t0) * row_stride + offset;
+          const storage_t* kb = k_cache + (block * block_size + t0) * row_stride + offset;
+          const storage_t* vb = v_cache + (block * block_size + t0) * row_stride + offset;
           Vec qv[kChunks];
           for (int c = 0; c < kChunks; ++c) qv[c] = load_vec(qf.data() + h * kDim + kW * c);
+#if PAGED_DECODE_DOT_BF16
+          // The raw bf16 query, unscaled: the scale multiplies the summed scores instead.
+          __m512i qraw[kChunks / 2];
+          if constexpr (kPaired) {
+            const auto* qh = reinterpret_cast<const uint16_t*>(q) + (n * num_heads + h0 + h) * kDim;
+            for (int c = 0; c < kChunks; c += 2) qraw[c / 2] = _mm512_loadu_si512(qh + kW * c);
+          }
+#endif
           for (int64_t c0 = 0; c0 < count; c0 += kW) {
             const int64_t in_chunk = std::min<int64_t>(kW, count - c0);
             Vec partial[kW];
             for (int64_t t = 0; t < kW; ++t) {
               Vec s = {};
               if (t < in_chunk) {
-                const float* kr = kb + (c0 + t) * row_stride;
-                for (int c = 0; c < kChunks; ++c) s += qv[c] * load_vec(kr + kW * c);
+                const storage_t* kr = kb + (c0 + t) * row_stride;
+#if PAGED_DECODE_DOT_BF16
+                if constexpr (kPaired) {
+                  __m512 dot = _mm512_setzero_ps();
+                  for (int c = 0; c < kChunks; c += 2) {
+                    dot = _mm512_dpbf16_ps(dot, (__m512bh)qraw[c / 2],
+                                           (__m512bh)_mm512_loadu_si512(kr + kW * c));
+                  }
+                  s = (Vec)dot;
+                  partial[t] = s;
+                  continue;
+                }
+#endif
+                if constexpr (kPaired) {
+                  for (int c = 0; c < kChunks; c += 2) {
+                    Vec even, odd;
+                    loragate_cpu::load_bf16_pairs(kr + kW * c, even, odd);
+                    s += qv[c] * even + qv[c + 1] * odd;
+                  }
+                } else {
+                  for (int c = 0; c < kChunks; ++c) s += qv[c] * load_vec(kr + kW * c);
+                }
               }
               partial[t] = s;
             }
+#if PAGED_DECODE_DOT_BF16
+            if constexpr (kPaired) {
+              store_vec(scores.data() + c0, transpose_sum(partial) * qscale);
+              continue;
+            }
+#endif
             store_vec(scores.data() + c0, transpose_sum(partial));
           }
           float* sc = scores.data();
           if (fcap > 0.0f) {
             for (int64_t t = 0; t < count; ++t) sc[t] = fcap * std::tanh(sc[t] * fscale / fcap);
           }
-          float block_max = run_max[h];
-          for (int64_t t = 0; t < count; ++t) block_max = std::max(block_max, sc[t]);
+          // The block's largest score, a vector at a time (a scalar max is a chain of
+          // dependent instructions as long as the block).
+          Vec maxes = Vec{} + run_max[h];
+          for (int64_t c0 = 0; c0 < count; c0 += kW) {
+            Vec v = load_vec(sc + c0);
+            for (int64_t t = count - c0; t < kW; ++t) v[t] = kNegInf;  // past the block's end
+            maxes = loragate_cpu::lane_max(maxes, v);
+          }
+          const float block_max = loragate_cpu::max_of(maxes);
           const float rescale = run_max[h] == kNegInf ? 0.0f
                                                       : exp_scalar(run_max[h] - block_max);
           Vec sums = {};
@@ -196,15 +263,42 @@ void decode_kernel_f32(const float* q, const float* k_cache, const float* v_cach
           run_sum[h] = run_sum[h] * rescale + sum_of(sums);
           run_max[h] = block_max;
           float* ah = acc.data() + h * kDim;
-          Vec a[kChunks];
-          for (int c = 0; c < kChunks; ++c) a[c] = load_vec(ah + kW * c) * rescale;
-          for (int64_t t = 0; t < count; ++t) {
-            const float* vr = vb + t * row_stride;
-            const Vec p = Vec{} + sc[t];
-            for (int c = 0; c < kChunks; ++c) a[c] += p * load_vec(vr + kW * c);
+          // Weighted V rows summed into accumulators held in registers; with registers to
+          // spare, two rows at a time into two sets, so that each accumulator's chain of
+          // dependent FMAs is half as long.
+          Vec a[kChunks], a2[kChunks];
+          for (int c = 0; c < kChunks; ++c) {
+            a[c] = load_vec(ah + kW * c) * rescale;
+            a2[c] = Vec{};
           }
+          auto add_row = [&](Vec (&into)[kChunks], int64_t t) {
+            const storage_t* vr = vb + t * row_stride;
+            const Vec p = Vec{} + sc[t];
+            if constexpr (kPaired) {
+              for (int c = 0; c < kChunks; c += 2) {
+                Vec even, odd;
+                loragate_cpu::load_bf16_pairs(vr + kW * c, even, odd);
+                into[c] += p * even;
+                into[c + 1] += p * odd;
+              }
+            } else {
+              for (int c = 0; c < kChunks; ++c) into[c] += p * load_vec(vr + kW * c);
+            }
+          };
+          int64_t t = 0;
+          if constexpr (kTwoRows) {
+            for (; t + 1 < count; t += 2) {
+              add_row(a, t);
+              add_row(a2, t + 1);
+            }
+          }
+          for (; t < count; ++t) add_row(a, t);
+          for (int c = 0; c < kChunks; ++c) a[c] += a2[c];
           for (int c = 0; c < kChunks; ++c) store_vec(ah + kW * c, a[c]);
         }
+      }
+      if constexpr (kPaired) {
+        for (int64_t h = 0; h < heads; ++h) loragate_cpu::pair_join(acc.data() + h * kDim, kDim);
       }
       state.finish(out, lse, n * num_heads + h0);
     }
@@ -332,15 +426,17 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto run = [&](auto* table_ptr) {
       using index_t = std::remove_const_t<std::remove_pointer_t<decltype(table_ptr)>>;
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        auto fast = head_dim == 32    ? &decode_kernel_f32<index_t, 32 / kW>
-                    : head_dim == 64  ? &decode_kernel_f32<index_t, 64 / kW>
-                    : head_dim == 128 ? &decode_kernel_f32<index_t, 128 / kW>
+      if constexpr (std::is_same_v<scalar_t, float> ||
+                    std::is_same_v<scalar_t, c10::BFloat16>) {
+        auto fast = head_dim == 32    ? &decode_kernel_vec<scalar_t, index_t, 32 / kW>
+                    : head_dim == 64  ? &decode_kernel_vec<scalar_t, index_t, 64 / kW>
+                    : head_dim == 128 ? &decode_kernel_vec<scalar_t, index_t, 128 / kW>
                                       : nullptr;
         if (fast != nullptr) {
-          fast(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-               table_ptr, lens_ptr, out.data_ptr<float>(), lse.data_ptr<float>(), num_seqs,
-               num_heads, num_kv_heads, block_size, width, scale, softcap, window);
+          fast(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+               v_cache.data_ptr<scalar_t>(), table_ptr, lens_ptr, out.data_ptr<scalar_t>(),
+               lse.data_ptr<float>(), num_seqs, num_heads, num_kv_heads, block_size, width,
+               scale, softcap, window);
           return;
         }
       }

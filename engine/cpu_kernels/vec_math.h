@@ -31,6 +31,91 @@ inline Vec load_vec(const float* p) {
 
 inline void store_vec(float* p, Vec a) { std::memcpy(p, &a, sizeof(Vec)); }
 
+// bfloat16 (the top half of a float's bits), passed as raw uint16_t: kW of them widen to a
+// Vec exactly (zero low bits), and a Vec narrows with round-to-nearest-even as torch's
+// conversion rounds (NaN stays a quiet NaN). One vector load and a shift or an add and a
+// shift per kW values, where converting element by element through c10::BFloat16 left the
+// loops scalar.
+using Bf16Vec = uint16_t __attribute__((vector_size(2 * kVecWidth)));
+using VecUints = uint32_t __attribute__((vector_size(4 * kVecWidth)));
+
+inline Vec widen_bf16(Bf16Vec h) {
+  return reinterpret_cast<Vec>(__builtin_convertvector(h, VecUints) << 16);
+}
+
+inline Vec load_vec(const uint16_t* p) {
+  Bf16Vec h;
+  std::memcpy(&h, p, sizeof(Bf16Vec));
+  return widen_bf16(h);
+}
+
+inline Bf16Vec narrow_bf16(Vec a) {
+  const VecUints bits = reinterpret_cast<VecUints>(a);
+  const VecUints rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const VecUints nan = VecUints{} + 0x7FC0u;
+  return __builtin_convertvector(a != a ? nan : rounded, Bf16Vec);
+}
+
+inline void store_vec(uint16_t* p, Vec a) {
+  const Bf16Vec h = narrow_bf16(a);
+  std::memcpy(p, &h, sizeof(Bf16Vec));
+}
+
+// 2 * kW bfloat16 values read as kW 32-bit words: the even-indexed values (each word's low
+// half, shifted up) and the odd-indexed ones (its high half, low bits cleared). Unlike
+// widening kW values in order, this needs no lane shuffle, whose single port the
+// kernels' transposes and reductions already keep busy; a dot product or a weighted sum
+// of rows does not care about the order of its lanes, as long as the other operand is
+// split alike (pair_split) and the result put back (pair_join).
+inline void load_bf16_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+  VecUints words;
+  std::memcpy(&words, p, sizeof(VecUints));
+  even = reinterpret_cast<Vec>(words << 16);
+  odd = reinterpret_cast<Vec>(words & 0xFFFF0000u);
+}
+
+// x [n] (n a multiple of 2 * kW) reordered in place as load_bf16_pairs splits a row: per
+// 2 * kW values, the kW even-indexed ones, then the kW odd-indexed ones; pair_join undoes it.
+inline void pair_split(float* x, int64_t n) {
+  float tmp[2 * kVecWidth];
+  for (int64_t base = 0; base < n; base += 2 * kVecWidth) {
+    for (int i = 0; i < kVecWidth; ++i) {
+      tmp[i] = x[base + 2 * i];
+      tmp[kVecWidth + i] = x[base + 2 * i + 1];
+    }
+    std::memcpy(x + base, tmp, sizeof(tmp));
+  }
+}
+
+inline void pair_join(float* x, int64_t n) {
+  float tmp[2 * kVecWidth];
+  for (int64_t base = 0; base < n; base += 2 * kVecWidth) {
+    for (int i = 0; i < kVecWidth; ++i) {
+      tmp[2 * i] = x[base + i];
+      tmp[2 * i + 1] = x[base + kVecWidth + i];
+    }
+    std::memcpy(x + base, tmp, sizeof(tmp));
+  }
+}
+
+// a rounded to bfloat16 and back: the value an eager bf16 op would have stored.
+inline Vec round_bf16(Vec a) { return widen_bf16(narrow_bf16(a)); }
+
+// The first n (< kW) lanes of p, the rest 0; and the first n lanes of a into p.
+template <typename T>
+inline Vec load_partial(const T* p, int64_t n) {
+  T tmp[kVecWidth] = {};
+  std::memcpy(tmp, p, sizeof(T) * n);
+  return load_vec(tmp);
+}
+
+template <typename T>
+inline void store_partial(T* p, Vec a, int64_t n) {
+  T tmp[kVecWidth];
+  store_vec(tmp, a);
+  std::memcpy(p, tmp, sizeof(T) * n);
+}
+
 // Lane i: a[i] < b[i] ? x[i] : y[i]; the lane-wise max and min.
 inline Vec where_less(Vec a, Vec b, Vec x, Vec y) { return a < b ? x : y; }
 

