@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -87,6 +88,10 @@ class LLMEngine:
                            prepack_weights=config.prepack_weights,
                            dummy_seed=config.seed if config.load_format == "dummy" else None)
         self.runner = ModelRunner(config, model, self.device, self.dtype, self.eos_token_ids)
+        auto = " (dtype auto)" if config.dtype == "auto" else ""
+        log.info("%s in %s on %s%s, %d KV blocks of %d tokens", Path(config.model).name,
+                 str(self.dtype).removeprefix("torch."), self.device, auto,
+                 self.runner.num_blocks, config.block_size)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, self.runner.num_swap_blocks,
             prefix_caching=config.prefix_caching,
