@@ -323,10 +323,18 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out, lse = _FLASH_CPU(qf, kf, vf, 0.0, True, scale=scale)
         parts_out.append(out[0].transpose(0, 1))
         parts_lse.append(lse[0].transpose(0, 1))
-    # Rows of whole chunks get no partial result (0 / 0 in the merge): overwritten below.
-    result = (_merge(torch.cat(parts_out), torch.cat(parts_lse), plan.merge_rows,
-                     plan.num_rows, q.dtype) if parts_out
-              else q.new_empty(plan.num_rows, num_heads, head_dim))
+    if not plan.nodes and not plan.fresh:
+        # Nothing shared and no chunk in pieces: every decode row has its one partial result
+        # (its whole context), which is its output; no merge.
+        result = q.new_empty(plan.num_rows, num_heads, head_dim)
+        for batch, out in zip(plan.private, parts_out, strict=True):
+            result.index_copy_(0, batch.rows, out.to(q.dtype))
+    elif parts_out:
+        # Rows of whole chunks get no partial result (0 / 0 in the merge): overwritten below.
+        result = _merge(torch.cat(parts_out), torch.cat(parts_lse), plan.merge_rows,
+                        plan.num_rows, q.dtype)
+    else:
+        result = q.new_empty(plan.num_rows, num_heads, head_dim)
     for first, num in plan.whole:
         rows = slice(first, first + num)
         # 4-D inputs: torch's CPU SDPA takes its fused kernel only for those.

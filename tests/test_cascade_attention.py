@@ -131,3 +131,38 @@ def test_the_merge_weighs_each_rows_partials_by_their_log_sum_exp() -> None:
         weight = torch.softmax(lses[mine].double(), dim=0)  # [k, H]
         expected = (weight[..., None] * outs[mine].double()).sum(0)
         torch.testing.assert_close(merged[row].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("private_tails", ["torch", "compiled"])
+def test_decodes_that_share_nothing_skip_the_merge(dtype: torch.dtype, private_tails: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes over blocks of their own beside first chunks (a step without prefix hits):
+    each decode row's one partial result is its output, put in place without a merge."""
+    kernel = compiled_decode_kernel() if private_tails == "compiled" else None
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    free = list(range(60))
+    rng.shuffle(free)
+    decodes = []
+    for length in (1, 4, 5, 17, 30):
+        table = [free.pop() for _ in range(-(-length // BLOCK))]
+        decodes.append((table, length))
+    prefills = [([free.pop() for _ in range(3)], 0, 9), ([free.pop()], 0, 2)]
+    q, k, v, caches = (t.to(dtype) for t in random_step_tensors(
+        decodes, prefills, 8, 2, 16, BLOCK, 60))
+    ref_meta = build_attention_metadata(decodes, prefills, BLOCK, None, CPU)
+    cas_meta = build_attention_metadata(decodes, prefills, BLOCK, None, CPU, cascade=True,
+                                        kernel=kernel)
+    plan = cas_meta.cascade
+    assert plan is not None and not plan.nodes and not plan.fresh and len(plan.whole) == 2
+
+    def no_merge(*args: object) -> torch.Tensor:
+        raise AssertionError("merged partials of rows that have one each")
+
+    monkeypatch.setattr(cascade_attention, "_merge", no_merge)
+    ref_caches, cas_caches = caches.clone(), caches.clone()
+    ref = paged_attention(q, k, v, ref_caches[0], ref_caches[1], ref_meta, 0.25)
+    out = paged_attention(q, k, v, cas_caches[0], cas_caches[1], cas_meta, 0.25)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
