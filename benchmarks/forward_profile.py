@@ -3,11 +3,14 @@
     python -m benchmarks.forward_profile [--model DIR] [--threads 2] [--repeats 20]
                                          [--adapters 0] [--only decode,prefill]
                                          [--no-prepack] [--no-cascade] [--no-native]
+                                         [--dtype float32|bfloat16]
                                          [--no-profile]
                                          [--json PATH]
 
 Times LlamaForFlatBatch.forward + compute_logits of the sampled rows (what the runner's
-forward_seconds covers) on fixed batches, each over its own paged KV (block 32, fp32):
+forward_seconds covers) on fixed batches, each over its own paged KV (block 32; fp32, or
+bf16 with --dtype bfloat16; attention on the engine's paths: the compiled decode kernel,
+and in fp32 the compiled span kernel for cascade attention):
 
     decode       32 sequences x 1 token, contexts 284..315 (about 300), no shared blocks
     rag-decode   32 sequences x 1 token over 8 shared 992-token documents (groups of 11..1)
@@ -54,7 +57,15 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import engine.models.llama as llama_mod
 import lora.layers as layers_mod
 from engine.attention import build_step_metadata
-from engine.cpu_kernels import FusedOps, PagedDecodeOp, load_fused_ops, load_paged_decode
+from engine.cascade_spans import SPAN_HEAD_DIMS
+from engine.cpu_kernels import (
+    FusedOps,
+    PagedDecodeOp,
+    SpanAttentionOp,
+    load_fused_ops,
+    load_paged_decode,
+    load_span_attention,
+)
 from engine.default_model import default_model_dir
 from engine.models.gemma import GemmaRMSNorm
 from engine.models.llama import LlamaForFlatBatch, RMSNorm
@@ -95,8 +106,8 @@ class Result:
 
 
 def make_batches(model: LlamaForFlatBatch, adapters: int,
-                 cascade: bool = True, kernel: PagedDecodeOp | None = None
-                 ) -> tuple[list[Batch], int]:
+                 cascade: bool = True, kernel: PagedDecodeOp | None = None,
+                 span_kernel: SpanAttentionOp | None = None) -> tuple[list[Batch], int]:
     """The three batches, each on its own blocks; returns them and the blocks they need."""
     windows = tuple(dict.fromkeys(model.shape.layer_windows))
     gen = torch.Generator().manual_seed(0)
@@ -118,7 +129,7 @@ def make_batches(model: LlamaForFlatBatch, adapters: int,
         "decode", torch.randint(vocab, (32,), generator=gen),
         torch.tensor([c - 1 for c in ctxs]),
         build_step_metadata(decodes, [], BLOCK_SIZE, windows, torch.device("cpu"), cascade=cascade,
-                            buffers=buffers, kernel=kernel),
+                            buffers=buffers, kernel=kernel, span_kernel=span_kernel),
         torch.arange(32), build_lora_metadata(slots, "cpu") if adapters else None, 32))
     # RAG decodes: 32 sequences over 8 shared 992-token documents (Zipf-like group sizes),
     # each with a private tail of 40-70 tokens (question + answer so far).
@@ -132,7 +143,7 @@ def make_batches(model: LlamaForFlatBatch, adapters: int,
         "rag-decode", torch.randint(vocab, (32,), generator=gen),
         torch.tensor([c - 1 for _, c in rag]),
         build_step_metadata(rag, [], BLOCK_SIZE, windows, torch.device("cpu"), cascade=cascade,
-                            buffers=buffers, kernel=kernel),
+                            buffers=buffers, kernel=kernel, span_kernel=span_kernel),
         torch.arange(32), build_lora_metadata(slots, "cpu") if adapters else None, 32))
     for name, start in (("prefill", 0), ("prefill-ctx", 512)):
         bt = blocks(start + 512)
@@ -141,7 +152,7 @@ def make_batches(model: LlamaForFlatBatch, adapters: int,
             torch.arange(start, start + 512),
             build_step_metadata([], [(bt, start, 512)], BLOCK_SIZE, windows,
                                 torch.device("cpu"), cascade=cascade, buffers=buffers,
-                                kernel=kernel),
+                                kernel=kernel, span_kernel=span_kernel),
             torch.tensor([511]), build_lora_metadata([0] * 512, "cpu") if adapters else None,
             512))
     return batches, next_block
@@ -284,8 +295,13 @@ def main(argv: list[str] | None = None) -> None:
              if "prepack_weights" in inspect.signature(load_model).parameters else {})
     model = load_model(args.model, config, dtype, torch.device("cpu"), 4096, **extra)
     model.use_fused_ops(None if args.no_native else load_fused_ops())
+    native = not args.no_native
+    # As the engine's runner: the span kernel for float32 caches of the sizes it is built for.
+    span = (load_span_attention() if native and not args.no_cascade and dtype == torch.float32
+            and model.shape.head_dim in SPAN_HEAD_DIMS else None)
     batches, num_blocks = make_batches(model, args.adapters, cascade=not args.no_cascade,
-                                      kernel=None if args.no_native else load_paged_decode())
+                                      kernel=load_paged_decode() if native else None,
+                                      span_kernel=span)
     if args.only:
         batches = [b for b in batches if b.name in args.only.split(",")]
     s = model.shape
