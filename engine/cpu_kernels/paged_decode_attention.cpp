@@ -185,6 +185,20 @@ void decode_kernel_vec(const scalar_t* q, const scalar_t* k_cache_in,
         const int64_t t0 = std::max<int64_t>(lo - b * block_size, 0);
         const int64_t t1 = std::min<int64_t>(len - b * block_size, block_size);
         const int64_t count = t1 - t0;
+        if ((b + 1) * block_size < len) {
+          // The next block lies anywhere in the cache, which is read once per step from
+          // memory: ask for its K/V rows of this item now, while this block computes (the
+          // hardware prefetchers see no pattern across blocks).
+          const int64_t next_block = static_cast<int64_t>(block_tables[n * table_width + b + 1]);
+          const int64_t span = kv_per_item * kDim * static_cast<int64_t>(sizeof(storage_t));
+          for (int64_t t = 0; t < block_size; ++t) {
+            const int64_t row = (next_block * block_size + t) * row_stride + kv0 * kDim;
+            for (int64_t byte = 0; byte < span; byte += 64) {
+              __builtin_prefetch(reinterpret_cast<const char*>(k_cache + row) + byte);
+              __builtin_prefetch(reinterpret_cast<const char*>(v_cache + row) + byte);
+            }
+          }
+        }
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t offset = (kv0 + h / group) * kDim;
           const storage_t* kb = k_cache + (block * block_size + t0) * row_stride + offset;
