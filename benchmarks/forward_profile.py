@@ -57,7 +57,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import engine.models.llama as llama_mod
 import lora.layers as layers_mod
 from engine.attention import build_step_metadata
-from engine.cascade_spans import SPAN_HEAD_DIMS
+from engine.cascade_spans import span_kernel_fits
 from engine.cpu_kernels import (
     FusedOps,
     PagedDecodeOp,
@@ -296,9 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(args.model, config, dtype, torch.device("cpu"), 4096, **extra)
     model.use_fused_ops(None if args.no_native else load_fused_ops())
     native = not args.no_native
-    # As the engine's runner: the span kernel for float32 caches of the sizes it is built for.
-    span = (load_span_attention() if native and not args.no_cascade and dtype == torch.float32
-            and model.shape.head_dim in SPAN_HEAD_DIMS else None)
+    span = (load_span_attention() if native and not args.no_cascade
+            and span_kernel_fits(dtype, model.shape.head_dim) else None)
     batches, num_blocks = make_batches(model, args.adapters, cascade=not args.no_cascade,
                                       kernel=load_paged_decode() if native else None,
                                       span_kernel=span)

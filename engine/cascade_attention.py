@@ -328,7 +328,7 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # (its whole context), which is its output; no merge.
         result = q.new_empty(plan.num_rows, num_heads, head_dim)
         for batch, out in zip(plan.private, parts_out, strict=True):
-            result.index_copy_(0, batch.rows, out.to(q.dtype))
+            result.index_copy_(0, batch.rows, out)
     elif parts_out:
         # Rows of whole chunks get no partial result (0 / 0 in the merge): overwritten below.
         result = _merge(torch.cat(parts_out), torch.cat(parts_lse), plan.merge_rows,

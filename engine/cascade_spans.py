@@ -32,6 +32,12 @@ SPAN_HEAD_DIMS = (32, 64, 128, 256)
 """Head sizes the kernel is compiled for (float32 only)."""
 
 
+def span_kernel_fits(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the span kernel can run cascade attention for caches of this dtype and head
+    size (the engine's runner and the forward benchmark ask alike)."""
+    return dtype == torch.float32 and head_dim in SPAN_HEAD_DIMS
+
+
 @dataclass(frozen=True)
 class SpanPlan:
     """A step's inputs of the span kernel (shapes and semantics in span_attention.cpp)."""

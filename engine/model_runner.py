@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import build_step_metadata
-from engine.cascade_spans import SPAN_HEAD_DIMS
+from engine.cascade_spans import span_kernel_fits
 from engine.config import EngineConfig
 from engine.cpu_kernels import load_fused_ops, load_paged_decode, load_span_attention
 from engine.decode_graphs import DecodeGraphs
@@ -67,8 +67,7 @@ class ModelRunner:
         self.decode_kernel = load_paged_decode() if native and not triton else None
         # Cascade attention's nodes and chunks in one compiled call per layer (float32 only).
         self.span_kernel = (load_span_attention() if native and not triton
-                            and dtype == torch.float32
-                            and model.shape.head_dim in SPAN_HEAD_DIMS else None)
+                            and span_kernel_fits(dtype, model.shape.head_dim) else None)
         model.use_fused_ops(load_fused_ops() if native else None)
         per_block = kv_bytes_per_block(model, config.block_size, dtype)
         self.num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block

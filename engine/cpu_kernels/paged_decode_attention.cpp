@@ -177,7 +177,7 @@ void decode_kernel_vec(const scalar_t* q, const scalar_t* k_cache_in,
       const int64_t len = context_lens[n];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       state.start(q, n * num_heads + h0, qscale);
-      if constexpr (kPaired) {
+      if constexpr (kPaired && !PAGED_DECODE_DOT_BF16) {  // the dot products read q raw
         for (int64_t h = 0; h < heads; ++h) loragate_cpu::pair_split(qf.data() + h * kDim, kDim);
       }
       for (int64_t b = lo / block_size; b * block_size < len; ++b) {
@@ -227,8 +227,7 @@ void decode_kernel_vec(const scalar_t* q, const scalar_t* k_cache_in,
                     dot = _mm512_dpbf16_ps(dot, (__m512bh)qraw[c / 2],
                                            (__m512bh)_mm512_loadu_si512(kr + kW * c));
                   }
-                  s = (Vec)dot;
-                  partial[t] = s;
+                  partial[t] = (Vec)dot;
                   continue;
                 }
 #endif
