@@ -74,6 +74,7 @@ def test_loragate_runner_writes_the_result_contract(tiny_model_dir: Path,
                Phase("mixed", tuple(prompts))), {"a0": str(tiny_adapters["a0"])})
     result = run(job)
     assert result["engine"] == "loragate" and set(result["phases"]) == {"mixed"}
+    assert result["dtype"] == "float32"  # EngineSettings.dtype
     phase = result["phases"]["mixed"]
     assert [len(ids) for ids in phase["output_token_ids"]] == [5, 3]
     assert phase["prompt_tokens"] == 32 and phase["output_tokens"] == 8

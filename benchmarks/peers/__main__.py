@@ -2,7 +2,7 @@
 
     python -m benchmarks.peers [--model DIR] [--venv PATH] [--quick] [--repeats N]
         [--parts agreement,mixed,rag,lora,serving] [--rates 0.25,0.5,1] [--profile-ops]
-        [--dtype float32|bfloat16] [--out FILE]
+        [--dtype float32|bfloat16|auto] [--out FILE]
 
 Creates the vLLM venv first if it is missing (benchmarks.peers.setup_venv), writes the
 multi-LoRA adapters once under MODEL/peer-adapters, then runs the offline jobs and the
@@ -60,9 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                            + ",".join(PARTS))
     p.add_argument("--rates", help="serving request rates, comma-separated req/s")
     p.add_argument("--threads", type=int, default=EngineSettings.threads)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=EngineSettings.dtype,
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"),
+                   default=EngineSettings.dtype,
                    help="both engines' dtype (bfloat16: vLLM's CPU default; loragate's "
-                        "\"auto\" on a CPU with AMX)")
+                        "\"auto\" on a CPU with AMX; auto: each engine's own default)")
     p.add_argument("--omp-wait-policy", choices=("active", "passive"), default="",
                    help="OMP_WAIT_POLICY for both engines (default: the runtime's; passive "
                         "on a host shared with other work, where spinning threads stall)")
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                                             for e, rs in runs.results.items()}
         report.setdefault("versions", {}).update(
             {e: rs[0]["version"] for e, rs in runs.results.items()})
+        report.setdefault("dtypes", {}).update(
+            {e: rs[0]["dtype"] for e, rs in runs.results.items()})
         for part in planned.parts:
             ours, theirs = runs.results["loragate"], runs.results["vllm"]
             agreement[part] = compare_outputs(ours[0]["phases"][part]["output_token_ids"],

@@ -9,7 +9,8 @@ A runner builds one engine from ``settings``, runs the phases in order through i
 offline API (all of a phase's requests in one generate call, greedy, ignore_eos, exactly
 ``output_len`` tokens each) and writes::
 
-    {"engine": "loragate" | "vllm", "version": str, "startup_s": float,
+    {"engine": "loragate" | "vllm", "version": str, "dtype": str (the one it runs in),
+     "startup_s": float,
      "phases": {name: {"seconds": float, "cpu_seconds": float, "prompt_tokens": int,
                        "output_tokens": int, "output_token_ids": [[int, ...], ...],
                        "ops": {op name: self seconds} (with settings.profile_ops)}}}
@@ -49,7 +50,9 @@ class EngineSettings:
     """Weights, activations and KV cache of both engines: float32 (greedy outputs agree
     token for token) or bfloat16 (vLLM's CPU default for any checkpoint, and loragate's
     "auto" on a CPU with AMX; outputs then differ after a few tokens between two engines'
-    orders of summation)."""
+    orders of summation) or auto (each engine picks its own, as a user starting it with its
+    defaults gets: vLLM bfloat16 on any x86 CPU, loragate bfloat16 only where AMX makes it
+    the faster dtype)."""
     omp_wait_policy: str = ""
     """OMP_WAIT_POLICY for both engines ("" = the OpenMP runtime's default, which spins).
     On a host busier than its cores, spinning threads wait on descheduled siblings: loragate
@@ -70,8 +73,8 @@ class EngineSettings:
         if self.omp_wait_policy.upper() not in ("", "ACTIVE", "PASSIVE"):
             raise ValueError(f"omp_wait_policy must be ACTIVE or PASSIVE, got "
                              f"{self.omp_wait_policy!r}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError(f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
 

@@ -60,6 +60,7 @@ def run_alternating(peer: PeerEnv, job: Job, repeats: int, workdir: Path, tag: s
             runs.process_s[engine].append(wall)
             timed = ", ".join(f"{name} {p['seconds']:.1f} s"
                               for name, p in result["phases"].items())
-            print(f"[{tag}] {engine}: startup {result['startup_s']:.0f} s, {timed} "
+            print(f"[{tag}] {engine} ({result['dtype']}): startup {result['startup_s']:.0f} s, "
+                  f"{timed} "
                   f"(process {wall:.0f} s)", flush=True)
     return runs

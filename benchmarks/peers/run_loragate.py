@@ -53,6 +53,7 @@ def run(job: Job) -> dict[str, Any]:
     for name, path in job.adapters.items():
         llm.load_lora(name, path)
     result: dict[str, Any] = {"engine": "loragate", "version": version("loragate"),
+                              "dtype": str(llm.engine.dtype).removeprefix("torch."),
                               "startup_s": time.perf_counter() - start, "phases": {}}
     for phase in job.phases:
         params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)

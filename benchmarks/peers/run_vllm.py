@@ -56,7 +56,8 @@ def main(job_path: str, result_path: str) -> None:
               enforce_eager=settings["vllm_eager"], **lora_kwargs)
     startup = time.perf_counter() - t0
     lora_ids = {name: i + 1 for i, name in enumerate(sorted(job["adapters"]))}
-    result: dict[str, Any] = {"engine": "vllm", "version": vllm.__version__,
+    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    result: dict[str, Any] = {"engine": "vllm", "version": vllm.__version__, "dtype": dtype,
                               "startup_s": startup, "phases": {}}
     for phase in job["phases"]:
         requests = phase["requests"]
