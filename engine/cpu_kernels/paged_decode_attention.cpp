@@ -55,6 +55,7 @@ using loragate_cpu::exp_scalar;
 using loragate_cpu::exp_vec;
 using loragate_cpu::load_vec;
 using loragate_cpu::store_vec;
+using loragate_cpu::splat;
 using loragate_cpu::sum_of;
 using loragate_cpu::transpose_sum;
 using loragate_cpu::Vec;
@@ -257,7 +258,7 @@ void decode_kernel_vec(const scalar_t* q, const scalar_t* k_cache_in,
           }
           // The block's largest score, a vector at a time (a scalar max is a chain of
           // dependent instructions as long as the block).
-          Vec maxes = Vec{} + run_max[h];
+          Vec maxes = splat(run_max[h]);
           for (int64_t c0 = 0; c0 < count; c0 += kW) {
             Vec v = load_vec(sc + c0);
             for (int64_t t = count - c0; t < kW; ++t) v[t] = kNegInf;  // past the block's end
@@ -286,7 +287,7 @@ void decode_kernel_vec(const scalar_t* q, const scalar_t* k_cache_in,
           }
           auto add_row = [&](Vec (&into)[kChunks], int64_t t) {
             const storage_t* vr = vb + t * row_stride;
-            const Vec p = Vec{} + sc[t];
+            const Vec p = splat(sc[t]);
             if constexpr (kPaired) {
               for (int c = 0; c < kChunks; c += 2) {
                 Vec even, odd;

@@ -56,6 +56,7 @@ using loragate_cpu::exp_vec;
 using loragate_cpu::lane_max;
 using loragate_cpu::load_vec;
 using loragate_cpu::max_of;
+using loragate_cpu::splat;
 using loragate_cpu::store_vec;
 using loragate_cpu::sum_of;
 using loragate_cpu::transpose_tile;
@@ -122,7 +123,7 @@ inline void score_tile(const float* q, const float* kt, float* s) {
     const Vec k0 = load_vec(kt + d * kKeys), k1 = load_vec(kt + d * kKeys + kW);
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
-      const Vec a = Vec{} + q[i * kDim + d];
+      const Vec a = splat(q[i * kDim + d]);
       lo[i] += a * k0;
       hi[i] += a * k1;
     }
@@ -142,21 +143,22 @@ inline void score_rows(int m, const float* q, const float* kt, float* s) {
   score_tile<M, kChunks>(q, kt, s);
 }
 
-// acc[i] += sum_t p[i][t] * v[t] over count keys, for M query vectors (acc rows of D).
-template <int M, int kChunks>
+// acc[i][0:kC * kW] += sum_t p[i][t] * v[t][0:kC * kW] over count keys, for M query
+// vectors (acc rows kDim floats apart, p rows kKeys): one column slice of the output.
+template <int M, int kC, int kDim>
 inline void value_tile(const float* p, const float* v, int64_t v_stride, int64_t count,
                        float* acc) {
-  constexpr int kDim = kW * kChunks;
-  Vec a[M][kChunks];
+  Vec a[M][kC];
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i)
-    for (int c = 0; c < kChunks; ++c) a[i][c] = load_vec(acc + i * kDim + kW * c);
+    for (int c = 0; c < kC; ++c) a[i][c] = load_vec(acc + i * kDim + kW * c);
   for (int64_t t = 0; t < count; ++t) {
     const float* vr = v + t * v_stride;
     Vec w[M];
 #pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) w[i] = Vec{} + p[i * kKeys + t];
-    for (int c = 0; c < kChunks; ++c) {
+    for (int i = 0; i < M; ++i) w[i] = splat(p[i * kKeys + t]);
+#pragma GCC unroll 8
+    for (int c = 0; c < kC; ++c) {
       const Vec vv = load_vec(vr + kW * c);
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i) a[i][c] += w[i] * vv;
@@ -164,20 +166,29 @@ inline void value_tile(const float* p, const float* v, int64_t v_stride, int64_t
   }
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i)
-    for (int c = 0; c < kChunks; ++c) store_vec(acc + i * kDim + kW * c, a[i][c]);
+    for (int c = 0; c < kC; ++c) store_vec(acc + i * kDim + kW * c, a[i][c]);
 }
+
+// The output columns a value tile covers at once: at most 4 vectors, so that each V vector
+// loaded feeds several query vectors' accumulators (value_block: 3 with AVX2, 4 with
+// AVX-512). With all of a 64-float head in one pass, AVX2's 12 accumulators held one query
+// vector: a load per FMA, and the value sums ran at load speed.
+constexpr int value_chunks(int chunks) { return chunks < 4 ? chunks : 4; }
 
 constexpr int value_block(int chunks) {
-  return kOutVecs / chunks > 0 ? kOutVecs / chunks : 1;
+  return kOutVecs / value_chunks(chunks) > 0 ? kOutVecs / value_chunks(chunks) : 1;
 }
 
+// value_tile over all of D, column slice by column slice, for m <= value_block query vectors.
 template <int kChunks, int M = value_block(kChunks)>
 inline void value_rows(int m, const float* p, const float* v, int64_t v_stride, int64_t count,
                        float* acc) {
   if constexpr (M > 1) {
     if (m < M) return value_rows<kChunks, M - 1>(m, p, v, v_stride, count, acc);
   }
-  value_tile<M, kChunks>(p, v, v_stride, count, acc);
+  constexpr int kC = value_chunks(kChunks);
+  for (int c0 = 0; c0 < kChunks; c0 += kC)
+    value_tile<M, kC, kW * kChunks>(p, v + kW * c0, v_stride, count, acc + kW * c0);
 }
 
 // Per-thread space for one unit.
@@ -241,7 +252,7 @@ void run_unit(const Unit& unit, const Item& item, const Source& src, const float
         std::memset(sv, 0, kKeys * sizeof(float));
         continue;
       }
-      const Vec lim = Vec{} + static_cast<float>(limit), none = Vec{} + kNegInf;
+      const Vec lim = splat(static_cast<float>(limit)), none = splat(kNegInf);
       const Vec s0 = load_vec(sv), s1 = load_vec(sv + kW);
       const Vec m0 = where_less(iota, lim, s0, none);
       const Vec m1 = where_less(iota + static_cast<float>(kW), lim, s1, none);

@@ -31,6 +31,11 @@ inline Vec load_vec(const float* p) {
 
 inline void store_vec(float* p, Vec a) { std::memcpy(p, &a, sizeof(Vec)); }
 
+// x in every lane. Not Vec{} + x: adding 0.0f is not a no-op (it turns -0.0f into +0.0f),
+// so the compiler keeps that add, a scalar add and a register broadcast in the innermost
+// loops where a broadcast load would do; x - 0.0f is x for every x, and folds away.
+inline Vec splat(float x) { return x - Vec{}; }
+
 // bfloat16 (the top half of a float's bits), passed as raw uint16_t: kW of them widen to a
 // Vec exactly (zero low bits), and a Vec narrows with round-to-nearest-even as torch's
 // conversion rounds (NaN stays a quiet NaN). One vector load and a shift or an add and a
@@ -233,6 +238,6 @@ inline float sum_of(Vec x) {
 }
 
 // exp of one float, by exp_vec (for the few scalars outside vector loops).
-inline float exp_scalar(float x) { return exp_vec(Vec{} + x)[0]; }
+inline float exp_scalar(float x) { return exp_vec(splat(x))[0]; }
 
 }  // namespace loragate_cpu
