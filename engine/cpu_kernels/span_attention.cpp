@@ -175,9 +175,7 @@ inline void value_tile(const float* p, const float* v, int64_t v_stride, int64_t
 // vector: a load per FMA, and the value sums ran at load speed.
 constexpr int value_chunks(int chunks) { return chunks < 4 ? chunks : 4; }
 
-constexpr int value_block(int chunks) {
-  return kOutVecs / value_chunks(chunks) > 0 ? kOutVecs / value_chunks(chunks) : 1;
-}
+constexpr int value_block(int chunks) { return kOutVecs / value_chunks(chunks); }  // >= 3
 
 // value_tile over all of D, column slice by column slice, for m <= value_block query vectors.
 template <int kChunks, int M = value_block(kChunks)>
