@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from engine.adapter_roots import AdapterPathRefused, AdapterRoots
 from engine.config import EngineConfig
 from engine.engine_thread import EngineDeadError, EngineInternalError, EngineThread, OutputStream
+from engine.invalid_field import field_of
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats
 from engine.protocol import (
@@ -90,12 +91,12 @@ class AsyncEngine:
         if self.draining:
             raise EngineUnavailable("engine is draining", code="draining")
         try:
-            admitted = self._make(list(request.prompt_token_ids), request.params,
-                                  request.request_id, request.priority, request.adapter,
-                                  request.cache_salt)
+            admitted = await self._make_off_loop(
+                list(request.prompt_token_ids), request.params, request.request_id,
+                request.priority, request.adapter, request.cache_salt)
             stream = await self._admit(admitted)
         except ValueError as exc:
-            raise EngineRejected(str(exc), None, 400) from None
+            raise EngineRejected(str(exc), None, 400, param=field_of(exc)) from None
         chunks = self._chunks(admitted.request_id, stream, request.deadline)
         return ChunkStream(chunks, lambda: self._drop(admitted.request_id))
 
@@ -185,8 +186,8 @@ class AsyncEngine:
         Bad input raises ValueError before the request enters the scheduler. Closing the
         iterator early (client gone, task cancelled) aborts the request.
         """
-        request = self._make(prompt, params or SamplingParams(), request_id, priority, lora,
-                             cache_salt)
+        request = await self._make_off_loop(prompt, params or SamplingParams(), request_id,
+                                            priority, lora, cache_salt)
         stream = await self._admit(request)
         async with contextlib.aclosing(self._outputs(request.request_id, stream)) as outputs:
             async for out in outputs:
@@ -241,6 +242,17 @@ class AsyncEngine:
         return self.engine.requests.make_request(request_id or self.new_request_id(), prompt,
                                                  params, priority, cache_salt=cache_salt,
                                                  lora=lora)
+
+    async def _make_off_loop(self, prompt: str | list[int], params: SamplingParams,
+                             request_id: str | None, priority: int, lora: str | None,
+                             cache_salt: str | None) -> Request:
+        """_make, on a worker thread when there is a grammar to compile or text to tokenize:
+        both can take long (xgrammar and the fast tokenizers release the GIL meanwhile), and
+        on the event loop they would stall every other request of this process."""
+        if params.structured is None and not isinstance(prompt, str):
+            return self._make(prompt, params, request_id, priority, lora, cache_salt)
+        return await asyncio.to_thread(self._make, prompt, params, request_id, priority, lora,
+                                       cache_salt)
 
     async def _admit(self, request: Request) -> OutputStream:
         """Register the request's output queue and add it on the engine thread; ValueError
@@ -299,7 +311,8 @@ class AsyncEngine:
                     yield StreamChunk(
                         request_id, out.delta_token_ids, out.delta_text, *usage,
                         (out.finish_reason or "stop") if out.finished else None, logprobs,
-                        None if out.error is None else EngineError(out.error),
+                        None if out.error is None else EngineError(
+                            out.error, out.error_code or "engine_error"),
                         out.prompt_logprobs, out.num_cached_tokens)
         except EngineInternalError as exc:
             yield StreamChunk.failed(request_id, EngineError(str(exc)), *usage)

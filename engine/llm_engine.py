@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 STEP_FAILED_MESSAGE = "the engine could not run this request (internal error)"
+NO_TOKEN_MESSAGE = ("no token is allowed to come next: the request's allowed_token_ids, "
+                    "bad_words, logit_bias, min_tokens and structured output exclude every "
+                    "token of the vocabulary here")
 """What the request whose step failed is told; details go to the engine's log only."""
 
 
@@ -204,12 +207,13 @@ class LLMEngine:
                 outputs.append(self._fail(request.request_id, error))
         return outputs
 
-    def _fail(self, request_id: str, error: str) -> RequestOutput:
-        """End one request with an error (its final output carries it)."""
+    def _fail(self, request_id: str, error: str, code: str | None = None) -> RequestOutput:
+        """End one request with an error (its final output carries it, and its code when
+        the request itself is at fault)."""
         self.scheduler.finish(request_id, "error")
         self.runner.release([request_id])
         out = self._output(self._tracked[request_id], finished_here=True)
-        out.error = error
+        out.error, out.error_code = error, code
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -251,6 +255,7 @@ class LLMEngine:
         now = time.monotonic()
         outputs = failed + [self._on_new_token(self._tracked[r.request_id], result.logprobs,
                                                now) for r in updated]
+        outputs += [self._fail(r, NO_TOKEN_MESSAGE, "invalid_request") for r in result.no_token]
         t3 = time.perf_counter()
         prefill_tokens = sum(c.num_tokens for c in sched.chunks if not c.sample or
                              c.num_tokens > 1)

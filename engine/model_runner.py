@@ -20,7 +20,7 @@ from engine.logits_processors import PenaltyCounts, RowState, adjust_logits
 from engine.models.llama import LlamaForFlatBatch
 from engine.paged_decode import CopyBuffers
 from engine.prompt_logprobs import PromptLogprob, plan_prompt_rows, score_prompt_rows
-from engine.sampler import Sampler
+from engine.sampler import NO_TOKEN, Sampler
 from engine.scheduler_output import SchedulerOutput
 from engine.structured_output import GrammarMatchers
 from engine.triton_attention import default_block_m, resolve_attention_backend
@@ -33,6 +33,8 @@ class RunnerOutput:
     """Tokens sampled this step, keyed by request id, and where the time went."""
 
     sampled: dict[str, int] = field(default_factory=dict)
+    no_token: list[str] = field(default_factory=list)
+    """Requests due a token whose constraints allowed none (nothing sampled for them)."""
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
     """Per request asking for them: (first prompt position scored, one entry per position)."""
@@ -190,6 +192,11 @@ class ModelRunner:
             logits, ids, rows,
             lambda raw: self.grammars.mask(
                 adjust_logits(raw, rows, self.stop_token_ids, self.penalty_counts), raw, ids))
+        if NO_TOKEN in tokens:
+            kept = [i for i, token in enumerate(tokens) if token != NO_TOKEN]
+            out.no_token = [r for r, token in zip(ids, tokens, strict=True) if token == NO_TOKEN]
+            ids, rows = [ids[i] for i in kept], [rows[i] for i in kept]
+            tokens, logprobs = [tokens[i] for i in kept], [logprobs[i] for i in kept]
         self._count_penalized(rows, tokens)
         self.grammars.accept(ids, tokens)
         for request_id, token, lp in zip(ids, tokens, logprobs, strict=True):

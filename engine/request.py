@@ -132,5 +132,8 @@ class RequestOutput:
     """Set once, on the first output after the prompt was scored (when asked for)."""
     timing: RequestTiming | None = None
     error: str | None = None
+    error_code: str | None = None
+    """The error's code (engine/protocol.py ERROR_STATUS) when it is the request's own fault
+    ("invalid_request": a 400); None: the engine's (a 500)."""
     num_cached_tokens: int = 0
     """Prompt tokens read from the prefix cache at its first admission."""

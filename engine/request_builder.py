@@ -15,6 +15,7 @@ from pathlib import Path
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
+from engine.invalid_field import InvalidField
 from engine.kv_cache import KVCacheManager
 from engine.models.shape import ModelShape
 from engine.request import Request, RequestTiming
@@ -64,17 +65,17 @@ class RequestBuilder:
         vocab = self.model_shape.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+            raise InvalidField("prompt", f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         if params.top_k > vocab:
-            raise ValueError(f"top_k must be at most the vocabulary size ({vocab}), got "
-                             f"{params.top_k}")
+            raise InvalidField("top_k", f"top_k must be at most the vocabulary size ({vocab}), "
+                                        f"got {params.top_k}")
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
                           ("allowed_token_ids", params.allowed_token_ids),
                           ("stop_token_ids", params.stop_token_ids)):
             outside = [t for t in ids if t >= vocab]
             if outside:
-                raise ValueError(f"{name} holds token ids out of range [0, {vocab}): "
-                                 f"{outside[:5]}")
+                raise InvalidField(name, f"{name} holds token ids out of range [0, {vocab}): "
+                                         f"{outside[:5]}")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

@@ -9,6 +9,10 @@ import torch
 from engine.logits_processors import RowState
 from engine.sampling_params import SamplingParams
 
+NO_TOKEN = -1
+"""The token of a row whose adjusted logits allow none (every token -inf: allowed_token_ids,
+bad_words, logit_bias, min_tokens and a grammar can together exclude all): the request
+cannot go on, and the engine ends it with an error instead of emitting a forbidden token."""
 TOP_CANDIDATES = 1024
 """Top-k / top-p rows first look at this many most likely tokens (torch.topk, ~8x cheaper
 than sorting a 49k vocabulary); a top-p row whose nucleus reaches past them (a very flat
@@ -47,16 +51,18 @@ class Sampler:
         adjust: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: [N, V] float32, one row per request; adjust: the logit adjustments
-        (engine/logits_processors.py), applied before choosing. Returns token ids and, per
-        row, {token: logprob} for the chosen token plus the top-k alternatives of the raw
-        logits (None if not asked)."""
+        (engine/logits_processors.py), applied before choosing. Returns token ids (NO_TOKEN
+        for a row that allows none) and, per row, {token: logprob} for the chosen token plus
+        the top-k alternatives of the raw logits (None if not asked or NO_TOKEN)."""
         params = [r.params for r in rows]
         raw = logits
         if adjust is not None:
             logits = adjust(raw)
         # max's indices are argmax's (the first of tied maxima, NaN wins), in a third of the
         # time on a CPU: torch's CPU argmax over [32, 49152] float32 took 1.2 ms a step.
-        tokens = logits.max(dim=-1).indices
+        best = logits.max(dim=-1)
+        tokens = best.indices
+        blocked = (best.values == float("-inf")).nonzero().flatten().tolist()
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
@@ -65,6 +71,8 @@ class Sampler:
                 [params[i] for i in random_rows],
             )
         token_list = tokens.tolist()
+        for i in blocked:
+            token_list[i] = NO_TOKEN
         return token_list, self._logprobs(raw, token_list, params)
 
     def _sample_random(
@@ -110,7 +118,8 @@ class Sampler:
     def _logprobs(
         logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]
     ) -> list[dict[int, float] | None]:
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        wanted = [i for i, p in enumerate(params)
+                  if p.logprobs is not None and tokens[i] != NO_TOKEN]
         result: list[dict[int, float] | None] = [None] * len(params)
         if not wanted:
             return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.invalid_field import InvalidField
 from engine.structured_output import StructuredOutput
 
 MAX_SEED = 2**64
@@ -18,6 +19,11 @@ GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily (dividing logits by them overflows)."""
 MAX_TOKEN_LISTS = 4096
 """Most entries of logit_bias, allowed_token_ids or bad words (each bounds per-step work)."""
+
+MIN_REPETITION_PENALTY = 0.01
+"""Smallest repetition_penalty (1 disables it): a seen token's positive logit is divided by
+it, and a tiny one overflows float32 (1e-300 made every logit infinite: NaN probabilities,
+gibberish). vLLM takes any value > 0."""
 
 
 def _is_int(value: object) -> bool:
@@ -130,14 +136,12 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be integers in [0, {MAX_INT_FIELD}], got "
                              f"{self.stop_token_ids!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got "
-                             f"{self.min_tokens!r}")
+            raise InvalidField("min_tokens", f"min_tokens must be an integer in [0, max_tokens "
+                               f"({self.max_tokens})], got {self.min_tokens!r}")
         _number_in("min_p", self.min_p, 0.0, 1.0)
         _number_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _number_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _number_in("repetition_penalty", self.repetition_penalty, 0.0, 2.0)
-        if self.repetition_penalty == 0:
-            raise ValueError("repetition_penalty must be > 0 (1 disables it)")
+        _number_in("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, 2.0)
         for name, values in (("logit_bias", self.logit_bias),
                              ("allowed_token_ids", self.allowed_token_ids),
                              ("bad_words", self.bad_words),

@@ -385,9 +385,10 @@ class Scheduler:
                 continue
             request.num_computed_tokens += chunk.num_tokens
             self.kv.cache_full_blocks(request)
-            if not chunk.sample:
+            token = sampled.get(chunk.request_id) if chunk.sample else None
+            if token is None:  # no token due, or none allowed (the engine ends that request)
                 continue
-            request.append_token(sampled[chunk.request_id])
+            request.append_token(token)
             updated.append(request)
             reason = request.check_token_stop()
             if reason is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -60,6 +61,11 @@ class StructuredOutput:
                 not self.choices or len(self.choices) > MAX_CHOICES
                 or any(not isinstance(c, str) or not c for c in self.choices)):
             raise ValueError(f"a choice needs 1 to {MAX_CHOICES} non-empty strings")
+        if self.kind == "choice" and len(_choice_grammar(self.choices)) > MAX_SPEC_CHARS:
+            # The grammar compiled is the spec: its cost grows faster than its size (about
+            # 0.4 s at this bound on one core, 46 s at 360 KB), like any other spec's.
+            raise ValueError(f"the choices, as a grammar, must take at most {MAX_SPEC_CHARS} "
+                             f"characters")
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "spec": self.spec, "choices": list(self.choices),
@@ -104,8 +110,22 @@ class GrammarCompiler:
         except json.JSONDecodeError as exc:
             raise ValueError(f"the JSON schema is not valid JSON: {exc.msg}") from None
         except (RuntimeError, ValueError) as exc:  # xgrammar reports bad specs so
-            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "invalid"
-            raise ValueError(f"invalid {spec.kind} for structured output: {first}") from None
+            raise ValueError(f"invalid {spec.kind} for structured output: "
+                             f"{library_reason(str(exc))}") from None
+
+
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+"""xgrammar's messages start like its log lines: time, its source file and line, and for a
+failed internal check the condition, none of which tells the caller anything."""
+
+
+def library_reason(message: str) -> str:
+    """The first line of xgrammar's message without its log prefix, at most 300 characters
+    ("Regex parsing error at position 4: The parenthesis is not closed.")."""
+    lines = message.strip().splitlines()
+    reason = _LOG_PREFIX.sub("", lines[0]).strip() if lines else ""
+    return reason[:300] or "invalid"
+
 
 
 class GrammarMatchers:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, StrictBool, ValidationError, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from engine.http.errors import ApiError
@@ -47,12 +47,12 @@ class TokenizeRequest(StrictRequest):
     model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)]
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
-    add_special_tokens: bool | None = None
+    add_special_tokens: StrictBool | None = None
     """Only the endpoint's own behaviour: True for a prompt, False for messages."""
-    return_token_strs: bool = False
+    return_token_strs: StrictBool = False
     # With messages, as a chat request takes them (gateway/openai_chat_protocol.py):
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerBase
 
 from engine.http.errors import ApiError
+from engine.invalid_field import field_of
 from engine.protocol import ChunkStream, GenerateRequest
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
@@ -210,7 +211,7 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
             structured=req.constraint,
             **body.sampling_args(gateway.sampling_defaults()))
     except ValueError as exc:  # the edge bounds every field; this is the engine's own check
-        raise ApiError(400, str(exc)) from None
+        raise ApiError(400, str(exc), param=field_of(exc)) from None
     request = GenerateRequest(
         new_request_id(), prompt_ids, params, adapter,
         gateway.cache_salt(req.principal, body.cache_salt),

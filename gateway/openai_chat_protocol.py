@@ -12,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictStr,
     ValidationInfo,
     field_validator,
@@ -24,6 +25,7 @@ from gateway.openai_fields import Unsupported
 from gateway.openai_protocol import (
     MAX_CONTENT_PARTS,
     RESERVED_TEMPLATE_KWARGS,
+    Int,
     MaxTokens,
     SamplingFields,
 )
@@ -70,7 +72,7 @@ class FunctionDefinition(BaseModel):
     name: ToolName
     description: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ToolDefinition(BaseModel):
@@ -141,17 +143,17 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    add_generation_prompt: bool = True
+    logprobs: StrictBool = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: StrictBool = True
     """End the rendered prompt with the assistant's turn opened (vLLM's default)."""
-    continue_final_message: bool = False
+    continue_final_message: StrictBool = False
     """Render the last (assistant) message open-ended, so the model continues it."""
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
     """Extra variables for the model's chat template (e.g. enable_thinking)."""
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     """False: at most one call per answer (enforced when tool_choice is required)."""
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.CHAT
 

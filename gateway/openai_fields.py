@@ -14,9 +14,11 @@ API returned, with all its fields.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from functools import cache
+from typing import Annotated, Any, ClassVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidatorFunctionWrapHandler, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
@@ -136,7 +138,37 @@ class StrictRequest(BaseModel):
         # Before the fields: a refused field is the one error, whatever else is wrong.
         known = {*cls.model_fields, *(f.alias for f in cls.model_fields.values() if f.alias)}
         check_unsupported(data, cls.UNSUPPORTED, known, cls.__name__)
-        return handler(data)
+        return handler(_nulls_as_unset(data, _defaulted_non_nullable(cls)))
+
+
+def _nulls_as_unset(data: Any, names: frozenset[str]) -> Any:
+    """``data`` without the keys in ``names`` whose value is null. OpenAI's schemas mark
+    most optional fields nullable (``"stream": null``, ``"n": null`` mean the default), and
+    clients that write out every field send them so."""
+    if not isinstance(data, dict) or not any(data.get(n, 0) is None for n in names):
+        return data
+    return {k: v for k, v in data.items() if not (v is None and k in names)}
+
+
+@cache
+def _defaulted_non_nullable(model: type[BaseModel]) -> frozenset[str]:
+    """Names (and aliases) of ``model``'s fields that have a default but do not take None:
+    for them null can only mean "the default". A field that takes None keeps its null, which
+    may differ from its default (completions' max_tokens: null is "up to the context")."""
+    names: set[str] = set()
+    for name, field in model.model_fields.items():
+        if not field.is_required() and not _takes_none(field.annotation):
+            names.update((name, field.alias) if field.alias else (name,))
+    return frozenset(names)
+
+
+def _takes_none(annotation: Any) -> bool:
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _takes_none(get_args(annotation)[0])
+    if origin is Union or origin is types.UnionType:
+        return any(_takes_none(arg) for arg in get_args(annotation))
+    return annotation is None or annotation is type(None) or annotation is Any
 
 
 def check_unsupported(data: Any, table: Mapping[str, Unsupported], known: Collection[str],

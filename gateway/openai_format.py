@@ -28,6 +28,12 @@ LOGPROB_FLOOR = -9999.0
 bare -Infinity or NaN is not JSON, and strict parsers refuse the whole response."""
 
 
+def _finish(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
+    """A chat choice's finish_reason: "tool_calls" when it ended by itself with calls; an
+    output cut at max_tokens stays "length", whatever calls it completed before the cut."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
 def finite_logprob(value: float) -> float:
     """`value` as JSON can carry it: non-finite values become LOGPROB_FLOOR, a logprob
     never exceeds 0, and nothing goes below the floor."""
@@ -272,8 +278,7 @@ class ResponseFormatter:
                     message["tool_calls"] = calls
                 body: dict[str, Any] = {"index": index, "message": message,
                                         "logprobs": logprobs,
-                                        "finish_reason": "tool_calls" if calls else
-                                        choice.finish_reason}
+                                        "finish_reason": _finish(choice.finish_reason, calls)}
             else:
                 body = {"index": index, "text": text, "logprobs": logprobs,
                         "finish_reason": choice.finish_reason}
@@ -295,10 +300,12 @@ class ResponseFormatter:
         return kept
 
     def _calls(self, choice: _Choice, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool_calls) of a finished chat choice; calls only from an output that
-        ended by itself (one cut at max_tokens is content)."""
-        if self.tools is None or choice.finish_reason != "stop":
+        """(content, tool_calls) of a finished chat choice; from an output cut at max_tokens
+        only the calls a forced array completed (ToolPlan.parse_cut)."""
+        if self.tools is None or choice.finish_reason not in ("stop", "length"):
             return text, []
+        if choice.finish_reason == "length":
+            return self.tools.parse_cut(text)
         return self.tools.parse(text)
 
     def _content_delta(self, choice: _Choice, finished: bool
@@ -354,11 +361,14 @@ class ResponseFormatter:
             calls: list[dict[str, Any]] = []
             if self.tools is not None:
                 text, calls = self._content_delta(choice, finish is not None)
+                if (not first and not text and not calls and finish is None
+                        and logprobs is None and not (self.return_token_ids and new_ids)):
+                    return []  # all of it is held back (a call may be starting)
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
                 {"content": text}
             if calls:
                 delta["tool_calls"] = calls
-                finish = "tool_calls"
+                finish = _finish(finish, calls)
             body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": finish}
             kind = "chat.completion.chunk"

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API (pydantic: only at this edge).
 
 Every field is bounded here, before any work: numbers to ranges the engine's types hold
-(token ids and max_tokens below 2**31, seeds in [0, 2**64)), floats finite (Python's JSON
+(token ids and max_tokens below 2**31, seeds in [-2**63, 2**64)), floats finite (Python's JSON
 parser accepts NaN and Infinity), text valid Unicode (a lone surrogate cannot be encoded,
 and would fail the request later as a 500), lists short. A refusal is a 400 whose param
 names the field, with one short error per field however large the value (a huge list of bad
@@ -33,6 +33,8 @@ from pydantic import (
 )
 
 from engine.generation_defaults import SamplingDefaults
+from engine.invalid_field import InvalidField
+from engine.sampling_params import MIN_REPETITION_PENALTY
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
 from gateway.openai_fields import StrictRequest, Unsupported
@@ -64,23 +66,29 @@ MAX_TOKEN_LIST = 4096
 """Most entries of logit_bias, allowed_token_ids, bad_words, stop_token_ids."""
 
 
-def _not_bool(value: Any) -> Any:
-    if isinstance(value, bool):  # True == 1 in Python, not in the API
-        raise ValueError("must be an integer, not a boolean")
+def _a_number(value: Any) -> Any:
+    # pydantic's lax mode reads True as 1 (True == 1 in Python) and "4" as 4: not in the API.
+    if isinstance(value, bool | str):
+        kind = "boolean" if isinstance(value, bool) else "string"
+        raise ValueError(f"must be a number, not a {kind}")
     return value
 
 
-SampleCount = Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=MAX_SAMPLES)]
-TokenId = Annotated[int, Field(ge=0, lt=INT32_LIMIT)]
-MaxTokens = Annotated[int, Field(ge=1, lt=INT32_LIMIT)]
+Int = Annotated[int, BeforeValidator(_a_number)]
+"""An integer field: a JSON number (2.0 reads as 2), never a boolean or a string."""
+Float = Annotated[float, BeforeValidator(_a_number)]
+"""A float field: a JSON number, never a boolean or a string."""
+SampleCount = Annotated[Int, Field(ge=1, le=MAX_SAMPLES)]
+TokenId = Annotated[Int, Field(ge=0, lt=INT32_LIMIT)]
+MaxTokens = Annotated[Int, Field(ge=1, lt=INT32_LIMIT)]
 
 
 StreamUsage = Literal["none", "last_chunk", "every_chunk"]
 
 
 class StreamOptions(StrictRequest):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
     """vLLM's: with include_usage, every chunk carries the usage so far (not null)."""
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.STREAM_OPTIONS
 
@@ -95,13 +103,15 @@ class SamplingFields(StrictRequest):
 
     model_config = ConfigDict(allow_inf_nan=False)
     model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)]
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1, lt=INT32_LIMIT,
+    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: Int | None = Field(default=None, ge=-1, lt=INT32_LIMIT,
                               description="-1 or 0: no top-k (vLLM's and ours)")
-    seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
+    seed: Int | None = Field(default=None, ge=-2**63, lt=SEED_LIMIT)
+    """Any 64-bit integer, signed or not, as OpenAI and vLLM take it; the engine draws with
+    its value modulo 2**64."""
     stop: Stop | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: SampleCount = 1
     """Choices per prompt, sampled independently (index = prompt's place * n + j)."""
@@ -109,31 +119,31 @@ class SamplingFields(StrictRequest):
     """The end user's id, for telling abuse apart: logged on the access line (user=)."""
     safety_identifier: Annotated[Text, Field(max_length=256)] | None = None
     """OpenAI's newer name for ``user``."""
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
-    priority: int = Field(default=0, ge=-1000, le=1000)
-    return_token_ids: bool = False
+    priority: Int = Field(default=0, ge=-1000, le=1000)
+    return_token_ids: StrictBool = False
     """vLLM's: the prompt's and the generated token ids beside the text."""
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: StrictBool = False
     """vLLM's: logprob tokens as "token_id:<id>" (for tokens that are not valid text)."""
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+    presence_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: Annotated[dict[str, Annotated[Float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_TOKEN_LIST)] | None = None
     """OpenAI's map of token id (a decimal string) to a bias added to its logit."""
     # vLLM's sampling extras
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    min_tokens: int = Field(default=0, ge=0, lt=INT32_LIMIT)
+    repetition_penalty: Float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=2.0)
+    min_p: Float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: Int = Field(default=0, ge=0, lt=INT32_LIMIT)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_LIST)] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_LIST)] | None = None
     bad_words: Annotated[list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LENGTH)]],
                          Field(max_length=MAX_TOKEN_LIST)] | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1, lt=INT32_LIMIT)
+    truncate_prompt_tokens: Int | None = Field(default=None, ge=1, lt=INT32_LIMIT)
     """Keep only the prompt's last this many tokens (after the chat template, if any)."""
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: Int | None = Field(default=None, ge=0, le=20)
     """vLLM's: each prompt token's logprob and the k most likely tokens at its position
     (completions: on each choice; chat: on the response). Not with stream, as in vLLM."""
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
@@ -183,7 +193,8 @@ class SamplingFields(StrictRequest):
     @classmethod
     def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.isdigit() or int(key) >= INT32_LIMIT:
+            # isdigit() alone takes other scripts' digits ("١", "²"), which int() reads or not
+            if not (key.isascii() and key.isdigit()) or int(key) >= INT32_LIMIT:
                 raise ValueError(f"logit_bias keys must be token ids, got {key[:32]!r}")
         return value
 
@@ -224,23 +235,25 @@ class SamplingFields(StrictRequest):
         return self
 
     def _constraints(self) -> list[tuple[str, StructuredOutput | None]]:
-        """Each structured-output field and the constraint it asks for (None: none)."""
+        """Each structured-output field and the constraint it asks for (None: none); a
+        constraint that cannot be is an InvalidField naming its field."""
         fmt, so = self.response_format, self.structured_outputs
         from_format = None
         if fmt is not None and fmt.type == "json_object":
             from_format = StructuredOutput("json_object")
         elif fmt is not None and fmt.json_schema is not None:
-            from_format = StructuredOutput("json", schema_text(fmt.json_schema.schema_))
+            from_format = _spec("response_format", "json", schema_text(fmt.json_schema.schema_))
         from_vllm = None
         if so is not None:
             compact = so.disable_any_whitespace
-            options = [StructuredOutput("json", schema_text(so.json_),
-                                        any_whitespace=not compact)
+            options = [_spec("structured_outputs", "json", schema_text(so.json_),
+                             any_whitespace=not compact)
                        if so.json_ is not None else None,
-                       StructuredOutput("regex", so.regex) if so.regex is not None else None,
-                       StructuredOutput("choice", choices=tuple(so.choice))
+                       _spec("structured_outputs", "regex", so.regex)
+                       if so.regex is not None else None,
+                       _spec("structured_outputs", "choice", choices=tuple(so.choice))
                        if so.choice is not None else None,
-                       StructuredOutput("grammar", so.grammar)
+                       _spec("structured_outputs", "grammar", so.grammar)
                        if so.grammar is not None else None,
                        StructuredOutput("json_object", any_whitespace=not compact)
                        if so.json_object else None]
@@ -252,13 +265,13 @@ class SamplingFields(StrictRequest):
         return [
             ("response_format", from_format), ("structured_outputs", from_vllm),
             ("guided_json", None if self.guided_json is None else
-             StructuredOutput("json", schema_text(self.guided_json))),
+             _spec("guided_json", "json", schema_text(self.guided_json))),
             ("guided_regex", None if self.guided_regex is None else
-             StructuredOutput("regex", self.guided_regex)),
+             _spec("guided_regex", "regex", self.guided_regex)),
             ("guided_choice", None if self.guided_choice is None else
-             StructuredOutput("choice", choices=tuple(self.guided_choice))),
+             _spec("guided_choice", "choice", choices=tuple(self.guided_choice))),
             ("guided_grammar", None if self.guided_grammar is None else
-             StructuredOutput("grammar", self.guided_grammar)),
+             _spec("guided_grammar", "grammar", self.guided_grammar)),
         ]
 
     def structured_output(self) -> StructuredOutput | None:
@@ -284,6 +297,15 @@ class SamplingFields(StrictRequest):
         return "every_chunk" if options.continuous_usage_stats else "last_chunk"
 
 
+def _spec(field: str, kind: str, spec: str = "", choices: tuple[str, ...] = (),
+          any_whitespace: bool = True) -> StructuredOutput:
+    """The constraint ``field`` asks for; InvalidField(field) when it cannot be one."""
+    try:
+        return StructuredOutput(kind, spec, choices, any_whitespace)
+    except ValueError as exc:
+        raise InvalidField(field, str(exc)) from None
+
+
 Prompt = str | list[int]
 """One prompt of /v1/completions: a text or its token ids."""
 
@@ -298,13 +320,13 @@ class CompletionRequest(SamplingFields):
     """Always a list of prompts once validated (a single prompt is a batch of one)."""
     echo: StrictBool = False
     """Return the prompt before the completion (with logprobs: its tokens' logprobs too)."""
-    max_tokens: Annotated[int, Field(ge=0, lt=INT32_LIMIT)] | None = 16
+    max_tokens: Annotated[Int, Field(ge=0, lt=INT32_LIMIT)] | None = 16
     """0 only with echo: the prompt is scored and returned, nothing generated."""
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: Int | None = Field(default=None, ge=0, le=5)
     best_of: SampleCount | None = None
     """Generate this many per prompt and return the n with the highest cumulative logprob
     (not with stream, as in OpenAI and vLLM)."""
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
     """Tokenize a text prompt with the tokenizer's special tokens (e.g. BOS), as vLLM does."""
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.COMPLETIONS
 

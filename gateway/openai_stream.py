@@ -97,7 +97,7 @@ async def sse(gateway: Gateway, jobs: list[Job], streams: BatchStream, fmt: Resp
             async for index, chunk in chunks:
                 timer.tick(chunk)
                 if chunk.error is not None:
-                    status = "500"
+                    status = str(chunk.error.status)
                     yield _event({"error": _own_error(chunk.error)})
                     break
                 for event in fmt.stream_events(chunk, usage, index):

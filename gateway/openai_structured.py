@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from engine.structured_output import MAX_SPEC_CHARS
 from gateway import openai_fields
@@ -31,7 +31,7 @@ class JsonSchemaFormat(BaseModel):
     name: Annotated[Text, Field(max_length=256)] = "response"
     description: Text | None = None
     schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -56,12 +56,12 @@ class StructuredOutputs(StrictRequest):
     choice: Annotated[list[Annotated[Text, Field(min_length=1)]],
                       Field(min_length=1, max_length=1024)] | None = None
     grammar: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
     """JSON kinds: compact JSON only (no whitespace between tokens)."""
-    disable_additional_properties: bool = False
+    disable_additional_properties: StrictBool = False
     """Either value: xgrammar (as vLLM runs it) never generates a property the schema does not
     name unless the schema allows others."""
-    disable_fallback: bool = False
+    disable_fallback: StrictBool = False
     """Either value: xgrammar is the only backend, so there is nothing to fall back to."""
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.STRUCTURED_OUTPUTS

@@ -134,6 +134,16 @@ class ToolPlan:
                           for c in candidates]
         return text, []
 
+    def parse_cut(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, OpenAI tool_calls) of an output cut at max_tokens: under ``required``
+        the calls its array completed before the cut (a small model may repeat its call until
+        the budget ends; the call cut short is dropped), else none."""
+        if self.mode != "required":
+            return text, []
+        found = [_call(c["name"], c["arguments"]) for c in _array_prefix(text)
+                 if self._is_call(c)]
+        return (None, found) if found else (text, [])
+
     def outside_calls(self, text: str) -> str:
         """The text without its call blocks (auto's content, before stripping)."""
         return _BLOCK.sub("", text) if self.mode == "auto" else ""
@@ -178,6 +188,24 @@ def _json(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return None
+
+
+def _array_prefix(text: str) -> list[Any]:
+    """The complete items of a compact JSON array that may be cut short:
+    '[{"a":1},{"b":2},{"c' gives [{"a": 1}, {"b": 2}]."""
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
+    at = 1 if text.startswith("[") else len(text)
+    while at < len(text):
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            break
+        items.append(item)
+        if text[at:at + 1] != ",":
+            break
+        at += 1
+    return items
 
 
 def _call(name: str, arguments: Any) -> dict[str, Any]:

@@ -96,3 +96,21 @@ def test_greedy_takes_the_first_of_tied_maxima() -> None:
     rows = [RowState(SamplingParams(temperature=0.0), 0, [], i) for i in range(3)]
     tokens, _ = Sampler(0, CPU).sample(logits, ["a", "b", "c"], rows)
     assert tokens == [9, 4095, 10] == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "random"])
+def test_a_row_that_allows_no_token_gets_none(temperature: float) -> None:
+    # The adjustments (allowed ids, bans, a grammar) can leave a row without any token: the
+    # sampler says so instead of picking one of the forbidden ones.
+    logits = LOGITS.expand(2, -1).clone()
+    rows = [RowState(SamplingParams(temperature=temperature, logprobs=2), 0, [], i)
+            for i in range(2)]
+
+    def ban_all_of_row_0(raw: torch.Tensor) -> torch.Tensor:
+        adjusted = raw.clone()
+        adjusted[0] = float("-inf")
+        return adjusted
+
+    tokens, logprobs = Sampler(0, CPU).sample(logits, ["a", "b"], rows, ban_all_of_row_0)
+    assert tokens[0] == sampler_module.NO_TOKEN and logprobs[0] is None
+    assert 0 <= tokens[1] < LOGITS.numel() and logprobs[1] is not None

@@ -13,7 +13,7 @@ import pytest
 
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutput
+from engine.structured_output import StructuredOutput, library_reason
 
 PATTERN = r"[a-z]{20,40}\.[0-9]{2,5}"
 
@@ -51,9 +51,21 @@ def test_a_bad_spec_is_refused_before_admission(tiny_model_dir: Path) -> None:
     engine = LLMEngine.from_model(str(tiny_model_dir), num_kv_blocks=8)
     for spec in (StructuredOutput("regex", "(unclosed"), StructuredOutput("json", "{x"),
                  StructuredOutput("grammar", "root ::= missing")):
-        with pytest.raises(ValueError, match=r"structured output|JSON schema"):
+        with pytest.raises(ValueError, match=r"structured output|JSON schema") as caught:
             engine.requests.make_request("r", [5, 6, 7], SamplingParams(structured=spec))
+        # The library's reason, without its log prefix (time, source file and line).
+        assert ".cc:" not in str(caught.value) and "[" not in str(caught.value)
     assert not engine.has_unfinished_requests()
+
+
+def test_library_reasons_lose_their_log_prefix() -> None:
+    assert library_reason("[08:03:11] /project/cpp/regex_converter.cc:94: Regex parsing "
+                          "error at position 4\nmore") == "Regex parsing error at position 4"
+    assert library_reason("[08:03:11] /p/grammar_compiler.cc:1318: Check failed: (std::"
+                          "holds_alternative<Grammar>(result)) is false: Invalid structural "
+                          "tag") == "Invalid structural tag"
+    assert library_reason("plain words") == "plain words"
+    assert library_reason("") == "invalid"
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -67,6 +67,19 @@ def test_forced_calls_parse_their_constrained_output() -> None:
     assert ToolPlan((WEATHER,), "none").parse("hi") == ("hi", [])
 
 
+def test_a_forced_array_cut_short_keeps_the_calls_it_completed() -> None:
+    required = ToolPlan((WEATHER, ADD), "required")
+    whole = '{"name":"add","arguments":{"a":1,"b":2}}'
+    cut = f'[{whole},{whole.replace("1", "5")},{{"name":"get_weather","argu'
+    content, found = required.parse_cut(cut)
+    assert content is None
+    assert _calls(found) == [("add", {"a": 1, "b": 2}), ("add", {"a": 5, "b": 2})]
+    for nothing in ('[{"name":"add","argum', "[", ""):  # no call completed: content
+        assert required.parse_cut(nothing) == (nothing, [])
+    named = ToolPlan((WEATHER, ADD), "named", "get_weather")
+    assert named.parse_cut('{"city": "Ro') == ('{"city": "Ro', [])
+
+
 @pytest.mark.parametrize("text, sendable", [
     ("Hello there", "Hello there"),
     ("Hello <tool", "Hello "),                 # may become a tag: held back

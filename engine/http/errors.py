@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.invalid_field import field_of
 from engine.protocol import EngineError, error_type
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,9 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             problems.append(f"the request body is not valid JSON: {detail} (at character {at})")
             continue
         loc = tuple(str(part) for part in err.get("loc", ()) if part != "body")
+        about = field_of((err.get("ctx") or {}).get("error"))
+        if about is not None:  # a check across fields, located at the model by pydantic
+            loc = (*loc, about)
         if not loc and err.get("type") in (*NOT_AN_OBJECT, "missing"):  # e.g. text/plain
             problems.append(NOT_AN_OBJECT_MESSAGE)
             continue

@@ -124,7 +124,8 @@ TOO_LONG = [7] * (CONTEXT - 4)
      "max_tokens must be an integer in [1, 2147483647], got 0", None),
     ({"prompt": "hi", "params": {"temperature": -1}},
      "temperature must be a finite number >= 0, got -1.0", None),
-    ({"prompt_token_ids": [5, 512]}, "prompt token ids out of range [0, 512): [512]", None),
+    ({"prompt_token_ids": [5, 512]}, "prompt token ids out of range [0, 512): [512]",
+     "prompt"),
     ({"prompt": ""}, "prompt is empty", None),
     ({"prompt": "hi", "params": {"max_tokens": "x"}},
      "params.max_tokens: Input should be a valid integer, unable to parse string as an "
@@ -145,9 +146,9 @@ TOO_LONG = [7] * (CONTEXT - 4)
      "top_k must be an integer in [0, 2147483647] (0 or -1 disables it), got "
      "9223372036854775808", None),
     ({"prompt": "hi", "params": {"top_k": 513}},
-     "top_k must be at most the vocabulary size (512), got 513", None),
+     "top_k must be at most the vocabulary size (512), got 513", "top_k"),
     ({"prompt_token_ids": [5, 2**40]},
-     "prompt token ids out of range [0, 512): [1099511627776]", None),
+     "prompt token ids out of range [0, 512): [1099511627776]", "prompt"),
 ], ids=["both-prompts", "no-prompt", "unknown-adapter", "too-long", "max-tokens-0",
         "negative-temperature", "token-out-of-vocab", "empty-prompt", "max-tokens-str",
         "prompt-int", "ids-str", "top-k-float", "unknown-field", "seed-2**64",

@@ -154,3 +154,34 @@ def test_a_body_over_8_mib_is_413(gateway: LiveServer, client: openai.OpenAI,
     assert response.json()["error"]["type"] == "invalid_request_error"
     assert_healthy(gateway, client, base_model)
 
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_constraints_that_allow_no_token_end_the_request_with_a_400(
+        client: openai.OpenAI, gateway: LiveServer, base_model: str,
+        tokenizer: PreTrainedTokenizerBase, stream: bool) -> None:
+    # Only the end-of-sequence token is allowed, and min_tokens bans it: nothing may come
+    # next. The request ends with an error instead of emitting a forbidden token, and the
+    # requests beside it go on.
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+    changes: dict[str, Any] = {"allowed_token_ids": [eos], "min_tokens": 2}
+    body = {"model": base_model, "prompt": "hi", "max_tokens": 4, "stream": stream, **changes}
+    with httpx.Client(base_url=gateway.url, timeout=30.0) as http:
+        answer = http.post("/v1/completions", json=body)
+    if stream:  # the stream had begun: its error is an event, then the stream ends
+        assert answer.status_code == 200
+        events = [json.loads(line[6:]) for line in answer.text.splitlines()
+                  if line.startswith("data: {")]
+        assert [e for e in events if "choices" in e and e["choices"][0]["text"]] == []
+        error = events[-1]["error"]
+    else:
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_request"
+    assert "no token is allowed" in error["message"]
+    allowed = client.completions.create(model=base_model, prompt="hi", max_tokens=3,
+                                        extra_body={"allowed_token_ids": [eos, 5, 6],
+                                                    "min_tokens": 3})
+    assert allowed.choices[0].finish_reason == "length"  # 5 and 6 were left
+    assert_healthy(gateway, client, base_model)

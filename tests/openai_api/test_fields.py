@@ -109,6 +109,25 @@ def test_a_bool_is_not_a_number() -> None:
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_null_is_the_default_of_every_optional_field(endpoint: str) -> None:
+    # OpenAI's schemas mark their optional fields nullable, and clients that write out every
+    # field send nulls ("stream": null, "n": null): each means what leaving it out means,
+    # except where null is a value of its own (completions' max_tokens: up to the context).
+    model, _, fields = ENDPOINTS[endpoint]
+    unset = model.model_validate(BASE[endpoint])
+    optional = {name for name, field in model.model_fields.items() if not field.is_required()}
+    for name in sorted(optional | (set(fields) - set(model.model_fields))):
+        request = model.model_validate({**BASE[endpoint], name: None})
+        if name in optional and None not in (getattr(unset, name), getattr(request, name)):
+            assert getattr(request, name) == getattr(unset, name), name
+    assert CompletionRequest.model_validate({**BASE["completions"], "max_tokens": None}
+                                            ).max_tokens is None
+    for required in set(model.model_fields) - optional:  # null is no model or messages
+        with pytest.raises(ValidationError):
+            model.model_validate({**BASE[endpoint], required: None})
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_a_field_of_neither_schema_is_refused_naming_it(endpoint: str) -> None:
     model = ENDPOINTS[endpoint][0]
     for name, shown in (("x_trace", "x_trace"), ("k" * 5000, "k" * 61 + "...")):

@@ -34,7 +34,6 @@ class Raw(str):
 # (endpoint, changes to a valid request, the param the 400 must name)
 HOSTILE: list[tuple[str, dict[str, Any], str | None]] = [
     ("completions", {"seed": 2**64}, "seed"),
-    ("completions", {"seed": -1}, "seed"),
     ("completions", {"seed": -2**63 - 1}, "seed"),
     # Past Python's 4300-digit limit the body is not parsed at all: no field to name.
     ("completions", {"seed": Raw("1" + "0" * 5000)}, None),
@@ -96,6 +95,30 @@ HOSTILE: list[tuple[str, dict[str, Any], str | None]] = [
     ("chat", {"messages": [{"role": "user", "content": "hi", "name": LONE_SURROGATE}]},
      "name"),
     ("chat", {"stop": "\udc00"}, "stop"),
+    # Booleans and strings where numbers go: lax parsing would read True as 1, "4" as 4.
+    ("completions", {"max_tokens": True}, "max_tokens"),
+    ("completions", {"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
+    ("completions", {"temperature": "1"}, "temperature"),
+    ("completions", {"logit_bias": {"1": True}}, "logit_bias"),
+    ("chat", {"allowed_token_ids": [True]}, "allowed_token_ids"),
+    ("chat", {"max_tokens": "4"}, "max_tokens"),
+    ("chat", {"seed": True}, "seed"),
+    ("chat", {"stream": "yes"}, "stream"),
+    ("chat", {"logprobs": "true"}, "logprobs"),
+    # Digits of other scripts are no token ids, whether int() reads them or not.
+    ("completions", {"logit_bias": {"\u0661": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"\u00b2": 1}}, "logit_bias"),
+    # Checks that need the model or several fields: still a 400 naming the field.
+    ("completions", {"logit_bias": {str(2**30): 1}}, "logit_bias"),
+    ("completions", {"stop_token_ids": [2**30]}, "stop_token_ids"),
+    ("chat", {"allowed_token_ids": [2**30]}, "allowed_token_ids"),
+    ("completions", {"top_k": 2**30}, "top_k"),
+    ("completions", {"prompt": [2**30]}, "prompt"),
+    ("chat", {"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ("completions", {"repetition_penalty": 1e-300}, "repetition_penalty"),
+    # A constraint whose grammar would be too big to compile promptly.
+    ("chat", {"guided_choice": [f"x{i}" + "y" * 600 for i in range(200)]}, "guided_choice"),
+    ("chat", {"structured_outputs": {"choice": ["y" * 70_000]}}, "structured_outputs"),
 ]
 
 
