@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from engine.adapter_roots import AdapterPathRefused, AdapterRoots
@@ -45,6 +47,8 @@ from lora.adapter_info import AdapterInfo
 
 T = TypeVar("T")
 TIMED_OUT_MESSAGE = "the request passed its deadline"
+PREPARING_THREADS = 2
+"""Threads that tokenize prompts and compile grammars off the event loop."""
 
 
 class AsyncEngine:
@@ -74,6 +78,10 @@ class AsyncEngine:
         self.draining = False
         """Set when the engine drains: new requests are refused, open streams finish."""
         self._ids = itertools.count()
+        # Their own threads, not the loop's default pool (which serves other work of the
+        # process): a flood of slow compiles waits here while cached requests go straight in.
+        self._preparing = ThreadPoolExecutor(PREPARING_THREADS,
+                                             thread_name_prefix="loragate-prepare")
         self.last_adapters: list[AdapterInfo] = engine.list_loras()
         """Adapters as of the last command that read them (for metrics scrapes)."""
 
@@ -230,6 +238,7 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self._thread.stop()
+        self._preparing.shutdown(wait=False, cancel_futures=True)
         if self.engine.lora is not None:
             self.engine.lora.shutdown()
         if self.engine.kv_events is not None:  # after the loop: no step flushes any more
@@ -246,13 +255,20 @@ class AsyncEngine:
     async def _make_off_loop(self, prompt: str | list[int], params: SamplingParams,
                              request_id: str | None, priority: int, lora: str | None,
                              cache_salt: str | None) -> Request:
-        """_make, on a worker thread when there is a grammar to compile or text to tokenize:
-        both can take long (xgrammar and the fast tokenizers release the GIL meanwhile), and
-        on the event loop they would stall every other request of this process."""
-        if params.structured is None and not isinstance(prompt, str):
-            return self._make(prompt, params, request_id, priority, lora, cache_salt)
-        return await asyncio.to_thread(self._make, prompt, params, request_id, priority, lora,
-                                       cache_salt)
+        """_make, on the preparing threads when it may take long (a grammar to compile, text
+        to tokenize: xgrammar and the fast tokenizers release the GIL meanwhile; on the event
+        loop they would stall every other request of this process), else here at once: a
+        request whose grammar is cached does not queue behind another's compile."""
+        make = functools.partial(self._make, prompt, params, request_id, priority, lora,
+                                 cache_salt)
+        if not self.engine.requests.takes_long(prompt, params):
+            return make()
+        return await asyncio.get_running_loop().run_in_executor(self._preparing, make)
+
+    async def tokenize_off_loop(self, text: str) -> list[int]:
+        """tokenize() on the preparing threads (a long text takes a while)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._preparing, self.tokenize, text)
 
     async def _admit(self, request: Request) -> OutputStream:
         """Register the request's output queue and add it on the engine thread; ValueError

@@ -37,10 +37,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 STEP_FAILED_MESSAGE = "the engine could not run this request (internal error)"
-NO_TOKEN_MESSAGE = ("no token is allowed to come next: the request's allowed_token_ids, "
-                    "bad_words, logit_bias, min_tokens and structured output exclude every "
-                    "token of the vocabulary here")
 """What the request whose step failed is told; details go to the engine's log only."""
+NO_TOKEN_MESSAGE = ("no token is allowed to come next: the request's allowed_token_ids, "
+                    "bad_words, min_tokens and structured output together exclude every "
+                    "token of the vocabulary here")
+"""What a request is told whose constraints left no token to sample (a 400: its own)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -251,7 +252,7 @@ class LLMEngine:
         self.isolation.succeeded(sched)
         t2 = time.perf_counter()
         self._store_prompt_logprobs(result.prompt_logprobs)
-        updated = self.scheduler.update(sched, result.sampled)
+        updated = self.scheduler.update(sched, result.sampled, result.no_token)
         now = time.monotonic()
         outputs = failed + [self._on_new_token(self._tracked[r.request_id], result.logprobs,
                                                now) for r in updated]

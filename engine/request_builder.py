@@ -89,6 +89,17 @@ class RequestBuilder:
                 f"({self.kv.num_blocks * self.kv.block_size} tokens) or its pool's share "
                 f"({room} tokens)")
 
+    def takes_long(self, prompt: str | list[int], params: SamplingParams) -> bool:
+        """Whether make_request() may take long: text to tokenize, bad words to spell, or a
+        grammar not compiled yet (a large one takes seconds). Else it only checks numbers."""
+        if isinstance(prompt, str) or (params.bad_words and not params.bad_words_token_ids):
+            return True
+        if params.structured is None:
+            return False
+        with self._grammar_lock:
+            grammars = self._grammars
+        return grammars is None or not grammars.is_compiled(params.structured)
+
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int = 0, arrival_time: float | None = None,
                      cache_salt: str | None = None, lora: str | None = None) -> Request:

@@ -11,7 +11,7 @@ from engine.sampling_params import SamplingParams
 
 NO_TOKEN = -1
 """The token of a row whose adjusted logits allow none (every token -inf: allowed_token_ids,
-bad_words, logit_bias, min_tokens and a grammar can together exclude all): the request
+bad_words, min_tokens and a grammar can together exclude all): the request
 cannot go on, and the engine ends it with an error instead of emitting a forbidden token."""
 TOP_CANDIDATES = 1024
 """Top-k / top-p rows first look at this many most likely tokens (torch.topk, ~8x cheaper
@@ -62,7 +62,7 @@ class Sampler:
         # time on a CPU: torch's CPU argmax over [32, 49152] float32 took 1.2 ms a step.
         best = logits.max(dim=-1)
         tokens = best.indices
-        blocked = (best.values == float("-inf")).nonzero().flatten().tolist()
+        blocked = best.values == float("-inf")
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
@@ -70,9 +70,8 @@ class Sampler:
                 logits[index], [request_ids[i] for i in random_rows],
                 [params[i] for i in random_rows],
             )
-        token_list = tokens.tolist()
-        for i in blocked:
-            token_list[i] = NO_TOKEN
+        # One read back for the tokens and the blocked rows (a sync on a GPU).
+        token_list = torch.where(blocked, NO_TOKEN, tokens).tolist()
         return token_list, self._logprobs(raw, token_list, params)
 
     def _sample_random(

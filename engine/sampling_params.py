@@ -142,12 +142,14 @@ class SamplingParams:
         _number_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _number_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _number_in("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, 2.0)
-        for name, values in (("logit_bias", self.logit_bias),
-                             ("allowed_token_ids", self.allowed_token_ids),
-                             ("bad_words", self.bad_words),
-                             ("bad_words_token_ids", self.bad_words_token_ids)):
-            if len(values) > MAX_TOKEN_LISTS:
-                raise ValueError(f"{name} may have at most {MAX_TOKEN_LISTS} entries")
+        # A bad word is banned in up to two spellings (alone, after a space).
+        for name, values, most in (
+                ("logit_bias", self.logit_bias, MAX_TOKEN_LISTS),
+                ("allowed_token_ids", self.allowed_token_ids, MAX_TOKEN_LISTS),
+                ("bad_words", self.bad_words, MAX_TOKEN_LISTS),
+                ("bad_words_token_ids", self.bad_words_token_ids, 2 * MAX_TOKEN_LISTS)):
+            if len(values) > most:
+                raise ValueError(f"{name} may have at most {most} entries")
         for token, value in self.logit_bias:
             if not _is_int(token) or not 0 <= token <= MAX_INT_FIELD:
                 raise ValueError(f"logit_bias keys must be token ids in [0, {MAX_INT_FIELD}], "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, blocks_for, pool_of
@@ -375,9 +375,11 @@ class Scheduler:
         return ids
 
     # ------------------------------------------------------------------------ update
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               no_token: Collection[str] = ()) -> list[Request]:
         """Advance counters after the forward; returns the requests that got a new token
-        (finished ones included, with finish_reason set)."""
+        (finished ones included, with finish_reason set). ``no_token``: requests due a token
+        that their constraints allowed none of (the caller ends them)."""
         updated: list[Request] = []
         for chunk in out.chunks:
             request = self.requests.get(chunk.request_id)
@@ -385,10 +387,9 @@ class Scheduler:
                 continue
             request.num_computed_tokens += chunk.num_tokens
             self.kv.cache_full_blocks(request)
-            token = sampled.get(chunk.request_id) if chunk.sample else None
-            if token is None:  # no token due, or none allowed (the engine ends that request)
+            if not chunk.sample or chunk.request_id in no_token:
                 continue
-            request.append_token(token)
+            request.append_token(sampled[chunk.request_id])
             updated.append(request)
             reason = request.check_token_stop()
             if reason is not None:

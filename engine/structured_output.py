@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -89,7 +90,28 @@ class GrammarCompiler:
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
         self.vocab_size = vocab_size
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        self.compile = lru_cache(maxsize=COMPILED_CACHE)(self._compile)
+        self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()  # LRU, newest last
+        self._lock = threading.Lock()
+
+    def is_compiled(self, spec: StructuredOutput) -> bool:
+        """Whether compile(spec) would answer from the cache (at once)."""
+        with self._lock:
+            return spec in self._compiled
+
+    def compile(self, spec: StructuredOutput) -> Any:
+        """The compiled grammar, from the cache of the COMPILED_CACHE latest specs or compiled
+        now (outside the lock: several threads may compile at once); ValueError naming what
+        is wrong with the spec (not cached)."""
+        with self._lock:
+            if spec in self._compiled:
+                self._compiled.move_to_end(spec)
+                return self._compiled[spec]
+        compiled = self._compile(spec)
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > COMPILED_CACHE:
+                self._compiled.popitem(last=False)
+        return compiled
 
     def _compile(self, spec: StructuredOutput) -> Any:
         """The compiled grammar; ValueError naming what is wrong with the spec."""
@@ -125,7 +147,6 @@ def library_reason(message: str) -> str:
     lines = message.strip().splitlines()
     reason = _LOG_PREFIX.sub("", lines[0]).strip() if lines else ""
     return reason[:300] or "invalid"
-
 
 
 class GrammarMatchers:

@@ -40,7 +40,7 @@ from gateway.info_api import build_info_router
 from gateway.job import Claim, Job, Outcome, new_request_id
 from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.openai_format import Endpoint, PromptEcho, ResponseFormatter
-from gateway.openai_protocol import SEED_LIMIT, CompletionRequest, SamplingFields
+from gateway.openai_protocol import RANDOM_SEED, SEED_LIMIT, CompletionRequest, SamplingFields
 from gateway.openai_stream import ClosingStream, collect, next_or_disconnect, sse
 from gateway.prompts import PromptEncoder
 from gateway.service import Gateway
@@ -205,7 +205,7 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            seed=None if body.seed is None else (body.seed + sample) % SEED_LIMIT,
+            seed=None if body.seed in (None, RANDOM_SEED) else (body.seed + sample) % SEED_LIMIT,
             stop=tuple(body.stop_list()), ignore_eos=body.ignore_eos,
             logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
             structured=req.constraint,

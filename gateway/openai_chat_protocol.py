@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.invalid_field import InvalidField
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
 from gateway.openai_fields import Unsupported
@@ -161,15 +162,18 @@ class ChatCompletionRequest(SamplingFields):
     def _tools_consistent(self) -> ChatCompletionRequest:
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
-            raise ValueError("tools must have distinct function names")
+            raise InvalidField("tools", "tools must have distinct function names")
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not "
-                             f"among the tools")
+            raise InvalidField("tool_choice", f"tool_choice names {choice.function.name!r}, "
+                               f"which is not among the tools")
         if choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
-        plan = self.tool_plan()
-        if plan.constraint() is not None and self.structured_output() is not None:
+            raise InvalidField("tool_choice", "tool_choice 'required' needs tools")
+        try:
+            constraint = self.tool_plan().constraint()
+        except ValueError as exc:  # the tools' schemas, as one grammar, are too large
+            raise InvalidField("tools", str(exc)) from None
+        if constraint is not None and self.structured_output() is not None:
             raise ValueError("a constrained tool call (tool_choice required or named, or a "
                              "strict function) cannot be combined with another structured "
                              "output constraint")

@@ -136,7 +136,9 @@ class StrictRequest(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         # Before the fields: a refused field is the one error, whatever else is wrong.
-        known = {*cls.model_fields, *(f.alias for f in cls.model_fields.values() if f.alias)}
+        # A field's wire name: its alias where it has one ("json", not "json_", which
+        # pydantic would drop unread: a constraint silently ignored).
+        known = {field.alias or name for name, field in cls.model_fields.items()}
         check_unsupported(data, cls.UNSUPPORTED, known, cls.__name__)
         return handler(_nulls_as_unset(data, _defaulted_non_nullable(cls)))
 
@@ -152,13 +154,13 @@ def _nulls_as_unset(data: Any, names: frozenset[str]) -> Any:
 
 @cache
 def _defaulted_non_nullable(model: type[BaseModel]) -> frozenset[str]:
-    """Names (and aliases) of ``model``'s fields that have a default but do not take None:
+    """Wire names of ``model``'s fields that have a default but do not take None:
     for them null can only mean "the default". A field that takes None keeps its null, which
     may differ from its default (completions' max_tokens: null is "up to the context")."""
     names: set[str] = set()
     for name, field in model.model_fields.items():
         if not field.is_required() and not _takes_none(field.annotation):
-            names.update((name, field.alias) if field.alias else (name,))
+            names.add(field.alias or name)
     return frozenset(names)
 
 

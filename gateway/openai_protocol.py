@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    BeforeValidator,
     ConfigDict,
     Field,
     SkipValidation,
@@ -33,6 +32,7 @@ from pydantic import (
 )
 
 from engine.generation_defaults import SamplingDefaults
+from engine.http.json_numbers import Float, Int
 from engine.invalid_field import InvalidField
 from engine.sampling_params import MIN_REPETITION_PENALTY
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
@@ -47,6 +47,8 @@ INT32_LIMIT = 2**31
 """Token ids, max_tokens and top_k stay below this (the engine keeps them in int32/int64
 tensors; no vocabulary or context comes near it)."""
 SEED_LIMIT = 2**64
+RANDOM_SEED = -1
+"""The seed that asks for none (vLLM's reading)."""
 MAX_PROMPT_TOKEN_IDS = 2**20
 """Longer than any context we serve: refused before the ids are looked at (the real bound
 is the context, checked once it is known)."""
@@ -66,18 +68,6 @@ MAX_TOKEN_LIST = 4096
 """Most entries of logit_bias, allowed_token_ids, bad_words, stop_token_ids."""
 
 
-def _a_number(value: Any) -> Any:
-    # pydantic's lax mode reads True as 1 (True == 1 in Python) and "4" as 4: not in the API.
-    if isinstance(value, bool | str):
-        kind = "boolean" if isinstance(value, bool) else "string"
-        raise ValueError(f"must be a number, not a {kind}")
-    return value
-
-
-Int = Annotated[int, BeforeValidator(_a_number)]
-"""An integer field: a JSON number (2.0 reads as 2), never a boolean or a string."""
-Float = Annotated[float, BeforeValidator(_a_number)]
-"""A float field: a JSON number, never a boolean or a string."""
 SampleCount = Annotated[Int, Field(ge=1, le=MAX_SAMPLES)]
 TokenId = Annotated[Int, Field(ge=0, lt=INT32_LIMIT)]
 MaxTokens = Annotated[Int, Field(ge=1, lt=INT32_LIMIT)]
@@ -108,8 +98,8 @@ class SamplingFields(StrictRequest):
     top_k: Int | None = Field(default=None, ge=-1, lt=INT32_LIMIT,
                               description="-1 or 0: no top-k (vLLM's and ours)")
     seed: Int | None = Field(default=None, ge=-2**63, lt=SEED_LIMIT)
-    """Any 64-bit integer, signed or not, as OpenAI and vLLM take it; the engine draws with
-    its value modulo 2**64."""
+    """Any 64-bit integer, signed or not, as OpenAI and vLLM take it: -1 means no seed (as in
+    vLLM: many UIs send it for "random"), others draw with their value modulo 2**64."""
     stop: Stop | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -196,6 +186,8 @@ class SamplingFields(StrictRequest):
             # isdigit() alone takes other scripts' digits ("١", "²"), which int() reads or not
             if not (key.isascii() and key.isdigit()) or int(key) >= INT32_LIMIT:
                 raise ValueError(f"logit_bias keys must be token ids, got {key[:32]!r}")
+        if value and len({int(key) for key in value}) < len(value):  # "1" and "01"
+            raise ValueError("logit_bias names a token id twice")
         return value
 
     def sampling_args(self, defaults: SamplingDefaults) -> dict[str, Any]:
@@ -242,11 +234,11 @@ class SamplingFields(StrictRequest):
         if fmt is not None and fmt.type == "json_object":
             from_format = StructuredOutput("json_object")
         elif fmt is not None and fmt.json_schema is not None:
-            from_format = _spec("response_format", "json", schema_text(fmt.json_schema.schema_))
+            from_format = _spec("response_format", "json", fmt.json_schema.schema_)
         from_vllm = None
         if so is not None:
             compact = so.disable_any_whitespace
-            options = [_spec("structured_outputs", "json", schema_text(so.json_),
+            options = [_spec("structured_outputs", "json", so.json_,
                              any_whitespace=not compact)
                        if so.json_ is not None else None,
                        _spec("structured_outputs", "regex", so.regex)
@@ -265,7 +257,7 @@ class SamplingFields(StrictRequest):
         return [
             ("response_format", from_format), ("structured_outputs", from_vllm),
             ("guided_json", None if self.guided_json is None else
-             _spec("guided_json", "json", schema_text(self.guided_json))),
+             _spec("guided_json", "json", self.guided_json)),
             ("guided_regex", None if self.guided_regex is None else
              _spec("guided_regex", "regex", self.guided_regex)),
             ("guided_choice", None if self.guided_choice is None else
@@ -297,11 +289,14 @@ class SamplingFields(StrictRequest):
         return "every_chunk" if options.continuous_usage_stats else "last_chunk"
 
 
-def _spec(field: str, kind: str, spec: str = "", choices: tuple[str, ...] = (),
-          any_whitespace: bool = True) -> StructuredOutput:
-    """The constraint ``field`` asks for; InvalidField(field) when it cannot be one."""
+def _spec(field: str, kind: str, spec: str | dict[str, Any] = "",
+          choices: tuple[str, ...] = (), any_whitespace: bool = True) -> StructuredOutput:
+    """The constraint ``field`` asks for (``spec``: a JSON schema as an object or text for
+    "json"); InvalidField(field) when it cannot be one."""
     try:
-        return StructuredOutput(kind, spec, choices, any_whitespace)
+        text = schema_text(spec) if kind == "json" else spec
+        assert isinstance(text, str)
+        return StructuredOutput(kind, text, choices, any_whitespace)
     except ValueError as exc:
         raise InvalidField(field, str(exc)) from None
 

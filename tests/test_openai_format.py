@@ -1,6 +1,7 @@
 """ResponseFormatter with non-finite logprobs (an engine may report -inf for a token its
 sampling made impossible): every object it builds is strict JSON, -inf and NaN reported as
-OpenAI's -9999.0. The tiny model's real tokenizer decodes the tokens."""
+OpenAI's -9999.0; and forced tool calls cut at max_tokens. The tiny model's real tokenizer
+decodes the tokens."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.protocol import StreamChunk
-from gateway.openai_format import LOGPROB_FLOOR, Endpoint, ResponseFormatter
+from gateway.openai_format import LOGPROB_FLOOR, Endpoint, PromptEcho, ResponseFormatter
 from gateway.token_bytes import TokenBytes
+from gateway.tool_calls import Function, ToolPlan
 
 
 def _chunk(tokenizer: Any) -> StreamChunk:
@@ -69,3 +71,32 @@ def test_token_bytes_are_the_vocabulary_bytes(tiny_model_dir: Path) -> None:
     eos = tokenizer.eos_token_id
     assert token_bytes(eos) == str(tokenizer.eos_token).encode()  # special: its text
     assert token_bytes(len(tokenizer) + 10) == b""
+
+
+def test_a_forced_call_cut_at_max_tokens_keeps_what_it_completed(tiny_model_dir: Path) -> None:
+    # tool_choice "required": the answer is an array of calls; one cut at max_tokens returns
+    # the calls it completed, streamed or whole, and stays finish_reason "length".
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tools = ToolPlan((Function("add", None, {"type": "object"}),), "required")
+    text = '[{"name":"add","arguments":{"a":1}},{"name":"add","argu'
+    pieces = [text[:20], text[20:]]
+
+    def chunks() -> list[StreamChunk]:
+        return [StreamChunk("r", [5], piece, 3, i + 1, "length" if i else None)
+                for i, piece in enumerate(pieces)]
+
+    streamed = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
+    streamed.start([PromptEcho([1, 2, 3])])
+    deltas = [e["choices"][0] for chunk in chunks()
+              for e in streamed.stream_events(chunk, usage="none")]
+    assert [d["delta"].get("content") for d in deltas] == ["", ""]  # nothing of the call
+    assert deltas[-1]["finish_reason"] == "length"
+    [call] = deltas[-1]["delta"]["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    whole = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
+    whole.start([PromptEcho([1, 2, 3])])
+    for chunk in chunks():
+        whole.add(chunk)
+    [choice] = whole.final()["choices"]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["add"]

@@ -85,3 +85,19 @@ def test_structured_output_with_ignore_eos_is_refused() -> None:
                                         "choices": ["a"]})
     assert params.structured == StructuredOutput("choice", choices=("a",))
     assert json.loads(json.dumps(params.structured.to_json()))["choices"] == ["a"]
+
+
+def test_only_slow_preparation_leaves_the_event_loop(tiny_model_dir: Path) -> None:
+    # The async engine prepares a request on its own threads when this says it may take
+    # long (so a flood of big grammars cannot stall the loop), and at once otherwise (so a
+    # request with a cached grammar does not queue behind them).
+    builder = LLMEngine.from_model(str(tiny_model_dir), num_kv_blocks=8).requests
+    spec = StructuredOutput("choice", choices=("yes", "no"))
+    assert not builder.takes_long([5, 6], SamplingParams())
+    assert builder.takes_long("some text", SamplingParams())
+    assert builder.takes_long([5, 6], SamplingParams(bad_words=("no",)))
+    assert builder.takes_long([5, 6], SamplingParams(structured=spec))  # not compiled yet
+    builder.make_request("r", [5, 6], SamplingParams(structured=spec))
+    assert not builder.takes_long([5, 6], SamplingParams(structured=spec))
+    other = StructuredOutput("choice", choices=("maybe",))
+    assert builder.takes_long([5, 6], SamplingParams(structured=other))

@@ -4,34 +4,36 @@ fields again."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from engine.http.json_numbers import Float, Int
 
 
 class SamplingBody(BaseModel):
     """Sampling fields of /generate (the engine's SamplingParams, validated there too)."""
 
     model_config = ConfigDict(extra="forbid")
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    max_tokens: Int = 16
+    temperature: Float = 1.0
+    top_p: Float = 1.0
+    top_k: Int = 0
+    seed: Int | None = None
     stop: list[str] = Field(default_factory=list, max_length=64)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=256)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    min_tokens: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: list[tuple[int, float]] = Field(default_factory=list, max_length=4096)
-    allowed_token_ids: list[int] = Field(default_factory=list, max_length=4096)
+    stop_token_ids: list[Int] = Field(default_factory=list, max_length=256)
+    ignore_eos: StrictBool = False
+    logprobs: Int | None = None
+    prompt_logprobs: Int | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    min_tokens: Int = 0
+    min_p: Float = 0.0
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    repetition_penalty: Float = 1.0
+    logit_bias: list[tuple[Int, Float]] = Field(default_factory=list, max_length=4096)
+    allowed_token_ids: list[Int] = Field(default_factory=list, max_length=4096)
     bad_words: list[str] = Field(default_factory=list, max_length=4096)
-    bad_words_token_ids: list[list[int]] = Field(default_factory=list, max_length=4096)
+    bad_words_token_ids: list[list[Int]] = Field(default_factory=list, max_length=8192)
     structured: StructuredBody | None = None
 
 
@@ -42,7 +44,7 @@ class StructuredBody(BaseModel):
     kind: str
     spec: str = ""
     choices: list[str] = Field(default_factory=list, max_length=1024)
-    any_whitespace: bool = True
+    any_whitespace: StrictBool = True
 
 
 class GenerateBody(BaseModel):
@@ -51,14 +53,14 @@ class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str | None = Field(default=None, max_length=256)
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[Int] | None = None
     params: SamplingBody = Field(default_factory=SamplingBody)
     lora: str | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
-    priority: int = 0
-    deadline: float | None = None
+    priority: Int = 0
+    deadline: Float | None = None
     """Unix time after which the engine stops working on the request."""
-    stream: bool = True
+    stream: StrictBool = True
 
 
 class AbortBody(BaseModel):
@@ -74,4 +76,4 @@ class AdapterBody(BaseModel):
 
 class PinBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    pinned: bool = True
+    pinned: StrictBool = True

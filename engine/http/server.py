@@ -48,6 +48,7 @@ from engine.http.bodies import AbortBody, AdapterBody, GenerateBody, PinBody
 from engine.http.draining import DrainingServer, stop_background
 from engine.http.errors import ApiError, install_error_handlers
 from engine.http.metrics import EngineMetricsRegistry
+from engine.invalid_field import field_of
 from engine.llm_engine import LLMEngine
 from engine.protocol import ChunkStream, EngineError, GenerateRequest, StreamChunk
 
@@ -94,13 +95,13 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
             raise ApiError(400, "give exactly one of prompt and prompt_token_ids",
                            param="prompt")
         try:
-            ids = (engine.tokenize(body.prompt) if body.prompt is not None
+            ids = (await engine.tokenize_off_loop(body.prompt) if body.prompt is not None
                    else list(body.prompt_token_ids or []))
             request = GenerateRequest.from_json({
                 **body.model_dump(), "prompt_token_ids": ids,
                 "request_id": body.request_id or engine.new_request_id()})
         except (ValueError, TypeError) as exc:
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), param=field_of(exc)) from None
         stream = await engine.open(request)
         chunks = _chunks(request.request_id, stream)
         if body.stream:

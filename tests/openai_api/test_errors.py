@@ -155,17 +155,18 @@ def test_a_body_over_8_mib_is_413(gateway: LiveServer, client: openai.OpenAI,
     assert_healthy(gateway, client, base_model)
 
 
-
+@pytest.mark.parametrize("against", ["min_tokens", "grammar"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_constraints_that_allow_no_token_end_the_request_with_a_400(
         client: openai.OpenAI, gateway: LiveServer, base_model: str,
-        tokenizer: PreTrainedTokenizerBase, stream: bool) -> None:
-    # Only the end-of-sequence token is allowed, and min_tokens bans it: nothing may come
-    # next. The request ends with an error instead of emitting a forbidden token, and the
-    # requests beside it go on.
+        tokenizer: PreTrainedTokenizerBase, stream: bool, against: str) -> None:
+    # Only the end-of-sequence token is allowed, and min_tokens bans it, or the grammar
+    # wants a word first: nothing may come next. The request ends with an error instead of
+    # emitting a forbidden token, and the requests beside it go on.
     eos = tokenizer.eos_token_id
     assert eos is not None
-    changes: dict[str, Any] = {"allowed_token_ids": [eos], "min_tokens": 2}
+    changes: dict[str, Any] = {"allowed_token_ids": [eos], **(
+        {"min_tokens": 2} if against == "min_tokens" else {"guided_choice": ["hello"]})}
     body = {"model": base_model, "prompt": "hi", "max_tokens": 4, "stream": stream, **changes}
     with httpx.Client(base_url=gateway.url, timeout=30.0) as http:
         answer = http.post("/v1/completions", json=body)

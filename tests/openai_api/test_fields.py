@@ -127,6 +127,25 @@ def test_null_is_the_default_of_every_optional_field(endpoint: str) -> None:
             model.model_validate({**BASE[endpoint], required: None})
 
 
+def test_a_python_name_is_no_wire_name() -> None:
+    # structured_outputs' field json_ is sent as "json": "json_" would be dropped unread by
+    # pydantic (a constraint silently ignored), so it is refused as any unknown key.
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate({**BASE["chat"], "structured_outputs": {
+            "json_": {"type": "object"}}})
+    assert caught.value.errors()[0]["loc"] == ("structured_outputs", "json_")
+
+
+def test_negative_seeds_are_seeds_and_minus_one_is_none(client: openai.OpenAI,
+                                                        base_model: str) -> None:
+    def draw(seed: int) -> str:
+        return client.completions.create(model=base_model, prompt="Hi", max_tokens=8,
+                                         temperature=1.0, seed=seed, extra_body={
+                                             "ignore_eos": True}).choices[0].text
+    assert draw(-5) == draw(-5) == draw(2**64 - 5)  # the same bits, as vLLM reads them
+    assert len({draw(-1) for _ in range(3)}) > 1  # -1: no seed (vLLM's "random")
+
+
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_a_field_of_neither_schema_is_refused_naming_it(endpoint: str) -> None:
     model = ENDPOINTS[endpoint][0]
