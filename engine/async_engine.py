@@ -47,8 +47,10 @@ from lora.adapter_info import AdapterInfo
 
 T = TypeVar("T")
 TIMED_OUT_MESSAGE = "the request passed its deadline"
-PREPARING_THREADS = 2
-"""Threads that tokenize prompts and compile grammars off the event loop."""
+PREPARING_THREADS = 1
+"""Threads that tokenize prompts and compile grammars off the event loop: one, so that a
+flood of large grammars takes at most one core from the engine's steps (with two on a
+2-core host, a cached request beside 12 large compiles took 1.4 s instead of 0.15 s)."""
 
 
 class AsyncEngine:
@@ -78,7 +80,7 @@ class AsyncEngine:
         self.draining = False
         """Set when the engine drains: new requests are refused, open streams finish."""
         self._ids = itertools.count()
-        # Their own threads, not the loop's default pool (which serves other work of the
+        # Their own thread, not the loop's default pool (which serves other work of the
         # process): a flood of slow compiles waits here while cached requests go straight in.
         self._preparing = ThreadPoolExecutor(PREPARING_THREADS,
                                              thread_name_prefix="loragate-prepare")
