@@ -97,16 +97,22 @@ class RateLimiter:
             raise ApiError(429, f"tenant {tenant.tenant_id} has {tenant.max_concurrency} "
                            f"requests in flight (its max_concurrency)",
                            code="concurrency_limit_exceeded", headers={"Retry-After": "1"})
-        now = self.clock()
-        store, admission = await self._decide(self.store, lambda s: s.admit(
-            # The fallback cannot check revocation: it knows no keys.
-            principal.key_hash if s is self.store else None, tenant.tenant_id, tenant.rpm,
-            tenant.tpm, now))
-        if not admission.allowed:
-            if admission.reason == "revoked":
-                raise ApiError(401, "invalid API key", code="invalid_api_key")
-            raise self._refusal(tenant, admission)
+        # The slot is held across the store's round trip below: a burst that arrives while
+        # it is under way sees it taken (counted after it, all of a burst got in).
         self._in_flight[tenant.tenant_id] = self._in_flight.get(tenant.tenant_id, 0) + 1
+        try:
+            now = self.clock()
+            store, admission = await self._decide(self.store, lambda s: s.admit(
+                # The fallback cannot check revocation: it knows no keys.
+                principal.key_hash if s is self.store else None, tenant.tenant_id,
+                tenant.rpm, tenant.tpm, now))
+            if not admission.allowed:
+                if admission.reason == "revoked":
+                    raise ApiError(401, "invalid API key", code="invalid_api_key")
+                raise self._refusal(tenant, admission)
+        except BaseException:
+            self._in_flight[tenant.tenant_id] -= 1
+            raise
         return Ticket(principal, admission.second, store)
 
     async def reserve(self, ticket: Ticket | None, tokens: int) -> None:

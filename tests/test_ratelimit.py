@@ -167,6 +167,25 @@ def test_two_gateways_cannot_both_take_the_last_tokens(
     run(scenario())
 
 
+def test_a_burst_cannot_pass_max_concurrency_during_the_store_round_trip(
+        make_store: Callable[[], StateStore]) -> None:
+    # Eight requests at one instant: with Redis each admit awaits a round trip, and a slot
+    # counted only after it let all eight in. Refused ones give their slot back.
+    async def scenario() -> None:
+        lim = limiter(make_store(), Clock().at(5.0))
+        principal = caller(max_concurrency=2, rpm=1000)
+        results = await asyncio.gather(*(lim.admit(principal) for _ in range(8)),
+                                       return_exceptions=True)
+        admitted = [r for r in results if isinstance(r, Ticket)]
+        refused = [r for r in results if isinstance(r, ApiError)]
+        assert len(admitted) == 2 and {r.code for r in refused} == {"concurrency_limit_exceeded"}
+        for ticket in admitted:
+            await lim.release(ticket, 0, reached_engine=False)
+        assert isinstance(await lim.admit(principal), Ticket)  # the slots came back
+
+    run(scenario())
+
+
 def test_a_reservation_over_the_whole_tpm_is_refused_as_never_fitting(
         make_store: Callable[[], StateStore]) -> None:
     async def scenario() -> None:
