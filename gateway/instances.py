@@ -65,6 +65,19 @@ class Instance:
     kv_pools: dict[str, PoolSummary] = field(default_factory=dict)
     """Per pool (adapter name or "base")."""
     last_ok: float = 0.0
+    waits: set[asyncio.Timeout] = field(default_factory=set)
+    """The timeout scopes of this gateway's reads of its streams now waiting: ejecting the
+    instance ends them at once (a frozen engine answers nothing, not even an error)."""
+
+    def end_waits(self) -> None:
+        """Every read waiting on its streams raises TimeoutError now (the relay, seeing the
+        deadline not reached, retries elsewhere or ends the response). For an instance that
+        stopped answering but keeps its connections open (frozen): one whose connections
+        fail ends its streams itself (cancelling reads that are handling that failure would
+        race with it), and a draining one finishes them."""
+        now = asyncio.get_running_loop().time()
+        for scope in list(self.waits):
+            scope.reschedule(now)
 
     @property
     def resident(self) -> frozenset[str]:
@@ -154,11 +167,18 @@ class InstancePool:
             state = await instance.client.state(cursor)
         except EngineUnavailable as exc:
             instance.consecutive_failures += 1
-            if instance.consecutive_failures >= self.eject_after and instance.healthy:
+            if instance.consecutive_failures < self.eject_after:
+                return
+            if instance.healthy:
                 log.warning("ejecting %s after %d failed polls: %s", instance.instance_id,
                             instance.consecutive_failures, exc)
                 instance.healthy = False
                 self._forget(instance)
+            # Accepted the connection but did not answer: frozen (stopped, swapping, wedged),
+            # so its streams will not move either. One that refuses connections is draining
+            # (its streams still finish) or dead (they broke already).
+            if isinstance(exc.__cause__, TimeoutError):
+                instance.end_waits()
             return
         was_healthy = instance.healthy
         self._apply_state(instance, state)

@@ -310,10 +310,7 @@ class Gateway:
             try:
                 async with contextlib.aclosing(stream):
                     while True:
-                        # A timeout scope around the await only (no task per chunk, unlike
-                        # wait_for on 3.11); the loop clock is time.monotonic.
-                        async with asyncio.timeout_at(self._deadline(job)):
-                            chunk = await anext(stream)
+                        chunk = await self._next_chunk(job, instance, stream)
                         if chunk.error is not None:
                             log.warning("%s failed on %s: %s", job.request_id,
                                         instance.instance_id, chunk.error.message)
@@ -361,6 +358,26 @@ class Gateway:
             except ApiError as exc:
                 yield self._failed(job, exc.message, exc.code or "unavailable")
                 return
+
+    async def _next_chunk(self, job: Job, instance: Instance, stream: ChunkStream
+                          ) -> StreamChunk:
+        """The stream's next chunk: TimeoutError past the job's deadline, EngineUnavailable
+        when the instance is ejected for failing its polls meanwhile (a frozen engine would
+        hold the request until the deadline: Instance.end_waits)."""
+        # A timeout scope around the await only (no task per chunk, unlike wait_for on
+        # 3.11); the loop clock is time.monotonic.
+        deadline = self._deadline(job)
+        try:
+            async with asyncio.timeout_at(deadline) as scope:
+                instance.waits.add(scope)
+                try:
+                    return await anext(stream)
+                finally:
+                    instance.waits.discard(scope)
+        except TimeoutError:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise
+            raise EngineUnavailable(f"instance {instance.instance_id} was ejected") from None
 
     def _note_prefix_outcome(self, job: Job, last: StreamChunk) -> None:
         """Compare the prefix the router credited the instance with to what the engine read

@@ -38,6 +38,8 @@ class Servers:
     """Engine SIGKILLed by the crash test."""
     drained: LiveServer
     """Engine SIGTERMed by the engine drain test."""
+    frozen: LiveServer
+    """Engine SIGSTOPped (then resumed) by the freeze test."""
     pair_gw: LiveServer
     """Round robin over survivor and victim (crash and disconnect tests)."""
     lone_gw: LiveServer
@@ -51,6 +53,8 @@ class Servers:
     """Over `drained` only (its engine drains away: then no instance is ready)."""
     stopping_gw: LiveServer
     """Over survivor; SIGTERMed by the gateway drain test."""
+    frozen_gw: LiveServer
+    """Round robin over survivor and frozen, ejecting after one failed poll."""
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +73,17 @@ def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         return started[-1]
 
     try:
-        survivor, victim, drained = engine(), engine(), engine()
+        survivor, victim, drained, frozen = engine(), engine(), engine(), engine()
         all_ = Servers(
-            survivor, victim, drained,
+            survivor, victim, drained, frozen,
             pair_gw=gateway([survivor, victim], "--routing", "round_robin"),
             lone_gw=gateway([victim]),
             bounded_gw=gateway([survivor], "--max-in-flight-per-instance", "1"),
             timeout_gw=gateway([survivor], "--request-timeout-s", "0.25"),
             drained_gw=gateway([drained]),
-            stopping_gw=gateway([survivor]))
+            stopping_gw=gateway([survivor]),
+            frozen_gw=gateway([survivor, frozen], "--routing", "round_robin",
+                              "--eject-after-failures", "1"))
         for server in started:
             server.wait_ready()
         poll(lambda: all(i["healthy"] for i in instances(all_.pair_gw.url).values()),
@@ -214,6 +220,51 @@ def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Serv
         assert response.status_code == 200
         assert response.headers["x-loragate-instance"] == instance_tag(survivor.url)
     wait_engines_idle(survivor.url)
+
+
+def test_a_frozen_engine_is_ejected_and_its_requests_do_not_wait_for_it(
+        servers: Servers) -> None:
+    # SIGSTOP: the engine neither answers nor closes its connections. Its state poll times
+    # out and the gateway ejects it; the requests it holds must not wait for their deadline
+    # (600 s): those with tokens end with an error, the one still queued runs elsewhere.
+    survivor, frozen, gw = servers.survivor, servers.frozen, servers.frozen_gw
+    poll(lambda: all(i["healthy"] for i in instances(gw.url).values()),
+         "the gateway to see both engines")
+    wait_engines_idle(survivor.url, frozen.url)
+    max_tokens = 990
+    results = [StreamResult() for _ in range(6)]  # 3 per engine: 2 running, 1 queued
+
+    async def scenario() -> tuple[set[int], float]:
+        async with httpx.AsyncClient(timeout=120.0) as client:
+            tasks = [asyncio.create_task(_stream(
+                client, gw.url + "/v1/completions",
+                body(max_tokens, stream=True, prompt=[*PROMPT, i]), result))
+                for i, result in enumerate(results)]
+            await _until(lambda: sum(bool(r.events) for r in results
+                                     if r.instance == instance_tag(frozen.url)) == 2,
+                         "two streams with tokens from the engine to freeze")
+            frozen.process.send_signal(signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                started = {i for i, r in enumerate(results)
+                           if r.instance == instance_tag(frozen.url) and r.events}
+                await asyncio.wait_for(asyncio.gather(*tasks), 90.0)
+                return started, time.monotonic() - stopped_at
+            finally:
+                frozen.process.send_signal(signal.SIGCONT)
+
+    started, took = asyncio.run(scenario())
+    assert took < 60.0  # the control timeout (10 s) and a poll, not the request deadline
+    assert [r.status for r in results] == [200] * 6 and len(started) == 2
+    for i, result in enumerate(results):
+        if i in started:
+            error = result.events[-2]["error"]
+            assert error["message"].startswith("the engine instance failed mid-response")
+        else:  # survivor's own, and the frozen engine's queued one retried there
+            assert_completed(result.events, max_tokens)
+    assert "after 1 failed polls" in gw.log()  # ejected while frozen
+    poll(lambda: instances(gw.url)[frozen.url]["healthy"], "the resumed engine to be back")
+    wait_engines_idle(survivor.url, frozen.url)
 
 
 # ----------------------------------------------------------------- client disconnects
