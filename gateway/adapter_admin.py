@@ -138,6 +138,22 @@ def reachable(instance: Instance) -> bool:
     return instance.last_ok > 0 and instance.consecutive_failures == 0
 
 
+async def load_where_reachable(gw: Gateway, record: AdapterRecord) -> None:
+    """Register a new adapter on every engine that answers now, so that one refusing it (a
+    path outside its --adapter-root, a rank over its max) is a 400 here rather than a 500
+    on every later request; an engine that is down gets it when it comes up."""
+    for instance in list(gw.pool.instances.values()):
+        if not reachable(instance):
+            continue
+        try:
+            await load_checked(instance.client, record)
+        except EngineRejected as exc:
+            raise ApiError(400, f"an engine refused adapter {record.name!r}: {exc.message}",
+                           param="path") from None
+        except EngineUnavailable:
+            continue
+
+
 async def unload_everywhere(gw: Gateway, name: str) -> tuple[dict[str, str], list[str]]:
     """Ask every engine that reports ``name`` to unload it. Returns each engine's answer and
     the reachable engines that still hold it afterwards (in use there)."""

@@ -107,9 +107,10 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
         # A second name for an uploaded directory shares the upload (see adapter_admin).
         known = (await gw.view.store.snapshot()).adapters.values()
         upload_id = next((a.upload_id for a in known if a.path == path and a.upload_id), None)
-        return await record_adapter(gw, AdapterRecord(
-            body.name, path, body.owner, tuple(body.shared_with), digest=adapter.digest,
-            upload_id=upload_id))
+        record = AdapterRecord(body.name, path, body.owner, tuple(body.shared_with),
+                               digest=adapter.digest, upload_id=upload_id)
+        await lifecycle.load_where_reachable(gw, record)
+        return await record_adapter(gw, record)
 
     @router.post("/adapters/upload", status_code=201)
     async def upload_adapter(request: Request, gw: AdminGateway, name: str,

@@ -143,6 +143,20 @@ def test_tenants_see_and_call_only_their_adapters(setup: Setup,
     assert tenant_on_admin.status_code == 401
 
 
+def test_an_adapter_an_engine_refuses_is_a_400_at_registration(
+        setup: Setup, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Outside the engine's --adapter-root: refused there. Recorded anyway, every request
+    # for it would be a 500; the registration itself is the 400, and nothing is recorded.
+    outside = make_peft_adapter(tiny_model_dir, tmp_path_factory.mktemp("elsewhere") / "x",
+                                rank=4, target_modules=SUPPORTED_MODULES, seed=9)
+    response = admin(setup, "POST", "/admin/adapters", json={
+        "name": "outsider", "path": str(outside), "public": True})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "path" and "adapter roots" in error["message"]
+    assert admin(setup, "GET", "/admin/adapters/outsider").status_code == 404
+
+
 def test_tenants_never_share_prefix_blocks(setup: Setup, tenants: dict[str, str]) -> None:
     base = models(setup, tenants["alpha"])[0]
     assert complete(setup, tenants["alpha"], base, LONG_PROMPT).status_code == 200
