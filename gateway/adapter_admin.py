@@ -176,9 +176,11 @@ async def unload_everywhere(gw: Gateway, name: str) -> tuple[dict[str, str], lis
 
 
 async def drop(gw: Gateway, record: AdapterRecord, uploads: Path) -> None:
-    """Delete the record, then its upload directory if no other record names it."""
+    """Delete the record, then its upload directory if no other record names it; its usage
+    counts go too (an adapter registered later under the name starts from zero)."""
     await gw.view.store.delete_adapter(record.name)
     await gw.view.refresh()
+    gw.usage.pop(record.name, None)
     await remove_upload_dir(gw, record, uploads)
 
 
@@ -192,15 +194,18 @@ async def remove_upload_dir(gw: Gateway, record: AdapterRecord, uploads: Path) -
         await asyncio.to_thread(remove_tree, Path(record.path))
 
 
-async def finish_delete(gw: Gateway, name: str, uploads: Path) -> None:
+async def finish_delete(gw: Gateway, name: str, uploads: Path,
+                        gone: AdapterRecord | None = None) -> None:
     """Background: unload a pending-delete adapter once its requests end, then drop it.
     Gives up (leaving it pending, for a later DELETE) after the gateway's request timeout:
-    by then every request the gateways routed to it has ended."""
+    by then every request the gateways routed to it has ended. ``gone``: the record of one
+    whose record already left the store (its owner was deleted): unloaded all the same,
+    unless an adapter registered since took its name."""
     deadline = time.monotonic() + gw.config.request_timeout_s + 60
     while time.monotonic() < deadline:
         await asyncio.sleep(gw.config.poll_interval_s)
         try:
-            record = (await gw.view.store.snapshot()).adapters.get(name)
+            record = (await gw.view.store.snapshot()).adapters.get(name) or gone
             if record is None or not record.deleting:
                 return
             _, held = await unload_everywhere(gw, name)
@@ -214,11 +219,11 @@ async def finish_delete(gw: Gateway, name: str, uploads: Path) -> None:
 
 
 def start_finishing(tasks: dict[str, asyncio.Task[None]], gw: Gateway, name: str,
-                    uploads: Path) -> None:
+                    uploads: Path, gone: AdapterRecord | None = None) -> None:
     """One finish_delete task per name (a repeated DELETE does not start another)."""
     if name in tasks and not tasks[name].done():
         return
-    task = asyncio.get_running_loop().create_task(finish_delete(gw, name, uploads))
+    task = asyncio.get_running_loop().create_task(finish_delete(gw, name, uploads, gone))
     tasks[name] = task
     task.add_done_callback(lambda _: tasks.pop(name, None) if tasks.get(name) is task
                            else None)

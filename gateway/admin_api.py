@@ -95,7 +95,7 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
     finishing: dict[str, asyncio.Task[None]] = {}  # pending deletes, by name
 
     router = APIRouter(prefix="/admin", tags=["admin"])
-    router.include_router(build_tenant_router(uploads))
+    router.include_router(build_tenant_router(uploads, finishing))
 
     # ---------------------------------------------------------------- adapters
     @router.post("/adapters", status_code=201)

@@ -13,10 +13,10 @@ of the old one's adapters and hits none of its cached prefixes.
 
 from __future__ import annotations
 
-import functools
+import asyncio
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,8 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.http.errors import ApiError
-from engine.protocol import EngineClient
 from gateway import adapter_admin as lifecycle
-from gateway.admin_common import NAME_PATTERN, AdminGateway, get_tenant, on_instances
+from gateway.admin_common import NAME_PATTERN, AdminGateway, get_tenant
 from gateway.service import Gateway
 from gateway.tenancy import ApiKey, Tenant, hash_key, new_key
 
@@ -52,9 +51,11 @@ class TenantPatch(BaseModel):
     shared_salt: str | None = None
 
 
-def build_tenant_router(uploads: Path) -> APIRouter:
+def build_tenant_router(uploads: Path, finishing: dict[str, asyncio.Task[None]]
+                        ) -> APIRouter:
     """Tenant and key routes; ``uploads``: where uploaded adapters live (a deleted tenant's
-    uploads are removed)."""
+    uploads are removed); ``finishing``: the pending adapter deletes, by name (shared with
+    the adapter routes)."""
     router = APIRouter()  # included under /admin by gateway/admin_api.py
 
     @router.post("/tenants", status_code=201)
@@ -92,13 +93,19 @@ def build_tenant_router(uploads: Path) -> APIRouter:
         # Keys and owned adapters go with it; a tenant created later under this id gets a
         # new uid, hence a new cache salt: it inherits nothing.
         deleted = await gw.view.store.delete_tenant(tenant_id)
-        await gw.view.refresh()
-        unloaded = {name: await on_instances(gw, None, functools.partial(_unload, name))
-                    for name in deleted}
-        for name in deleted:  # uploaded copies go too
-            await lifecycle.remove_upload_dir(gw, records[name], uploads)
+        await gw.view.refresh()  # from here its adapters are unknown: new requests get 404
+        unloaded, pending = {}, []
+        for name in deleted:
+            gw.usage.pop(name, None)
+            unloaded[name], held = await lifecycle.unload_everywhere(gw, name)
+            if held:  # in use: unloaded (and its upload removed) when its requests end
+                pending.append(name)
+                lifecycle.start_finishing(finishing, gw, name, uploads,
+                                          gone=replace(records[name], deleting=True))
+            else:  # uploaded copies go too
+                await lifecycle.remove_upload_dir(gw, records[name], uploads)
         return {"tenant_id": tenant_id, "status": "deleted", "adapters_deleted": deleted,
-                "unloaded": unloaded}
+                "unloaded": unloaded, "adapters_pending_delete": pending}
 
     # -------------------------------------------------------------------- keys
     @router.post("/tenants/{tenant_id}/keys", status_code=201)
@@ -138,10 +145,6 @@ def _tenant(**fields: Any) -> Tenant:
         return Tenant(**fields)
     except (ValueError, TypeError) as exc:
         raise ApiError(400, str(exc)) from None
-
-
-async def _unload(name: str, client: EngineClient) -> None:
-    await client.unload_adapter(name)
 
 
 async def _get_key(gw: Gateway, tenant_id: str, key_id: str) -> ApiKey:

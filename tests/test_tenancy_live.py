@@ -202,6 +202,32 @@ def test_a_recreated_tenant_inherits_no_adapter_and_no_cached_prefix(setup: Setu
     assert engine_hits(setup) == before  # same id, new tenant: none of the old blocks
 
 
+def test_a_tenant_deleted_while_its_adapter_runs_unloads_it_when_the_request_ends(
+        setup: Setup) -> None:
+    key = new_tenant(setup, "busy")
+    response = admin(setup, "POST", "/admin/adapters", json={
+        "name": "busy-bot", "path": str(setup.adapters["b-bot"]), "owner": "busy"})
+    assert response.status_code == 201, response.text
+
+    def engine_holds(name: str) -> bool:
+        held = httpx.get(setup.engine.url + "/adapters", timeout=10.0).json()
+        return any(a["name"] == name for a in held)
+
+    body = {"model": "busy-bot", "prompt": "hello", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", setup.gateways[0].url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {key}"}, timeout=60.0) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        deleted = admin(setup, "DELETE", "/admin/tenants/busy")
+        assert deleted.status_code == 200, deleted.text
+        assert deleted.json()["adapters_pending_delete"] == ["busy-bot"]
+        assert engine_holds("busy-bot")  # its request still runs on it
+        rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and "error" not in rest[-2]  # and finishes
+    poll(lambda: not engine_holds("busy-bot"), "the engine to unload the deleted adapter")
+
+
 def test_shared_salt_must_be_a_safe_name(setup: Setup) -> None:
     refused = admin(setup, "POST", "/admin/tenants",
                     json={"tenant_id": "slash", "shared_salt": "a/b"})
