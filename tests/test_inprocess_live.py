@@ -146,15 +146,16 @@ def test_uploads_and_the_adapter_roots_hold_in_process(serve: LiveServer,
                         timeout=60)
     assert answer.status_code == 200, answer.text
     # A path outside the roots (here: the tiny model's other adapter, not given to serve)
-    # is refused by the engine, as an engine process would refuse it.
+    # is refused by the engine, as an engine process would refuse it: at registration.
     outside = httpx.post(serve.url + "/admin/adapters", json={
         "name": "outside", "path": str(tiny_adapters["a1"]), "public": True},
         headers=HEADERS, timeout=60)
-    assert outside.status_code == 201, outside.text
-    refused = httpx.post(serve.url + "/v1/completions", json=_body("outside", 3),
+    assert outside.status_code == 400, outside.text
+    assert outside.json()["error"]["param"] == "path"
+    assert "outside the engine's adapter roots" in outside.json()["error"]["message"]
+    unknown = httpx.post(serve.url + "/v1/completions", json=_body("outside", 3),
                          headers=HEADERS, timeout=60)
-    assert refused.status_code == 500
-    assert refused.json()["error"]["code"] == "adapter_load_failed"
+    assert unknown.status_code == 404  # nothing was recorded"
 
 
 def test_sigterm_drains_and_exits_cleanly(tiny_model_dir: Path, tmp_path: Path) -> None:
