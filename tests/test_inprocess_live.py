@@ -155,7 +155,7 @@ def test_uploads_and_the_adapter_roots_hold_in_process(serve: LiveServer,
     assert "outside the engine's adapter roots" in outside.json()["error"]["message"]
     unknown = httpx.post(serve.url + "/v1/completions", json=_body("outside", 3),
                          headers=HEADERS, timeout=60)
-    assert unknown.status_code == 404  # nothing was recorded"
+    assert unknown.status_code == 404  # nothing was recorded
 
 
 def test_sigterm_drains_and_exits_cleanly(tiny_model_dir: Path, tmp_path: Path) -> None:
