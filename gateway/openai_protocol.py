@@ -33,12 +33,11 @@ from pydantic import (
 
 from engine.generation_defaults import SamplingDefaults
 from engine.http.json_numbers import Float, Int
-from engine.invalid_field import InvalidField
 from engine.sampling_params import MIN_REPETITION_PENALTY
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
 from gateway.openai_fields import StrictRequest, Unsupported
-from gateway.openai_structured import ResponseFormat, StructuredOutputs, schema_text
+from gateway.openai_structured import ResponseFormat, StructuredOutputs, field_constraint
 from gateway.openai_text import Text, valid_text
 
 MAX_STOP_STRINGS = 16
@@ -230,40 +229,18 @@ class SamplingFields(StrictRequest):
         """Each structured-output field and the constraint it asks for (None: none); a
         constraint that cannot be is an InvalidField naming its field."""
         fmt, so = self.response_format, self.structured_outputs
-        from_format = None
-        if fmt is not None and fmt.type == "json_object":
-            from_format = StructuredOutput("json_object")
-        elif fmt is not None and fmt.json_schema is not None:
-            from_format = _spec("response_format", "json", fmt.json_schema.schema_)
-        from_vllm = None
-        if so is not None:
-            compact = so.disable_any_whitespace
-            options = [_spec("structured_outputs", "json", so.json_,
-                             any_whitespace=not compact)
-                       if so.json_ is not None else None,
-                       _spec("structured_outputs", "regex", so.regex)
-                       if so.regex is not None else None,
-                       _spec("structured_outputs", "choice", choices=tuple(so.choice))
-                       if so.choice is not None else None,
-                       _spec("structured_outputs", "grammar", so.grammar)
-                       if so.grammar is not None else None,
-                       StructuredOutput("json_object", any_whitespace=not compact)
-                       if so.json_object else None]
-            chosen = [o for o in options if o is not None]
-            if len(chosen) > 1:
-                raise ValueError("structured_outputs takes one of json, regex, choice, "
-                                 "grammar, json_object")
-            from_vllm = chosen[0] if chosen else None
+        from_format = None if fmt is None else fmt.constraint()
+        from_vllm = None if so is None else so.constraint()
         return [
             ("response_format", from_format), ("structured_outputs", from_vllm),
             ("guided_json", None if self.guided_json is None else
-             _spec("guided_json", "json", self.guided_json)),
+             field_constraint("guided_json", "json", self.guided_json)),
             ("guided_regex", None if self.guided_regex is None else
-             _spec("guided_regex", "regex", self.guided_regex)),
+             field_constraint("guided_regex", "regex", self.guided_regex)),
             ("guided_choice", None if self.guided_choice is None else
-             _spec("guided_choice", "choice", choices=tuple(self.guided_choice))),
+             field_constraint("guided_choice", "choice", choices=tuple(self.guided_choice))),
             ("guided_grammar", None if self.guided_grammar is None else
-             _spec("guided_grammar", "grammar", self.guided_grammar)),
+             field_constraint("guided_grammar", "grammar", self.guided_grammar)),
         ]
 
     def structured_output(self) -> StructuredOutput | None:
@@ -287,18 +264,6 @@ class SamplingFields(StrictRequest):
         if options is None or not options.include_usage:
             return "none"
         return "every_chunk" if options.continuous_usage_stats else "last_chunk"
-
-
-def _spec(field: str, kind: str, spec: str | dict[str, Any] = "",
-          choices: tuple[str, ...] = (), any_whitespace: bool = True) -> StructuredOutput:
-    """The constraint ``field`` asks for (``spec``: a JSON schema as an object or text for
-    "json"); InvalidField(field) when it cannot be one."""
-    try:
-        text = schema_text(spec) if kind == "json" else spec
-        assert isinstance(text, str)
-        return StructuredOutput(kind, text, choices, any_whitespace)
-    except ValueError as exc:
-        raise InvalidField(field, str(exc)) from None
 
 
 Prompt = str | list[int]

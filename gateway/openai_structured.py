@@ -1,6 +1,7 @@
 """Structured-output request fields of the OpenAI-compatible API: OpenAI's response_format
 and vLLM's structured_outputs object (pydantic: only at this edge). Which one constraint a
-request asks for is decided by SamplingFields (gateway/openai_protocol.py)."""
+request asks for is decided by SamplingFields (gateway/openai_protocol.py); each field here
+turns into its StructuredOutput, an InvalidField naming the field when it cannot be one."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
-from engine.structured_output import MAX_SPEC_CHARS
+from engine.invalid_field import InvalidField
+from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
 from gateway.openai_fields import StrictRequest, Unsupported
 from gateway.openai_text import Text
@@ -22,6 +24,19 @@ def schema_text(schema: dict[str, Any] | str) -> str:
     if len(text) > MAX_SPEC_CHARS:
         raise ValueError(f"a JSON schema may have at most {MAX_SPEC_CHARS} characters")
     return text
+
+
+def field_constraint(field: str, kind: str, spec: str | dict[str, Any] = "",
+                     choices: tuple[str, ...] = (),
+                     any_whitespace: bool = True) -> StructuredOutput:
+    """The constraint ``field`` asks for (``spec``: a JSON schema as an object or text for
+    "json"); InvalidField(field) when it cannot be one."""
+    try:
+        text = schema_text(spec) if kind == "json" else spec
+        assert isinstance(text, str)
+        return StructuredOutput(kind, text, choices, any_whitespace)
+    except ValueError as exc:
+        raise InvalidField(field, str(exc)) from None
 
 
 class JsonSchemaFormat(BaseModel):
@@ -47,6 +62,14 @@ class ResponseFormat(BaseModel):
             raise ValueError("json_schema is given with type json_schema, and only then")
         return self
 
+    def constraint(self) -> StructuredOutput | None:
+        """The constraint this format asks for (None: plain text)."""
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.json_schema is not None:
+            return field_constraint("response_format", "json", self.json_schema.schema_)
+        return None
+
 
 class StructuredOutputs(StrictRequest):
     """vLLM's structured_outputs object: exactly one constraint."""
@@ -65,3 +88,22 @@ class StructuredOutputs(StrictRequest):
     disable_fallback: StrictBool = False
     """Either value: xgrammar is the only backend, so there is nothing to fall back to."""
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.STRUCTURED_OUTPUTS
+
+    def constraint(self) -> StructuredOutput | None:
+        """The one constraint given (None: none); ValueError when more than one is."""
+        whitespace = not self.disable_any_whitespace
+        field = "structured_outputs"
+        options = [
+            None if self.json_ is None else
+            field_constraint(field, "json", self.json_, any_whitespace=whitespace),
+            None if self.regex is None else field_constraint(field, "regex", self.regex),
+            None if self.choice is None else
+            field_constraint(field, "choice", choices=tuple(self.choice)),
+            None if self.grammar is None else field_constraint(field, "grammar", self.grammar),
+            StructuredOutput("json_object", any_whitespace=whitespace)
+            if self.json_object else None]
+        chosen = [option for option in options if option is not None]
+        if len(chosen) > 1:
+            raise ValueError("structured_outputs takes one of json, regex, choice, grammar, "
+                             "json_object")
+        return chosen[0] if chosen else None

@@ -6,11 +6,13 @@ value it saw when the deadline passes.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
@@ -106,3 +108,47 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(found.get(k) == v for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    """The error object of an OpenAI-style error body (which holds nothing else)."""
+    payload = response.json()
+    assert set(payload) == {"error"}, payload
+    return dict(payload["error"])
+
+
+@dataclass
+class StreamResult:
+    """What stream_into saw of one streamed response."""
+
+    status: int = 0
+    instance: str = ""
+    events: list[Any] = field(default_factory=list)
+    truncated: bool = False
+    """The connection closed before the response's end (no error event, no [DONE])."""
+
+
+async def stream_into(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
+                      result: StreamResult) -> None:
+    """POST payload and collect the SSE events into result as they come (a test can watch
+    result while the stream runs)."""
+    async with client.stream("POST", url, json=payload) as response:
+        result.status = response.status_code
+        result.instance = response.headers.get("x-loragate-instance", "")
+        try:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: "):]
+                    result.events.append(data if data == "[DONE]" else json.loads(data))
+        except httpx.RemoteProtocolError:
+            result.truncated = True
+
+
+async def until_async(check: Callable[[], Any], what: str,
+                      timeout_s: float = DEADLINE_S) -> None:
+    """poll for a coroutine: yields to the event loop between checks."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)

@@ -9,11 +9,10 @@ so a third and fourth request on one engine wait in its queue without a token.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,17 @@ import httpx
 import pytest
 
 from gateway.exposure import instance_tag
-from tests.live_http import instances, metric, poll, sse_events, wait_engines_idle
+from tests.live_http import (
+    StreamResult,
+    error_of,
+    instances,
+    metric,
+    poll,
+    sse_events,
+    stream_into,
+    until_async,
+    wait_engines_idle,
+)
 from tests.live_servers import LiveServer, start_engine, start_gateway
 
 MODEL = "tiny"
@@ -103,12 +112,6 @@ def body(max_tokens: int, stream: bool = False, prompt: list[int] | None = None,
     return b
 
 
-def error_of(response: httpx.Response) -> dict[str, Any]:
-    payload = response.json()
-    assert set(payload) == {"error"}, payload
-    return dict(payload["error"])
-
-
 def assert_completed(events: list[Any], max_tokens: int) -> None:
     """A stream that ended normally: tokens, finish_reason "length", usage, [DONE]."""
     assert events[-1] == "[DONE]"
@@ -126,37 +129,6 @@ def generated(engine: LiveServer) -> float:
 
 
 # ------------------------------------------------------------------------ engine crash
-@dataclass
-class StreamResult:
-    status: int = 0
-    instance: str = ""
-    events: list[Any] = field(default_factory=list)
-    truncated: bool = False
-    """The connection closed before the response's end (no error event, no [DONE])."""
-
-
-async def _stream(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
-                  result: StreamResult) -> None:
-    async with client.stream("POST", url, json=payload) as response:
-        result.status = response.status_code
-        result.instance = response.headers.get("x-loragate-instance", "")
-        try:
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    data = line[len("data: "):]
-                    result.events.append(data if data == "[DONE]" else json.loads(data))
-        except httpx.RemoteProtocolError:
-            result.truncated = True
-
-
-async def _until(check: Any, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
-
-
 def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Servers) -> None:
     survivor, victim, gw = servers.survivor, servers.victim, servers.pair_gw
     wait_engines_idle(survivor.url, victim.url)
@@ -168,18 +140,18 @@ def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Serv
 
     async def scenario() -> set[int]:
         async with httpx.AsyncClient(timeout=60.0) as client:
-            tasks = [asyncio.create_task(_stream(
+            tasks = [asyncio.create_task(stream_into(
                 client, gw.url + "/v1/completions",
                 body(max_tokens, stream=True, prompt=[*PROMPT, i], logprobs=0), result))
                 for i, result in enumerate(results)]
             # Round robin: 4 streams per engine, 2 running (tokens flowing) and 2 queued.
-            await _until(lambda: sum(bool(r.events) for r in results
+            await until_async(lambda: sum(bool(r.events) for r in results
                                      if r.instance == instance_tag(victim.url)) == 2,
                          "two streams with tokens from the victim")
-            tasks.append(asyncio.create_task(_stream(
+            tasks.append(asyncio.create_task(stream_into(
                 client, servers.lone_gw.url + "/v1/completions",
                 body(max_tokens, stream=True), lone)))
-            await _until(lambda: lone.status != 0, "the victim to accept the lone stream")
+            await until_async(lambda: lone.status != 0, "the victim to accept the lone stream")
             victim.kill()
             started_on_victim = {i for i, r in enumerate(results)
                                  if r.instance == instance_tag(victim.url) and r.events}
@@ -236,11 +208,11 @@ def test_a_frozen_engine_is_ejected_and_its_requests_do_not_wait_for_it(
 
     async def scenario() -> tuple[set[int], float]:
         async with httpx.AsyncClient(timeout=120.0) as client:
-            tasks = [asyncio.create_task(_stream(
+            tasks = [asyncio.create_task(stream_into(
                 client, gw.url + "/v1/completions",
                 body(max_tokens, stream=True, prompt=[*PROMPT, i]), result))
                 for i, result in enumerate(results)]
-            await _until(lambda: sum(bool(r.events) for r in results
+            await until_async(lambda: sum(bool(r.events) for r in results
                                      if r.instance == instance_tag(frozen.url)) == 2,
                          "two streams with tokens from the engine to freeze")
             frozen.process.send_signal(signal.SIGSTOP)
