@@ -13,8 +13,10 @@ instance can serve any adapter; which ones are resident in its slots is the rout
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -65,19 +67,43 @@ class Instance:
     kv_pools: dict[str, PoolSummary] = field(default_factory=dict)
     """Per pool (adapter name or "base")."""
     last_ok: float = 0.0
-    waits: set[asyncio.Timeout] = field(default_factory=set)
-    """The timeout scopes of this gateway's reads of its streams now waiting: ejecting the
-    instance ends them at once (a frozen engine answers nothing, not even an error)."""
+    waits: dict[asyncio.Timeout, float] = field(default_factory=dict)
+    """The timeout scopes of this gateway's waits on the instance now pending (opening a
+    request, loading its adapter, reading its stream), each with the loop time it began:
+    a frozen engine answers nothing, not even an error, so ejecting it ends them."""
 
-    def end_waits(self) -> None:
-        """Every read waiting on its streams raises TimeoutError now (the relay, seeing the
-        deadline not reached, retries elsewhere or ends the response). For an instance that
-        stopped answering but keeps its connections open (frozen): one whose connections
-        fail ends its streams itself (cancelling reads that are handling that failure would
+    @contextlib.asynccontextmanager
+    async def watched(self, deadline: float) -> AsyncIterator[None]:
+        """Wait on the instance until ``deadline`` (loop time): TimeoutError past it, and
+        EngineUnavailable when end_waits ends the wait earlier."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(deadline) as scope:
+                self.waits[scope] = loop.time()
+                try:
+                    yield
+                finally:
+                    self.waits.pop(scope, None)
+        except TimeoutError:
+            if loop.time() >= deadline:
+                raise
+            raise EngineUnavailable(f"instance {self.instance_id} stopped answering and was "
+                                    f"ejected") from None
+
+    def end_waits(self, began_before: float) -> None:
+        """Every wait pending since before ``began_before`` (loop time) ends now (see
+        watched). Called when a state call begun then timed out: nothing came from the
+        instance since, so it is frozen; a wait that began later saw the instance answer
+        more recently (a busy, not a frozen, engine) and goes on. Only for an instance
+        that stopped answering but keeps its connections open: one whose connections fail
+        ends its streams itself (cancelling reads that are handling that failure would
         race with it), and a draining one finishes them."""
         now = asyncio.get_running_loop().time()
-        for scope in list(self.waits):
-            scope.reschedule(now)
+        for scope, began in list(self.waits.items()):
+            # A scope whose own deadline fired this loop turn is expiring already
+            # (reschedule would refuse it): it ends by itself.
+            if began < began_before and not scope.expired():
+                scope.reschedule(now)
 
     @property
     def resident(self) -> frozenset[str]:
@@ -162,6 +188,7 @@ class InstancePool:
         self._forget(instance)
 
     async def _poll_one(self, instance: Instance) -> None:
+        began = asyncio.get_running_loop().time()
         try:
             cursor = self.index.cursor(instance.instance_id) if self.index else 0
             state = await instance.client.state(cursor)
@@ -174,11 +201,8 @@ class InstancePool:
                             instance.consecutive_failures, exc)
                 instance.healthy = False
                 self._forget(instance)
-            # Accepted the connection but did not answer: frozen (stopped, swapping, wedged),
-            # so its streams will not move either. One that refuses connections is draining
-            # (its streams still finish) or dead (they broke already).
-            if isinstance(exc.__cause__, TimeoutError):
-                instance.end_waits()
+            if _frozen(exc):
+                instance.end_waits(began)
             return
         was_healthy = instance.healthy
         self._apply_state(instance, state)
@@ -250,3 +274,13 @@ class InstancePool:
             except (EngineRejected, EngineUnavailable) as exc:
                 log.error("instance %s refused adapter %s (%s): %s", instance.instance_id,
                           name, path, exc)
+
+
+def _frozen(failure: EngineUnavailable) -> bool:
+    """The state call reached the engine, which then did not answer in time: frozen
+    (stopped, swapping, wedged), so its streams will not move either. aiohttp's own timeout
+    errors are not that: a connection that could not be opened (connect timeout) or that
+    waited for a free one in the gateway's pool (the pool full of streams). One that
+    refuses connections is draining (its streams still finish) or dead (they broke)."""
+    cause = failure.__cause__
+    return isinstance(cause, TimeoutError) and not isinstance(cause, aiohttp.ClientError)

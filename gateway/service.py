@@ -34,10 +34,10 @@ from gateway.instances import Instance, InstancePool
 from gateway.job import Claim, Job, Outcome, tier_share
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter
-from gateway.router import Candidate, Router
+from gateway.route_inputs import candidates, note_prefix_outcome, prefix_chain
+from gateway.router import Router
 from gateway.tenancy import derive_cache_salt
 from lora.adapter_info import AdapterInfo
-from prefix_cache.hashing import request_extra_keys
 
 log = logging.getLogger(__name__)
 
@@ -204,46 +204,19 @@ class Gateway:
         return min(sizes) if sizes else 0
 
     # ---------------------------------------------------------------- routing
-    def _prefix_chain(self, job: Job) -> list[tuple[int, int]] | None:
-        """The request's sparse chain in the router's prefix index (None: not routing by
-        prefix, no engine has reported its block size yet, or the adapter's digest is not
-        known yet: no engine has loaded it, so no engine can hold its blocks)."""
-        index = self.pool.index
-        if index is None or self.config.prefix_weight <= 0:
-            return None
-        lora = None
-        if job.adapter is not None:
-            digest = self.pool.digest_of(job.adapter)
-            if digest is None:
-                return None
-            lora = (job.adapter, digest)
-        return index.request_chain(job.request.prompt_token_ids,
-                                   request_extra_keys(lora=lora,
-                                                      cache_salt=job.request.cache_salt))
-
-    def _candidates(self, job: Job, instances: list[Instance],
-                    chain: list[tuple[int, int]] | None) -> list[Candidate]:
-        matched: dict[str, int] = {}
-        if chain is not None and self.pool.index is not None:
-            matched = self.pool.index.match(chain, [i.instance_id for i in instances])
-        bound = max(1, int(self.config.max_in_flight_per_instance * job.claim.admission_share))
-        return [Candidate(
-            instance_id=i.instance_id, in_flight=i.in_flight, max_in_flight=bound,
-            max_num_seqs=i.max_num_seqs, kv_usage=i.kv_usage, max_loras=i.max_loras,
-            resident=i.resident, busy_adapters=i.busy_adapters,
-            matched_tokens=matched.get(i.instance_id, 0)) for i in instances]
-
     def _route(self, job: Job, tried: set[str]) -> Instance:
         instances = [i for i in self.pool.healthy() if i.instance_id not in tried]
         if not instances:
             raise self._no_instance()
-        chain = self._prefix_chain(job)
+        chain = prefix_chain(self.pool, self.config, job)
+        prompt_len = len(job.request.prompt_token_ids)
         same = [i for i in instances if i.instance_id == job.prefer]
-        decision = self.router.choose(self._candidates(job, same, chain), job.adapter,
-                                      len(job.request.prompt_token_ids)) if same else None
+        decision = self.router.choose(candidates(self.pool, self.config, job, same, chain),
+                                      job.adapter, prompt_len) if same else None
         if decision is None:  # no preference, or that instance is gone or full
-            decision = self.router.choose(self._candidates(job, instances, chain),
-                                          job.adapter, len(job.request.prompt_token_ids))
+            decision = self.router.choose(
+                candidates(self.pool, self.config, job, instances, chain), job.adapter,
+                prompt_len)
         if decision is None:
             raise ApiError(429, "every engine instance is at its admission limit; retry "
                            "later", code="overloaded",
@@ -279,12 +252,14 @@ class Gateway:
             job.instance_id = instance.instance_id
             instance.in_flight += 1
             try:
-                if job.adapter is not None:
-                    await self.ensure_adapter(instance, job.adapter)
-                async with asyncio.timeout_at(self._deadline(job)):
+                async with instance.watched(self._deadline(job)):
+                    if job.adapter is not None:
+                        await self.ensure_adapter(instance, job.adapter)
                     return instance, await instance.client.open(job.request)
             except EngineUnavailable as exc:
                 instance.in_flight -= 1
+                # A frozen engine may run it when it wakes: nobody would read it.
+                self._later(instance.client.abort(job.request_id))
                 self.pool.mark_failed(instance, str(exc))
                 self.metrics.retries.labels(type(exc).__name__).inc()
                 log.warning("retrying %s elsewhere: %s", job.request_id, exc)
@@ -325,7 +300,7 @@ class Gateway:
                             yield earlier
                         tokens_sent = tokens_sent or bool(chunk.delta_token_ids)
                         if chunk.finished:
-                            self._note_prefix_outcome(job, chunk)
+                            note_prefix_outcome(self.pool, self.metrics, job, chunk)
                         yield chunk
                         if chunk.finished:
                             return
@@ -362,40 +337,11 @@ class Gateway:
     async def _next_chunk(self, job: Job, instance: Instance, stream: ChunkStream
                           ) -> StreamChunk:
         """The stream's next chunk: TimeoutError past the job's deadline, EngineUnavailable
-        when the instance is ejected for failing its polls meanwhile (a frozen engine would
-        hold the request until the deadline: Instance.end_waits)."""
+        when the instance is ejected as frozen meanwhile (Instance.watched)."""
         # A timeout scope around the await only (no task per chunk, unlike wait_for on
         # 3.11); the loop clock is time.monotonic.
-        deadline = self._deadline(job)
-        try:
-            async with asyncio.timeout_at(deadline) as scope:
-                instance.waits.add(scope)
-                try:
-                    return await anext(stream)
-                finally:
-                    instance.waits.discard(scope)
-        except TimeoutError:
-            if asyncio.get_running_loop().time() >= deadline:
-                raise
-            raise EngineUnavailable(f"instance {instance.instance_id} was ejected") from None
-
-    def _note_prefix_outcome(self, job: Job, last: StreamChunk) -> None:
-        """Compare the prefix the router credited the instance with to what the engine read
-        from its cache (a stale route: the index believed in blocks it no longer had)."""
-        index = self.pool.index
-        if (index is None or job.decision is None or last.error is not None
-                or job.request.params.prompt_logprobs is not None):  # computed, not read
-            return
-        block = index.block_size
-        # An engine always leaves the prompt's last token to compute.
-        credited = min(job.decision.matched_tokens,
-                       (len(job.request.prompt_token_ids) - 1) // block * block)
-        found = min(credited, last.cached_tokens)
-        self.metrics.prefix_credited.inc(credited)
-        self.metrics.prefix_found.inc(found)
-        self.metrics.prefix_cached.inc(last.cached_tokens)
-        if found < credited:
-            self.metrics.stale_routes.inc()
+        async with instance.watched(self._deadline(job)):
+            return await anext(stream)
 
     def _deadline(self, job: Job) -> float:
         return job.arrival + self.config.request_timeout_s

@@ -1,0 +1,90 @@
+"""Ending the waits on an instance that stopped answering (gateway/instances.py): which
+waits end, which go on, and which state-call failures count as frozen."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from engine.protocol import EngineUnavailable
+from gateway.engine_client import HttpEngineClient
+from gateway.instances import Instance, _frozen
+
+
+async def _instance() -> tuple[Instance, aiohttp.ClientSession]:
+    session = aiohttp.ClientSession()
+    return Instance("http://127.0.0.1:9", HttpEngineClient("http://127.0.0.1:9", session)), \
+        session
+
+
+def test_waits_begun_before_the_failed_call_end_and_later_ones_go_on() -> None:
+    async def scenario() -> tuple[list[str], int]:
+        instance, session = await _instance()
+        loop = asyncio.get_running_loop()
+        outcomes: list[str] = []
+
+        async def wait(label: str) -> None:
+            try:
+                async with instance.watched(loop.time() + 30.0):
+                    await asyncio.sleep(30.0)
+                outcomes.append(f"{label}: finished")
+            except EngineUnavailable:
+                outcomes.append(f"{label}: ejected")
+
+        old = asyncio.create_task(wait("old"))
+        await asyncio.sleep(0.05)
+        began = loop.time()
+        await asyncio.sleep(0.05)
+        new = asyncio.create_task(wait("new"))
+        await asyncio.sleep(0.05)
+        assert len(instance.waits) == 2
+        instance.end_waits(began)
+        await asyncio.wait_for(old, 5.0)
+        pending = len(instance.waits)
+        new.cancel()
+        await asyncio.gather(new, return_exceptions=True)
+        await session.close()
+        return outcomes, pending
+
+    outcomes, pending = asyncio.run(scenario())
+    assert outcomes == ["old: ejected"]
+    assert pending == 1  # the later wait is still there, and is gone once it ended
+
+
+def test_a_wait_whose_deadline_fires_in_the_same_turn_times_out() -> None:
+    async def scenario() -> BaseException | None:
+        instance, session = await _instance()
+        loop = asyncio.get_running_loop()
+
+        async def wait() -> None:
+            async with instance.watched(loop.time() + 0.01):
+                await asyncio.sleep(5.0)
+
+        task = asyncio.create_task(wait())
+        await asyncio.sleep(0)  # the wait begins
+        time.sleep(0.05)  # its deadline passes while the loop is blocked
+        await asyncio.sleep(0)  # the loop's next turn runs the deadline's callback ...
+        await asyncio.sleep(0)  # ... and this, before the wait's task resumes
+        instance.end_waits(loop.time() + 1.0)  # the scope is expiring: left alone
+        outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+        assert not instance.waits
+        await session.close()
+        return outcome
+
+    assert isinstance(asyncio.run(scenario()), TimeoutError)
+
+
+def test_only_an_engine_that_took_the_call_and_said_nothing_is_frozen() -> None:
+    def failure(cause: BaseException) -> EngineUnavailable:
+        try:
+            raise EngineUnavailable("state failed") from cause
+        except EngineUnavailable as exc:
+            return exc
+
+    assert _frozen(failure(TimeoutError()))  # the total timeout on an open connection
+    # No free connection in the gateway's pool, or none could be opened: not frozen.
+    assert not _frozen(failure(aiohttp.ConnectionTimeoutError("pool wait")))
+    assert not _frozen(failure(aiohttp.ServerTimeoutError("connect")))
+    assert not _frozen(failure(ConnectionRefusedError()))
