@@ -191,21 +191,32 @@ def _json(text: str) -> Any:
 
 
 def _array_prefix(text: str) -> list[Any]:
-    """The complete items of a compact JSON array that may be cut short:
-    '[{"a":1},{"b":2},{"c' gives [{"a": 1}, {"b": 2}]."""
+    """The complete items of a JSON array that may be cut short, whatever whitespace lies
+    between its tokens (the forced array's grammar writes ", " between items):
+    '[{"a":1}, {"b":2}, {"c' gives [{"a": 1}, {"b": 2}]."""
     decoder = json.JSONDecoder()
     items: list[Any] = []
-    at = 1 if text.startswith("[") else len(text)
-    while at < len(text):
+    stripped = text.lstrip()
+    at = 1 if stripped.startswith("[") else len(stripped)
+    while at < len(stripped):
+        at = _skip_space(stripped, at)
         try:
-            item, at = decoder.raw_decode(text, at)
+            item, at = decoder.raw_decode(stripped, at)
         except ValueError:
             break
         items.append(item)
-        if text[at:at + 1] != ",":
+        at = _skip_space(stripped, at)
+        if stripped[at:at + 1] != ",":
             break
         at += 1
     return items
+
+
+def _skip_space(text: str, at: int) -> int:
+    """The first index at or after ``at`` that is not JSON whitespace."""
+    while at < len(text) and text[at] in " \t\n\r":
+        at += 1
+    return at
 
 
 def _call(name: str, arguments: Any) -> dict[str, Any]:

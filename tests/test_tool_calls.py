@@ -67,10 +67,11 @@ def test_forced_calls_parse_their_constrained_output() -> None:
     assert ToolPlan((WEATHER,), "none").parse("hi") == ("hi", [])
 
 
-def test_a_forced_array_cut_short_keeps_the_calls_it_completed() -> None:
+@pytest.mark.parametrize("comma", [",", ", ", " ,\n  "])  # ", ": the grammar's separator
+def test_a_forced_array_cut_short_keeps_the_calls_it_completed(comma: str) -> None:
     required = ToolPlan((WEATHER, ADD), "required")
-    whole = '{"name":"add","arguments":{"a":1,"b":2}}'
-    cut = f'[{whole},{whole.replace("1", "5")},{{"name":"get_weather","argu'
+    whole = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    cut = f'[{whole}{comma}{whole.replace("1", "5")}{comma}{{"name": "get_weather", "argu'
     content, found = required.parse_cut(cut)
     assert content is None
     assert _calls(found) == [("add", {"a": 1, "b": 2}), ("add", {"a": 5, "b": 2})]
