@@ -138,20 +138,41 @@ def reachable(instance: Instance) -> bool:
     return instance.last_ok > 0 and instance.consecutive_failures == 0
 
 
-async def load_where_reachable(gw: Gateway, record: AdapterRecord) -> None:
-    """Register a new adapter on every engine that answers now, so that one refusing it (a
-    path outside its --adapter-root, a rank over its max) is a 400 here rather than a 500
-    on every later request; an engine that is down gets it when it comes up."""
+async def load_where_reachable(gw: Gateway, record: AdapterRecord) -> list[Instance]:
+    """Load a new adapter on every engine that answers now, so that one refusing it (a path
+    outside its --adapter-root, a rank over its max) is a 400 naming ``path`` here rather
+    than a 500 on every later request; 409 while an engine still runs requests on an
+    adapter of that name. Refused anywhere: unloaded again wherever it was loaded. Returns
+    the instances that loaded it (an engine down now gets it when it comes up; should it
+    refuse it then, requests routed there fail)."""
+    loaded: list[Instance] = []
     for instance in list(gw.pool.instances.values()):
         if not reachable(instance):
             continue
         try:
             await load_checked(instance.client, record)
-        except EngineRejected as exc:
-            raise ApiError(400, f"an engine refused adapter {record.name!r}: {exc.message}",
-                           param="path") from None
         except EngineUnavailable:
             continue
+        except EngineRejected as exc:
+            await unload_from(loaded, record.name)
+            if exc.status == 409:
+                raise ApiError(409, f"adapter {record.name!r} cannot be loaded on an engine "
+                               f"now: {exc.message}", code=exc.code or "conflict") from None
+            raise ApiError(400, f"an engine refused adapter {record.name!r}: {exc.message}",
+                           param="path") from None
+        loaded.append(instance)
+    return loaded
+
+
+async def unload_from(instances: list[Instance], name: str) -> None:
+    """Best effort: undo a load that will not be recorded (a gateway's ensure_adapter
+    loads the registered content again wherever this takes away what it needs)."""
+    for instance in instances:
+        try:
+            await instance.client.unload_adapter(name)
+        except (EngineRejected, EngineUnavailable) as exc:
+            log.warning("could not unload adapter %s from %s again: %s", name,
+                        instance.instance_id, exc)
 
 
 async def unload_everywhere(gw: Gateway, name: str) -> tuple[dict[str, str], list[str]]:
@@ -194,18 +215,15 @@ async def remove_upload_dir(gw: Gateway, record: AdapterRecord, uploads: Path) -
         await asyncio.to_thread(remove_tree, Path(record.path))
 
 
-async def finish_delete(gw: Gateway, name: str, uploads: Path,
-                        gone: AdapterRecord | None = None) -> None:
+async def finish_delete(gw: Gateway, name: str, uploads: Path) -> None:
     """Background: unload a pending-delete adapter once its requests end, then drop it.
     Gives up (leaving it pending, for a later DELETE) after the gateway's request timeout:
-    by then every request the gateways routed to it has ended. ``gone``: the record of one
-    whose record already left the store (its owner was deleted): unloaded all the same,
-    unless an adapter registered since took its name."""
+    by then every request the gateways routed to it has ended."""
     deadline = time.monotonic() + gw.config.request_timeout_s + 60
     while time.monotonic() < deadline:
         await asyncio.sleep(gw.config.poll_interval_s)
         try:
-            record = (await gw.view.store.snapshot()).adapters.get(name) or gone
+            record = (await gw.view.store.snapshot()).adapters.get(name)
             if record is None or not record.deleting:
                 return
             _, held = await unload_everywhere(gw, name)
@@ -219,11 +237,11 @@ async def finish_delete(gw: Gateway, name: str, uploads: Path,
 
 
 def start_finishing(tasks: dict[str, asyncio.Task[None]], gw: Gateway, name: str,
-                    uploads: Path, gone: AdapterRecord | None = None) -> None:
+                    uploads: Path) -> None:
     """One finish_delete task per name (a repeated DELETE does not start another)."""
     if name in tasks and not tasks[name].done():
         return
-    task = asyncio.get_running_loop().create_task(finish_delete(gw, name, uploads, gone))
+    task = asyncio.get_running_loop().create_task(finish_delete(gw, name, uploads))
     tasks[name] = task
     task.add_done_callback(lambda _: tasks.pop(name, None) if tasks.get(name) is task
                            else None)

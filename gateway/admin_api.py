@@ -109,7 +109,6 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
         upload_id = next((a.upload_id for a in known if a.path == path and a.upload_id), None)
         record = AdapterRecord(body.name, path, body.owner, tuple(body.shared_with),
                                digest=adapter.digest, upload_id=upload_id)
-        await lifecycle.load_where_reachable(gw, record)
         return await record_adapter(gw, record)
 
     @router.post("/adapters/upload", status_code=201)
@@ -296,11 +295,17 @@ async def _get_live_adapter(gw: Gateway, name: str) -> AdapterRecord:
 
 
 async def record_adapter(gw: Gateway, record: AdapterRecord) -> JSONResponse:
-    """Record a validated adapter (409 if its name was taken meanwhile)."""
+    """Record a validated adapter: 409 if its name is taken, 400 if its owner does not exist
+    or an engine refuses it. It is loaded on the engines that answer before it is recorded
+    (lifecycle.load_where_reachable), and unloaded from them again when it is not."""
     await lifecycle.check_name_free(gw, record.name)
     record = replace(record, owner_uid=await owner_uid(gw, record.owner))
-    await gw.view.store.put_adapter(record)
+    loaded = await lifecycle.load_where_reachable(gw, record)
+    try:
+        await lifecycle.check_name_free(gw, record.name)  # taken while it loaded
+        await gw.view.store.put_adapter(record)
+    except Exception:
+        await lifecycle.unload_from(loaded, record.name)
+        raise
     await gw.view.refresh()
     return JSONResponse(lifecycle.adapter_status(gw, record), status_code=201)
-
-

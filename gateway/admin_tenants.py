@@ -89,23 +89,32 @@ def build_tenant_router(uploads: Path, finishing: dict[str, asyncio.Task[None]]
     @router.delete("/tenants/{tenant_id}")
     async def delete_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
         await get_tenant(gw, tenant_id)
-        records = (await gw.view.store.snapshot()).adapters
-        # Keys and owned adapters go with it; a tenant created later under this id gets a
-        # new uid, hence a new cache salt: it inherits nothing.
-        deleted = await gw.view.store.delete_tenant(tenant_id)
-        await gw.view.refresh()  # from here its adapters are unknown: new requests get 404
+        owned = [a for a in (await gw.view.store.snapshot()).adapters.values()
+                 if a.owner == tenant_id]
+        # Its adapters go as a DELETE of each would: hidden at once (pending delete, owned
+        # by nobody, so the tenant's own deletion leaves them), and their names stay taken
+        # until every engine unloaded them: old weights never answer for a new adapter.
+        for record in owned:
+            await gw.view.store.put_adapter(
+                replace(record, owner=None, owner_uid="", shared_with=(), deleting=True))
+        # Keys go with it; a tenant created later under this id gets a new uid, hence a new
+        # cache salt: it inherits nothing.
+        await gw.view.store.delete_tenant(tenant_id)
+        await gw.view.refresh()
         unloaded, pending = {}, []
-        for name in deleted:
-            gw.usage.pop(name, None)
+        for name in sorted(a.name for a in owned):
+            tombstone = gw.view.snapshot.adapters.get(name)
+            if tombstone is None or not tombstone.deleting:
+                continue  # a DELETE of the adapter finished meanwhile
             unloaded[name], held = await lifecycle.unload_everywhere(gw, name)
             if held:  # in use: unloaded (and its upload removed) when its requests end
                 pending.append(name)
-                lifecycle.start_finishing(finishing, gw, name, uploads,
-                                          gone=replace(records[name], deleting=True))
-            else:  # uploaded copies go too
-                await lifecycle.remove_upload_dir(gw, records[name], uploads)
-        return {"tenant_id": tenant_id, "status": "deleted", "adapters_deleted": deleted,
-                "unloaded": unloaded, "adapters_pending_delete": pending}
+                lifecycle.start_finishing(finishing, gw, name, uploads)
+            else:
+                await lifecycle.drop(gw, tombstone, uploads)
+        return {"tenant_id": tenant_id, "status": "deleted",
+                "adapters_deleted": sorted(a.name for a in owned), "unloaded": unloaded,
+                "adapters_pending_delete": pending}
 
     # -------------------------------------------------------------------- keys
     @router.post("/tenants/{tenant_id}/keys", status_code=201)

@@ -96,9 +96,17 @@ def test_engine_holding_other_weights_under_the_name_is_reloaded_or_refused(
     # that adapter was deleted): same name, the old weights.
     engine = httpx.Client(base_url=setup.engine.url, timeout=60.0)
     with engine:
+        uploaded = upload(setup, "kept", tar_dir(setup.new), "&owner=tb")
+        assert uploaded.status_code == 201  # and loaded on the engine: the new weights
         assert engine.post("/adapters", json={"name": "kept", "path": str(setup.old)}
-                           ).status_code == 200
-        assert upload(setup, "kept", tar_dir(setup.new), "&owner=tb").status_code == 201
+                           ).status_code == 200  # replaced there behind the gateway's back
+
+        def gateway_sees_the_old_weights() -> bool:
+            status = admin(setup, "GET", "/admin/adapters/kept").json()
+            return status["instances"][setup.engine.url]["digest"] not in (
+                None, uploaded.json()["digest"])
+
+        poll(gateway_sees_the_old_weights, "a poll to report the engine's other weights")
         body = {"prompt_token_ids": PROMPT, "lora": "kept", "request_id": "old-user",
                 "params": {"max_tokens": 900, "ignore_eos": True}}
         with engine.stream("POST", "/generate", json=body) as response:

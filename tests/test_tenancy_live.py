@@ -5,6 +5,7 @@ the admin API's adapter lifecycle (upload refused cleanly, lazy load, status).""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import tarfile
@@ -202,30 +203,68 @@ def test_a_recreated_tenant_inherits_no_adapter_and_no_cached_prefix(setup: Setu
     assert engine_hits(setup) == before  # same id, new tenant: none of the old blocks
 
 
-def test_a_tenant_deleted_while_its_adapter_runs_unloads_it_when_the_request_ends(
+def test_a_tenant_deleted_while_its_adapters_run_unloads_them_when_their_requests_end(
         setup: Setup) -> None:
     key = new_tenant(setup, "busy")
-    response = admin(setup, "POST", "/admin/adapters", json={
-        "name": "busy-bot", "path": str(setup.adapters["b-bot"]), "owner": "busy"})
-    assert response.status_code == 201, response.text
+    names = ("busy-bot", "busy-forced")  # the second one's own DELETE is pending already
+    for name, path in zip(names, (setup.adapters["b-bot"], setup.adapters["a-bot"]),
+                          strict=True):
+        response = admin(setup, "POST", "/admin/adapters", json={
+            "name": name, "path": str(path), "owner": "busy"})
+        assert response.status_code == 201, response.text
 
     def engine_holds(name: str) -> bool:
         held = httpx.get(setup.engine.url + "/adapters", timeout=10.0).json()
         return any(a["name"] == name for a in held)
 
-    body = {"model": "busy-bot", "prompt": "hello", "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", setup.gateways[0].url + "/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {key}"}, timeout=60.0) as stream:
-        lines = stream.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))
+    def stream(model: str) -> contextlib.AbstractContextManager[httpx.Response]:
+        body = {"model": model, "prompt": "hello", "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        return httpx.stream("POST", setup.gateways[0].url + "/v1/completions", json=body,
+                            headers={"Authorization": f"Bearer {key}"}, timeout=60.0)
+
+    with stream(names[0]) as first, stream(names[1]) as second:
+        streams = [first.iter_lines(), second.iter_lines()]
+        for lines in streams:
+            assert next(line for line in lines if line.startswith("data: "))
+        forced = admin(setup, "DELETE", f"/admin/adapters/{names[1]}?force=true")
+        assert forced.status_code == 202, forced.text
         deleted = admin(setup, "DELETE", "/admin/tenants/busy")
         assert deleted.status_code == 200, deleted.text
-        assert deleted.json()["adapters_pending_delete"] == ["busy-bot"]
-        assert engine_holds("busy-bot")  # its request still runs on it
-        rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]" and "error" not in rest[-2]  # and finishes
-    poll(lambda: not engine_holds("busy-bot"), "the engine to unload the deleted adapter")
+        assert deleted.json()["adapters_deleted"] == sorted(names)
+        assert deleted.json()["adapters_pending_delete"] == sorted(names)
+        for name in names:
+            assert engine_holds(name)  # their requests still run on them
+            # The names stay taken until the engines let the old weights go.
+            assert admin(setup, "GET", f"/admin/adapters/{name}").json()["status"] == \
+                "deleting"
+            again = admin(setup, "POST", "/admin/adapters", json={
+                "name": name, "path": str(setup.adapters["a-bot"]), "public": True})
+            assert again.status_code == 409, again.text
+            assert again.json()["error"]["code"] == "adapter_deleting"
+        for lines in streams:
+            rest = [line for line in lines if line]
+            assert rest[-1] == "data: [DONE]" and "error" not in rest[-2]  # and finish
+    def gone(name: str) -> bool:
+        return not engine_holds(name) and \
+            admin(setup, "GET", f"/admin/adapters/{name}").status_code == 404
+
+    for name in names:
+        poll(functools.partial(gone, name), f"the engine to unload {name} and its record to go")
+
+
+def test_a_registration_refused_after_loading_leaves_no_adapter_on_the_engines(
+        setup: Setup) -> None:
+    def engine_holds(name: str) -> bool:
+        held = httpx.get(setup.engine.url + "/adapters", timeout=10.0).json()
+        return any(a["name"] == name for a in held)
+
+    response = admin(setup, "POST", "/admin/adapters", json={
+        "name": "orphan", "path": str(setup.adapters["a-bot"]), "owner": "no-such-tenant"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "owner"
+    assert not engine_holds("orphan")
+    assert admin(setup, "GET", "/admin/adapters/orphan").status_code == 404
 
 
 def test_shared_salt_must_be_a_safe_name(setup: Setup) -> None:
