@@ -140,7 +140,8 @@ class LLMEngine:
         """Admit a request built by self.requests.make_request()."""
         if request.request_id in self._tracked:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        request = replace(request, arrival_seq=next(self._arrival_counter))
+        request = replace(self.requests.with_current_adapter(request),
+                          arrival_seq=next(self._arrival_counter))
         params = request.sampling_params
         self.scheduler.add(request)
         # Per-request sampling state is made here, so nothing about it can fail in a step.

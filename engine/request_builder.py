@@ -92,12 +92,13 @@ class RequestBuilder:
     def takes_long(self, prompt: str | list[int], params: SamplingParams) -> bool:
         """Whether make_request() may take long: text to tokenize, bad words to spell, or a
         grammar not compiled yet (a large one takes seconds). Else it only checks numbers."""
-        if isinstance(prompt, str) or (params.bad_words and not params.bad_words_token_ids):
+        if isinstance(prompt, str) or params.bad_words:
             return True
         if params.structured is None:
             return False
-        with self._grammar_lock:
-            grammars = self._grammars
+        # Read without _grammar_lock: it is held while the compiler is built, and this runs
+        # on the event loop (one attribute read is atomic).
+        grammars = self._grammars
         return grammars is None or not grammars.is_compiled(params.structured)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -110,8 +111,9 @@ class RequestBuilder:
             prompt_ids = self.tokenize(prompt)
         else:
             prompt_ids = list(prompt)
-        if params.bad_words and not params.bad_words_token_ids:
-            params = replace(params, bad_words_token_ids=self._bad_words_ids(params.bad_words))
+        if params.bad_words:  # both fields given: every sequence of either is banned
+            spelled = (*params.bad_words_token_ids, *self._bad_words_ids(params.bad_words))
+            params = replace(params, bad_words_token_ids=tuple(dict.fromkeys(spelled)))
         self.validate(prompt_ids, params, lora)
         grammar = None if params.structured is None else \
             self._grammar_compiler().compile(params.structured)
@@ -133,6 +135,18 @@ class RequestBuilder:
             timing=RequestTiming(arrival=arrival_time or time.monotonic()),
             grammar=grammar,
         )
+
+    def with_current_adapter(self, request: Request) -> Request:
+        """The request with its adapter's identity as it is now (engine thread, at
+        admission): made on another thread, it may have read an adapter reloaded since with
+        other weights, whose blocks must never be found under the old digest."""
+        if request.lora_name is None or self.lora is None:
+            return request
+        current = ("lora", *self.lora.identity(request.lora_name))
+        if request.extra_keys[:1] == (current,):
+            return request
+        others = tuple(key for key in request.extra_keys if key[0] != "lora")
+        return replace(request, extra_keys=(current, *others))
 
     def _grammar_compiler(self) -> GrammarCompiler:
         """Built on the first structured request (reading the vocabulary takes a moment);

@@ -89,7 +89,9 @@ class GrammarCompiler:
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
         self.vocab_size = vocab_size
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        # Our LRU is the cache: xgrammar's own keeps every grammar ever compiled (no limit
+        # by default), tens of KB each, which distinct schemas would grow without bound.
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()  # LRU, newest last
         self._lock = threading.Lock()
 

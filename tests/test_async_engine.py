@@ -11,7 +11,9 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.engine_thread import EngineDeadError
 from engine.llm_engine import LLMEngine
+from engine.protocol import GenerateRequest
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -134,3 +136,32 @@ def test_the_engine_is_built_on_the_thread_that_steps_it(tiny_model_dir: Path) -
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine(broken)
+
+
+def test_a_request_still_being_prepared_at_shutdown_is_an_engine_error(
+        tiny_model_dir: Path) -> None:
+    # Not a CancelledError nobody asked for: a gateway takes an engine error as "retry on
+    # another instance", a cancellation as the client gone.
+    engine = AsyncEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64))
+    release = threading.Event()
+
+    async def scenario() -> object:
+        busy = asyncio.get_running_loop().run_in_executor(engine._preparing, release.wait)
+        request = GenerateRequest("queued", [5, 6, 7],
+                                  SamplingParams(max_tokens=2, bad_words=("no",)))
+        opening = asyncio.create_task(engine.open(request))  # queued behind `busy`
+        await asyncio.sleep(0.1)
+        engine.shutdown()
+        release.set()
+        await busy
+        return (await asyncio.gather(opening, return_exceptions=True))[0]
+
+    try:
+        outcome = asyncio.run(scenario())
+    finally:
+        release.set()
+        engine.shutdown()
+    assert isinstance(outcome, EngineDeadError), outcome
+    with pytest.raises(EngineDeadError):  # and one arriving after it
+        asyncio.run(engine.open(GenerateRequest(
+            "late", [5, 6, 7], SamplingParams(max_tokens=2, bad_words=("no",)))))

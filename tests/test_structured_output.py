@@ -101,3 +101,4 @@ def test_only_slow_preparation_leaves_the_event_loop(tiny_model_dir: Path) -> No
     assert not builder.takes_long([5, 6], SamplingParams(structured=spec))
     other = StructuredOutput("choice", choices=("maybe",))
     assert builder.takes_long([5, 6], SamplingParams(structured=other))
+
