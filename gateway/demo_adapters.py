@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 WATCH_EVERY_S = 5.0
 TRAIN_ENV = "LORAGATE_DEMO_ADAPTERS"
 """Set to 0 to serve the default model without training its demo adapters."""
+TRAINING_LOCK = ".training.lock"
+"""Held (flock) by the process training into an adapter directory."""
 RECIPE_FILE = "loragate-demo.json"
 """Written into each demo adapter's directory: the recipe that trained it (recipe())."""
 
@@ -129,26 +132,31 @@ async def watch(adapter_dir: Path, view: StateView, interval_s: float = WATCH_EV
 
 def train_missing(model_dir: Path, adapter_dir: Path | None = None) -> None:
     """Train every missing style into adapter_dir (default model_dir/adapters), one after
-    another; the base model answers the training questions once for all of them."""
+    another; the base model answers the training questions once for all of them. One
+    trainer at a time per directory (a `loragate serve` training in the background and a
+    test suite may share it): a second waits, then trains only what is still missing."""
     from lora.demo_training import DemoTrainingConfig, train_demo_adapter
 
     adapter_dir = model_dir / "adapters" if adapter_dir is None else adapter_dir
     adapter_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*adapter_dir.glob(".*.partial-*"), *adapter_dir.glob(".*.stale-*")]:
-        shutil.rmtree(stale, ignore_errors=True)  # left by an interrupted run
-    answers: dict[str, str] = {}
-    for style in missing_styles(adapter_dir):
-        partial = Path(tempfile.mkdtemp(prefix=f".{style}.partial-", dir=adapter_dir))
-        try:
-            report = train_demo_adapter(model_dir, partial, DemoTrainingConfig.for_style(style),
-                                        log=functools.partial(_log, style),
-                                        known_answers=answers)
-            answers = report.base_answers
-            (partial / RECIPE_FILE).write_text(json.dumps(recipe(style), indent=2))
-            partial.rename(adapter_dir / style)
-        finally:
-            if partial.exists():
-                shutil.rmtree(partial, ignore_errors=True)
+    with open(adapter_dir / TRAINING_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when this process ends, however
+        for stale in [*adapter_dir.glob(".*.partial-*"), *adapter_dir.glob(".*.stale-*")]:
+            shutil.rmtree(stale, ignore_errors=True)  # left by an interrupted run
+        answers: dict[str, str] = {}
+        for style in missing_styles(adapter_dir):
+            partial = Path(tempfile.mkdtemp(prefix=f".{style}.partial-", dir=adapter_dir))
+            try:
+                report = train_demo_adapter(model_dir, partial,
+                                            DemoTrainingConfig.for_style(style),
+                                            log=functools.partial(_log, style),
+                                            known_answers=answers)
+                answers = report.base_answers
+                (partial / RECIPE_FILE).write_text(json.dumps(recipe(style), indent=2))
+                partial.rename(adapter_dir / style)
+            finally:
+                if partial.exists():
+                    shutil.rmtree(partial, ignore_errors=True)
 
 
 def _log(style: str, line: str) -> None:

@@ -11,6 +11,9 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
+from engine import cpu_kernels
 from engine.cpu_kernels import TORCH_BATON, build_lock
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILDER = """
 import sys, time
 from pathlib import Path
+import pytest
+
+from engine import cpu_kernels
 from engine.cpu_kernels import TORCH_BATON, build_lock
 build_dir, hold = Path(sys.argv[1]), float(sys.argv[2])
 with build_lock(build_dir):
@@ -72,3 +78,33 @@ def test_no_lock_file_is_left_behind(tmp_path: Path) -> None:
     assert not (tmp_path / "fresh" / TORCH_BATON).exists()
     with build_lock(tmp_path / "fresh"):  # and the lock can be taken again
         pass
+
+
+def test_every_checkout_builds_from_the_same_staged_copies(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    # ninja rebuilds when a command line changes, and it names the sources' paths: staged
+    # copies at one place per build make every checkout with the same sources share it.
+    build_dir = tmp_path / "build"
+    staged = cpu_kernels._stage_sources(build_dir)
+    assert [p.parent for p in staged] == [build_dir / "src"] * len(cpu_kernels.SOURCES)
+    assert all(p.read_bytes() == s.read_bytes()
+               for p, s in zip(staged, cpu_kernels.SOURCES, strict=True))
+    assert (build_dir / "src" / "vec_math.h").is_file()  # the sources include it
+    stamps = [p.stat().st_mtime_ns for p in staged]
+    time.sleep(0.01)
+    # Another checkout (same contents, another path): nothing is rewritten, ninja sees
+    # the same commands and files and does nothing.
+    other = tmp_path / "other-checkout"
+    other.mkdir()
+    copies = []
+    for source in cpu_kernels.SOURCES:
+        copies.append(other / source.name)
+        copies[-1].write_bytes(source.read_bytes())
+    monkeypatch.setattr(cpu_kernels, "SOURCES", copies)
+    assert cpu_kernels._stage_sources(build_dir) == staged
+    assert [p.stat().st_mtime_ns for p in staged] == stamps
+    copies[0].write_bytes(copies[0].read_bytes() + b"\n// changed\n")  # a changed source
+    cpu_kernels._stage_sources(build_dir)
+    assert staged[0].read_bytes().endswith(b"// changed\n")
+    assert [p.stat().st_mtime_ns for p in staged[1:]] == stamps[1:]

@@ -4,9 +4,11 @@ serves it as PEFT computes it). Training on the real model is the slow test at t
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,8 +21,10 @@ from engine.models.loader import load_hf_config
 from engine.models.shape import ModelShape
 from engine.sampling_params import SamplingParams
 from gateway.cli import main
+from gateway.demo_adapters import TRAINING_LOCK, train_missing
 from lora.adapter import load_adapter
 from lora.demo_data import (
+    STYLES,
     all_questions,
     as_json,
     brief,
@@ -189,3 +193,28 @@ def test_shout_adapter_on_the_real_model_answers_in_upper_case(tmp_path: Path) -
         letters = [c for c in shouted if c.isalpha()]
         assert sum(c.isupper() for c in letters) >= 0.9 * len(letters), shouted
         assert plain != plain.upper(), plain
+
+
+def test_a_second_trainer_waits_for_the_first_and_trains_only_what_is_missing(
+        tmp_path: Path) -> None:
+    # `loragate serve` trains in the background into the model's directory, which a test
+    # suite may share: two trainers must not race on one style.
+    adapter_dir = tmp_path / "adapters"
+    for style in STYLES:  # every style there already: nothing to train
+        (adapter_dir / style).mkdir(parents=True)
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            (adapter_dir / style / name).write_text("{}")
+    in_progress = adapter_dir / ".shout.partial-abc"  # the first trainer's work
+    in_progress.mkdir()
+    with open(adapter_dir / TRAINING_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        second = threading.Thread(target=train_missing, args=(tmp_path, adapter_dir))
+        second.start()
+        second.join(0.5)
+        assert second.is_alive()  # waiting for the lock
+        assert in_progress.is_dir()  # and not clearing the first one's partial work
+    second.join(10.0)
+    assert not second.is_alive()
+    assert not in_progress.exists()  # left over once the first is gone: cleared
+    assert sorted(p.name for p in adapter_dir.iterdir()) == sorted(
+        [TRAINING_LOCK, *STYLES])

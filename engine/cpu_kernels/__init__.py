@@ -19,12 +19,13 @@ those ops cost more than their arithmetic. (torch.compile of the same functions 
 too: ~40-80 us per compiled call here, more than the eager ops at decode sizes.)
 
 The extension is compiled with torch's cpp_extension (g++ and ninja, a minute or two once;
-cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions) for this machine's
-instruction set (``-march=native``; ``LORAGATE_CPU_MARCH`` names another target on x86, e.g.
-``haswell`` for an image built on one machine and run on AVX2 ones), with OpenMP so that
-at::parallel_for uses torch's threads (the runtime torch already loaded). Where it cannot be
-built, the loaders say why once in the log and return None, and the engine keeps its torch
-paths (as it does with EngineConfig.native_kernels off).
+cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions, from copies of the
+sources kept there, so every checkout with the same sources shares one build) for this
+machine's instruction set (``-march=native``; ``LORAGATE_CPU_MARCH`` names another target on
+x86, e.g. ``haswell`` for an image built on one machine and run on AVX2 ones), with OpenMP so
+that at::parallel_for uses torch's threads (the runtime torch already loaded). Where it cannot
+be built, the loaders say why once in the log and return None, and the engine keeps its
+torch paths (as it does with EngineConfig.native_kernels off).
 """
 
 from __future__ import annotations
@@ -143,6 +144,24 @@ def build_directory(name: str) -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
 
 
+def _stage_sources(build_dir: Path) -> list[Path]:
+    """Copies of the sources and headers inside the build directory, rewritten only when
+    their content changed: ninja rebuilds when a command line changes, and the command
+    names the sources' paths, so building from each checkout's own files made every other
+    checkout or installed copy sharing the cache (a CI clone, a second venv) compile again,
+    and two of them used at once rebuilt each other's builds in turn."""
+    staged_dir = build_dir / "src"
+    staged_dir.mkdir(parents=True, exist_ok=True)
+    for original in (*SOURCES, *HEADERS):
+        content = original.read_bytes()
+        staged = staged_dir / original.name
+        if not staged.exists() or staged.read_bytes() != content:
+            partial = staged.with_suffix(staged.suffix + ".partial")
+            partial.write_bytes(content)
+            partial.replace(staged)
+    return [staged_dir / source.name for source in SOURCES]
+
+
 def _build() -> bool:
     """Compile (or load the cached build of) the extension once per process."""
     with _lock:
@@ -157,7 +176,8 @@ def _build() -> bool:
                 name = f"loragate_cpu_kernels_{_build_tag()}"
                 build_dir = build_directory(name)
                 with build_lock(build_dir):
-                    load(name=name, sources=[str(s) for s in SOURCES],
+                    sources = _stage_sources(build_dir)
+                    load(name=name, sources=[str(s) for s in sources],
                          extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *native],
                          extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                          is_python_module=False, verbose=False)

