@@ -19,7 +19,7 @@ from engine.invalid_field import InvalidField
 from engine.kv_cache import KVCacheManager
 from engine.models.shape import ModelShape
 from engine.request import Request, RequestTiming
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_STOP_LENGTH, MAX_TOKEN_LISTS, SamplingParams
 from engine.structured_output import GrammarCompiler
 from lora.manager import LoraManager
 from prefix_cache.hashing import request_extra_keys
@@ -112,8 +112,16 @@ class RequestBuilder:
         else:
             prompt_ids = list(prompt)
         if params.bad_words:  # both fields given: every sequence of either is banned
-            spelled = (*params.bad_words_token_ids, *self._bad_words_ids(params.bad_words))
-            params = replace(params, bad_words_token_ids=tuple(dict.fromkeys(spelled)))
+            spelled = self._bad_words_ids(params.bad_words)
+            if any(len(word) > MAX_STOP_LENGTH for word in spelled):
+                raise InvalidField("bad_words", f"a bad word spells into more than "
+                                   f"{MAX_STOP_LENGTH} tokens")
+            banned = tuple(dict.fromkeys((*params.bad_words_token_ids, *spelled)))
+            if len(banned) > 2 * MAX_TOKEN_LISTS:
+                raise InvalidField("bad_words", f"bad_words (two spellings each) and "
+                                   f"bad_words_token_ids may ban at most "
+                                   f"{2 * MAX_TOKEN_LISTS} token sequences together")
+            params = replace(params, bad_words_token_ids=banned)
         self.validate(prompt_ids, params, lora)
         grammar = None if params.structured is None else \
             self._grammar_compiler().compile(params.structured)

@@ -166,7 +166,7 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
     @router.patch("/adapters/{name}")
     async def update_adapter(name: str, body: AdapterPatch,
                              gw: AdminGateway) -> dict[str, Any]:
-        record = await _get_adapter(gw, name)
+        record = await _get_live_adapter(gw, name)
         changes = body.model_dump(exclude_unset=True)
         if "shared_with" in changes:
             changes["shared_with"] = tuple(changes["shared_with"] or ())
@@ -198,8 +198,11 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
             await lifecycle.drop(gw, record, uploads)
             return JSONResponse({"name": name, "status": "deleted", "unloaded": unloaded})
         if not force and not was_pending:  # a request took it between the check and now
-            await gw.view.store.put_adapter(replace(record, deleting=False))
-            await gw.view.refresh()
+            # Shown again only if it is still the record hidden above (a tenant deletion
+            # meanwhile made it its own pending delete: that one stands).
+            if (await gw.view.store.snapshot()).adapters.get(name) == record:
+                await gw.view.store.put_adapter(replace(record, deleting=False))
+                await gw.view.refresh()
             raise ApiError(409, f"adapter {name!r} is in use on {held}; retry when idle or "
                            f"pass force=true", code="adapter_in_use")
         lifecycle.start_finishing(finishing, gw, name, uploads)

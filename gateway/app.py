@@ -61,10 +61,17 @@ MAX_BODY_BYTES = 8 << 20
 MAX_UPLOAD_BYTES = 2 << 30
 """The limit for adapter uploads (POST /admin/adapters/upload) instead."""
 UPLOAD_PATH = "/admin/adapters/upload"
+CONTROL_CONNECTIONS = 32
+"""Connections per engine for state polls, aborts and adapter calls (apart from streams)."""
 
 
 def body_limit(path: str) -> int:
     return MAX_UPLOAD_BYTES if path == UPLOAD_PATH else MAX_BODY_BYTES
+
+
+def _live_paths(adapters: dict[str, AdapterRecord]) -> dict[str, str]:
+    """What an engine coming up is given: every adapter but those being deleted."""
+    return {name: a.path for name, a in adapters.items() if not a.deleting}
 
 
 SHUTDOWN_STEP_S = 5.0
@@ -107,13 +114,17 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                 await store.put_adapter(AdapterRecord(adapter_name, path))
         await view.refresh()
         connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0)
-        async with aiohttp.ClientSession(connector=connector) as http:
+        # Control calls apart from the streams: see HttpEngineClient.
+        control_connector = aiohttp.TCPConnector(limit=0, limit_per_host=CONTROL_CONNECTIONS)
+        async with aiohttp.ClientSession(connector=connector) as http, \
+                aiohttp.ClientSession(connector=control_connector) as control_http:
             pool = InstancePool(engine_urls, http, config.eject_after_failures,
-                                {n: a.path for n, a in view.snapshot.adapters.items()},
+                                _live_paths(view.snapshot.adapters),
                                 config.routed_prefix_ttl_s, config.engine_token,
-                                local={local.instance_id: local} if local else None)
+                                local={local.instance_id: local} if local else None,
+                                control_http=control_http)
             view.listeners.append(lambda snap: setattr(
-                pool, "adapter_paths", {n: a.path for n, a in snap.adapters.items()}))
+                pool, "adapter_paths", _live_paths(snap.adapters)))
             pool_holder["pool"] = pool
             pool.kv_events = config.kv_events
             router = Router(config.routing, RouterWeights(

@@ -57,9 +57,9 @@ def recipe(style: str) -> dict[str, object]:
     return {"style": style, "config": config, "code_sha256": code.hexdigest()}
 
 
-def remove_stale(adapter_dir: Path) -> list[str]:
-    """Delete the demo adapters trained by another recipe than today's; returns their styles."""
-    stale = []
+def stale_styles(adapter_dir: Path) -> dict[str, str]:
+    """style -> path of the demo adapters trained by another recipe than today's."""
+    stale = {}
     for style, path in complete_adapters(adapter_dir).items():
         if style not in STYLES:
             continue
@@ -68,12 +68,20 @@ def remove_stale(adapter_dir: Path) -> list[str]:
         except (OSError, ValueError):
             recorded = None
         if recorded != json.loads(json.dumps(recipe(style))):  # tuples read back as lists
-            # Renamed first so that no whole-looking directory is ever half deleted.
-            doomed = Path(tempfile.mkdtemp(prefix=f".{style}.stale-", dir=adapter_dir))
-            Path(path).rename(doomed / style)
-            shutil.rmtree(doomed, ignore_errors=True)
-            stale.append(style)
+            stale[style] = path
     return stale
+
+
+def remove_stale(adapter_dir: Path) -> list[str]:
+    """Delete the demo adapters trained by another recipe than today's; returns their styles
+    (under the training lock: see train_missing)."""
+    stale = stale_styles(adapter_dir)
+    for style, path in stale.items():
+        # Renamed first so that no whole-looking directory is ever half deleted.
+        doomed = Path(tempfile.mkdtemp(prefix=f".{style}.stale-", dir=adapter_dir))
+        Path(path).rename(doomed / style)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return list(stale)
 
 
 def complete_adapters(adapter_dir: Path) -> dict[str, str]:
@@ -98,7 +106,12 @@ def start_training(model_dir: Path, log_path: Path) -> subprocess.Popen[bytes] |
     adapter_dir.mkdir(exist_ok=True)
     if os.environ.get(TRAIN_ENV, "1") == "0":
         return None
-    stale = remove_stale(adapter_dir)
+    with open(adapter_dir / TRAINING_LOCK, "a") as lock:
+        try:  # removed before the gateway registers what is there ...
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            stale = remove_stale(adapter_dir)
+        except BlockingIOError:  # ... unless a trainer is at work: it removes them itself
+            stale = []
     if stale:
         print(f"demo adapters {', '.join(stale)} were trained by an older recipe: training "
               f"them again", flush=True)
@@ -132,15 +145,17 @@ async def watch(adapter_dir: Path, view: StateView, interval_s: float = WATCH_EV
 
 def train_missing(model_dir: Path, adapter_dir: Path | None = None) -> None:
     """Train every missing style into adapter_dir (default model_dir/adapters), one after
-    another; the base model answers the training questions once for all of them. One
-    trainer at a time per directory (a `loragate serve` training in the background and a
-    test suite may share it): a second waits, then trains only what is still missing."""
+    another (and first remove those of an older recipe); the base model answers the training
+    questions once for all of them. One trainer at a time per directory (a `loragate serve`
+    training in the background and a test suite may share it): a second waits, then trains
+    only what is still missing."""
     from lora.demo_training import DemoTrainingConfig, train_demo_adapter
 
     adapter_dir = model_dir / "adapters" if adapter_dir is None else adapter_dir
     adapter_dir.mkdir(parents=True, exist_ok=True)
     with open(adapter_dir / TRAINING_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when this process ends, however
+        remove_stale(adapter_dir)
         for stale in [*adapter_dir.glob(".*.partial-*"), *adapter_dir.glob(".*.stale-*")]:
             shutil.rmtree(stale, ignore_errors=True)  # left by an interrupted run
         answers: dict[str, str] = {}

@@ -53,9 +53,14 @@ class HttpEngineClient:
     ``Authorization: Bearer <token>``."""
 
     def __init__(self, base_url: str, http: aiohttp.ClientSession,
-                 timeouts: ClientTimeouts | None = None, token: str | None = None) -> None:
+                 timeouts: ClientTimeouts | None = None, token: str | None = None,
+                 control: aiohttp.ClientSession | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._http = http
+        self._control_http = control or http
+        """State, abort and adapter calls: a session of their own (the gateway's), so that
+        a pool full of streams never holds them back (a poll that waited for a connection
+        would look like an engine that stopped answering)."""
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._token_refused_logged = False
         self._timeouts = timeouts or ClientTimeouts()
@@ -107,7 +112,7 @@ class HttpEngineClient:
     async def abort(self, request_id: str) -> bool:
         """Best effort: False when the engine is gone or did not know the request."""
         with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-            async with self._http.post(self.base_url + "/abort",
+            async with self._control_http.post(self.base_url + "/abort",
                                        json={"request_id": request_id},
                                        timeout=self._control,
                                        headers=self._headers) as response:
@@ -138,7 +143,7 @@ class HttpEngineClient:
                     params: dict[str, Any] | None = None,
                     rejected_is_unavailable: bool = False) -> dict[str, Any]:
         try:
-            async with self._http.request(method, self.base_url + path, json=body,
+            async with self._control_http.request(method, self.base_url + path, json=body,
                                           params=params, timeout=self._control,
                                           headers=self._headers) as response:
                 payload = await _json_or_text(response)

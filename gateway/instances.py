@@ -71,30 +71,39 @@ class Instance:
     """The timeout scopes of this gateway's waits on the instance now pending (opening a
     request, loading its adapter, reading its stream), each with the loop time it began:
     a frozen engine answers nothing, not even an error, so ejecting it ends them."""
+    silent_since: float | None = None
+    """Loop time the first of the state calls in a row that timed out began (None: the
+    last one answered or failed otherwise)."""
+    _ended: set[asyncio.Timeout] = field(default_factory=set, repr=False)
+    """Scopes end_waits ended (their TimeoutError means "ejected", not a deadline)."""
 
     @contextlib.asynccontextmanager
     async def watched(self, deadline: float) -> AsyncIterator[None]:
         """Wait on the instance until ``deadline`` (loop time): TimeoutError past it, and
         EngineUnavailable when end_waits ends the wait earlier."""
         loop = asyncio.get_running_loop()
+        scope = asyncio.timeout_at(deadline)
         try:
-            async with asyncio.timeout_at(deadline) as scope:
+            async with scope:
                 self.waits[scope] = loop.time()
                 try:
                     yield
                 finally:
                     self.waits.pop(scope, None)
         except TimeoutError:
-            if loop.time() >= deadline:
-                raise
+            if scope not in self._ended:
+                raise  # the deadline, or a timeout of the awaited work's own
             raise EngineUnavailable(f"instance {self.instance_id} stopped answering and was "
                                     f"ejected") from None
+        finally:
+            self._ended.discard(scope)
 
     def end_waits(self, began_before: float) -> None:
         """Every wait pending since before ``began_before`` (loop time) ends now (see
-        watched). Called when a state call begun then timed out: nothing came from the
-        instance since, so it is frozen; a wait that began later saw the instance answer
-        more recently (a busy, not a frozen, engine) and goes on. Only for an instance
+        watched). Called on ejection with the start of the state calls that timed out in a
+        row: nothing came from the instance since, so it is frozen; a wait that began later
+        saw the instance answer more recently (a busy, not a frozen, engine) and goes on.
+        Only for an instance
         that stopped answering but keeps its connections open: one whose connections fail
         ends its streams itself (cancelling reads that are handling that failure would
         race with it), and a draining one finishes them."""
@@ -103,6 +112,7 @@ class Instance:
             # A scope whose own deadline fired this loop turn is expiring already
             # (reschedule would refuse it): it ends by itself.
             if began < began_before and not scope.expired():
+                self._ended.add(scope)
                 scope.reschedule(now)
 
     @property
@@ -122,8 +132,10 @@ class InstancePool:
     def __init__(self, urls: list[str], http: aiohttp.ClientSession, eject_after: int = 2,
                  adapters: dict[str, str] | None = None, routed_prefix_ttl_s: float = 20.0,
                  engine_token: str | None = None,
-                 local: dict[str, EngineClient] | None = None) -> None:
+                 local: dict[str, EngineClient] | None = None,
+                 control_http: aiohttp.ClientSession | None = None) -> None:
         self._http = http
+        self._control_http = control_http
         self._engine_token = engine_token
         self.instances: dict[str, Instance] = {
             instance_id: Instance(instance_id, client)
@@ -147,8 +159,8 @@ class InstancePool:
         """Start tracking an engine (healthy after its first successful poll)."""
         url = url.rstrip("/")
         if url not in self.instances:
-            self.instances[url] = Instance(url, HttpEngineClient(url, self._http,
-                                                                 token=self._engine_token))
+            self.instances[url] = Instance(url, HttpEngineClient(
+                url, self._http, token=self._engine_token, control=self._control_http))
         return self.instances[url]
 
     def remove_instance(self, url: str) -> None:
@@ -193,6 +205,10 @@ class InstancePool:
             cursor = self.index.cursor(instance.instance_id) if self.index else 0
             state = await instance.client.state(cursor)
         except EngineUnavailable as exc:
+            if not _frozen(exc):
+                instance.silent_since = None
+            elif instance.silent_since is None:
+                instance.silent_since = began
             instance.consecutive_failures += 1
             if instance.consecutive_failures < self.eject_after:
                 return
@@ -201,9 +217,10 @@ class InstancePool:
                             instance.consecutive_failures, exc)
                 instance.healthy = False
                 self._forget(instance)
-            if _frozen(exc):
-                instance.end_waits(began)
+            if instance.silent_since is not None:
+                instance.end_waits(instance.silent_since)
             return
+        instance.silent_since = None
         was_healthy = instance.healthy
         self._apply_state(instance, state)
         if not was_healthy:
@@ -277,10 +294,9 @@ class InstancePool:
 
 
 def _frozen(failure: EngineUnavailable) -> bool:
-    """The state call reached the engine, which then did not answer in time: frozen
-    (stopped, swapping, wedged), so its streams will not move either. aiohttp's own timeout
-    errors are not that: a connection that could not be opened (connect timeout) or that
-    waited for a free one in the gateway's pool (the pool full of streams). One that
-    refuses connections is draining (its streams still finish) or dead (they broke)."""
-    cause = failure.__cause__
-    return isinstance(cause, TimeoutError) and not isinstance(cause, aiohttp.ClientError)
+    """The state call timed out: the engine (or its host) stopped answering, frozen (stopped,
+    swapping, wedged) or cut off, so its streams will not move either; control calls have
+    their own connections (HttpEngineClient), so this is never a wait for one behind
+    streams. One that refuses connections is draining (its streams still finish) or dead
+    (they broke)."""
+    return isinstance(failure.__cause__, TimeoutError)

@@ -356,7 +356,14 @@ class Gateway:
                                   len(job.request.prompt_token_ids))
 
     def _later(self, work: Coroutine[Any, Any, Any]) -> None:
-        """Run best-effort cleanup (an abort, closing a stream) in the background."""
+        """Run best-effort cleanup (an abort, closing a stream) in the background; a failure
+        (the instance is gone: what the cleanup was for) is logged, never raised."""
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
+        task.add_done_callback(_cleanup_done)
         task.add_done_callback(self._background.discard)
+
+
+def _cleanup_done(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.info("background cleanup failed: %r", task.exception())

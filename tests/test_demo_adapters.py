@@ -21,7 +21,7 @@ from engine.models.loader import load_hf_config
 from engine.models.shape import ModelShape
 from engine.sampling_params import SamplingParams
 from gateway.cli import main
-from gateway.demo_adapters import TRAINING_LOCK, train_missing
+from gateway.demo_adapters import RECIPE_FILE, TRAINING_LOCK, recipe, train_missing
 from lora.adapter import load_adapter
 from lora.demo_data import (
     STYLES,
@@ -200,10 +200,11 @@ def test_a_second_trainer_waits_for_the_first_and_trains_only_what_is_missing(
     # `loragate serve` trains in the background into the model's directory, which a test
     # suite may share: two trainers must not race on one style.
     adapter_dir = tmp_path / "adapters"
-    for style in STYLES:  # every style there already: nothing to train
+    for style in STYLES:  # every style there already, by today's recipe: nothing to train
         (adapter_dir / style).mkdir(parents=True)
         for name in ("adapter_config.json", "adapter_model.safetensors"):
             (adapter_dir / style / name).write_text("{}")
+        (adapter_dir / style / RECIPE_FILE).write_text(json.dumps(recipe(style)))
     in_progress = adapter_dir / ".shout.partial-abc"  # the first trainer's work
     in_progress.mkdir()
     with open(adapter_dir / TRAINING_LOCK, "a") as lock:
@@ -216,5 +217,4 @@ def test_a_second_trainer_waits_for_the_first_and_trains_only_what_is_missing(
     second.join(10.0)
     assert not second.is_alive()
     assert not in_progress.exists()  # left over once the first is gone: cleared
-    assert sorted(p.name for p in adapter_dir.iterdir()) == sorted(
-        [TRAINING_LOCK, *STYLES])
+    assert sorted(p.name for p in adapter_dir.iterdir()) == sorted([TRAINING_LOCK, *STYLES])

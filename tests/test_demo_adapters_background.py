@@ -11,6 +11,7 @@ from engine.adapter_roots import parse_adapters
 from gateway.auth import StateView
 from gateway.demo_adapters import (
     RECIPE_FILE,
+    TRAINING_LOCK,
     complete_adapters,
     missing_styles,
     remove_stale,
@@ -27,7 +28,8 @@ def test_missing_styles_are_trained_into_place(tiny_model_dir: Path, tmp_path: P
     assert missing_styles(model / "adapters") == ["shout", "json", "brief"]
     train_missing(model)
     assert sorted(complete_adapters(model / "adapters")) == ["brief", "json", "shout"]
-    assert [p.name for p in (model / "adapters").iterdir() if p.name.startswith(".")] == []
+    hidden = [p.name for p in (model / "adapters").iterdir() if p.name.startswith(".")]
+    assert hidden == [TRAINING_LOCK]  # no partial work left, only the trainers' lock
     assert sorted(parse_adapters([], str(model / "adapters"))) == ["brief", "json", "shout"]
 
     # Each records its recipe; one trained by another recipe is removed at the next start.
@@ -36,7 +38,7 @@ def test_missing_styles_are_trained_into_place(tiny_model_dir: Path, tmp_path: P
     stamp.write_text(stamp.read_text().replace('"steps": ', '"steps": 1'))
     (model / "adapters" / "brief" / RECIPE_FILE).unlink()  # trained before recipes were kept
     assert remove_stale(model / "adapters") == ["brief", "json"]
-    assert sorted(p.name for p in (model / "adapters").iterdir()) == ["shout"]
+    assert sorted(p.name for p in (model / "adapters").iterdir()) == [TRAINING_LOCK, "shout"]
     assert missing_styles(model / "adapters") == ["json", "brief"]
 
 

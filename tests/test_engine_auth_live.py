@@ -19,7 +19,7 @@ import pytest
 from engine.protocol import EngineUnavailable, GenerateRequest
 from engine.sampling_params import SamplingParams
 from gateway.config import GatewayConfig
-from gateway.engine_client import HttpEngineClient
+from gateway.engine_client import ClientTimeouts, HttpEngineClient
 from tests.live_http import instances, poll
 from tests.live_servers import LiveServer, start_engine, start_gateway
 
@@ -132,6 +132,29 @@ def test_the_engine_client_sends_the_token_on_every_call(guarded: Guarded,
                 await anonymous.state()
             with pytest.raises(EngineUnavailable, match="HTTP 401"):
                 await anonymous.open(request)
+
+    asyncio.run(scenario())
+    wait_idle(guarded.engine.url)
+
+
+def test_control_calls_do_not_wait_behind_streams_for_a_connection(guarded: Guarded) -> None:
+    # One connection for streams, held by a long one: a state poll sharing that pool waits
+    # for it (and would look like an engine that stopped answering); on its own it answers.
+    async def scenario() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as streams, \
+                aiohttp.ClientSession() as control:
+            timeouts = ClientTimeouts(connect=0.5, control=2.0)
+            apart = HttpEngineClient(guarded.engine.url, streams, timeouts, TOKEN, control)
+            shared = HttpEngineClient(guarded.engine.url, streams, timeouts, TOKEN)
+            stream = await apart.open(GenerateRequest("long", [5, 6, 7], SamplingParams(
+                max_tokens=900, ignore_eos=True)))
+            await anext(stream)
+            assert (await apart.state()).num_running == 1
+            with pytest.raises(EngineUnavailable) as waited:
+                await shared.state()
+            assert isinstance(waited.value.__cause__, TimeoutError)
+            assert await apart.abort("long")
+            await stream.aclose()
 
     asyncio.run(scenario())
     wait_idle(guarded.engine.url)

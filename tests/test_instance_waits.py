@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
 from engine.protocol import EngineUnavailable
 from gateway.engine_client import HttpEngineClient
@@ -76,15 +77,30 @@ def test_a_wait_whose_deadline_fires_in_the_same_turn_times_out() -> None:
     assert isinstance(asyncio.run(scenario()), TimeoutError)
 
 
-def test_only_an_engine_that_took_the_call_and_said_nothing_is_frozen() -> None:
+def test_a_state_call_that_timed_out_means_the_engine_stopped_answering() -> None:
     def failure(cause: BaseException) -> EngineUnavailable:
         try:
             raise EngineUnavailable("state failed") from cause
         except EngineUnavailable as exc:
             return exc
 
-    assert _frozen(failure(TimeoutError()))  # the total timeout on an open connection
-    # No free connection in the gateway's pool, or none could be opened: not frozen.
-    assert not _frozen(failure(aiohttp.ConnectionTimeoutError("pool wait")))
-    assert not _frozen(failure(aiohttp.ServerTimeoutError("connect")))
-    assert not _frozen(failure(ConnectionRefusedError()))
+    assert _frozen(failure(TimeoutError()))  # no answer on an open connection
+    # No connection to a host that stopped answering (cut off, paused, powered down);
+    # control calls have their own pool, so this is never a wait behind streams.
+    assert _frozen(failure(aiohttp.ConnectionTimeoutError("connect")))
+    assert not _frozen(failure(ConnectionRefusedError()))  # draining or dead: streams end
+    assert not _frozen(failure(ValueError("malformed answer")))
+
+
+def test_a_timeout_of_the_awaited_work_itself_is_not_an_ejection() -> None:
+    async def scenario() -> None:
+        instance, session = await _instance()
+        loop = asyncio.get_running_loop()
+        with pytest.raises(TimeoutError) as raised:
+            async with instance.watched(loop.time() + 30.0):
+                raise TimeoutError("the work's own")
+        assert str(raised.value) == "the work's own"
+        assert not instance.waits and not instance._ended
+        await session.close()
+
+    asyncio.run(scenario())

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from engine.invalid_field import InvalidField
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -36,3 +39,15 @@ def test_a_request_made_before_its_adapter_was_reloaded_hashes_under_the_new_wei
     engine.add(made)
     admitted = engine.scheduler.requests["r"]
     assert admitted.extra_keys == (("lora", *replaced.identity), ("salt", "s"))
+
+
+def test_bad_words_and_their_token_ids_together_stay_within_one_bound(
+        tiny_model_dir: Path) -> None:
+    builder = LLMEngine.from_model(str(tiny_model_dir), num_kv_blocks=8).requests
+    words = tuple(f"w{i}" for i in range(4096))  # at the limit: two spellings each
+    full = builder.make_request("a", [5, 6], SamplingParams(bad_words=words))
+    assert len(full.sampling_params.bad_words_token_ids) == 2 * len(words)
+    with pytest.raises(InvalidField) as refused:  # one more sequence than both may hold
+        builder.make_request("b", [5, 6], SamplingParams(
+            bad_words=words, bad_words_token_ids=((7, 7, 7, 7, 7),)))
+    assert refused.value.field == "bad_words"

@@ -90,9 +90,8 @@ def _march() -> str:
 
 def _build_tag() -> str:
     """Part of the build's name: a build for one instruction set is never loaded on
-    another (the cache directory may be shared between machines), and a changed header
-    rebuilds (cpp_extension tracks the sources' contents, not the headers they include), as
-    does another torch or Python (the extension links against both)."""
+    another (the cache directory may be shared between machines), changed sources or headers
+    build apart, as does another torch or Python (the extension links against both)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -101,10 +100,12 @@ def _build_tag() -> str:
                 break
     except OSError:
         pass
-    headers = b"".join(h.read_bytes() for h in HEADERS)
+    # The sources too: checkouts with other sources get their own build directory, rather
+    # than rebuilding one in turn (the staged copies are rewritten by each).
+    code = b"".join(path.read_bytes() for path in (*HEADERS, *SOURCES))
     target = (f"{platform.machine()} {_march()} {flags} torch {torch.__version__} "
               f"python {sys.version_info.major}.{sys.version_info.minor}{sys.abiflags}")
-    return hashlib.sha256(target.encode() + headers).hexdigest()[:10]
+    return hashlib.sha256(target.encode() + code).hexdigest()[:10]
 
 
 TORCH_BATON = "lock"

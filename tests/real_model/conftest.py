@@ -20,7 +20,7 @@ from engine.default_model import loragate_home as default_loragate_home
 from engine.llm import LLM
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from gateway.demo_adapters import remove_stale, train_missing
+from gateway.demo_adapters import train_missing
 
 QUESTIONS = ("What is the capital of France?", "What is 2 + 2?",
              "How many days are in a week?")
@@ -86,11 +86,10 @@ def answers(smollm2_dir: Path) -> list[tuple[list[int], RequestOutput]]:
 
 
 @pytest.fixture(scope="session")
-def demo_adapter_dir(loragate_home: Path, smollm2_dir: Path) -> Path:
+def demo_adapter_dir(smollm2_dir: Path) -> Path:
     """The three demo style adapters (shout, json, brief) trained on SmolLM2 by the same code
-    as `loragate serve` does in the background: minutes on 2 cores the first time, then kept
-    with the model in pytest's cache until their recipe changes."""
-    adapter_dir = loragate_home / "demo-adapters"
-    remove_stale(adapter_dir)
+    as `loragate serve` does in the background, where it keeps them (beside the model): minutes
+    on 2 cores the first time, then kept until their recipe changes."""
+    adapter_dir = smollm2_dir / "adapters"
     train_missing(smollm2_dir, adapter_dir)
     return adapter_dir

@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 
 from engine.default_model import DEFAULT_MODEL_NAME
 from engine.request import RequestOutput
+from gateway.demo_adapters import complete_adapters
 from tests.live_servers import start_serve
 from tests.real_model.conftest import MAX_TOKENS, NUM_KV_BLOCKS, QUESTIONS
 
@@ -33,7 +34,10 @@ def test_serve_without_model_answers_like_the_engine(
         server.wait_ready()
         with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                            timeout=120.0) as client:
-            assert [m.id for m in client.models.list()] == [DEFAULT_MODEL_NAME]
+            # The base model, and the demo adapters trained beside it so far (this suite
+            # trains them for its adapter tests; `serve` registers what it finds there).
+            trained = sorted(complete_adapters(smollm2_dir / "adapters"))
+            assert [m.id for m in client.models.list()] == [DEFAULT_MODEL_NAME, *trained]
             for question, (_, out) in zip(QUESTIONS[:ASKED], answers[:ASKED], strict=True):
                 reply = client.chat.completions.create(
                     model=DEFAULT_MODEL_NAME, max_tokens=MAX_TOKENS, temperature=0,
