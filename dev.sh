@@ -43,7 +43,10 @@ case "$cmd" in
         echo "dev.sh: ruff" >&2
         .venv/bin/ruff check .
         echo "dev.sh: mypy" >&2
-        .venv/bin/mypy
+        # Its cache outside the checkout: it checks sources by content, so a fresh clone
+        # rechecks only what differs from the last run (a minute cold on 2 cores).
+        MYPY_CACHE_DIR=${MYPY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/loragate/mypy} \
+            .venv/bin/mypy
         echo "dev.sh: pytest" >&2
         .venv/bin/python -m pytest -q --durations=20 "$@"  # the slowest tests, for keeping CI short
         ;;

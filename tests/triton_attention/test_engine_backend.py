@@ -73,7 +73,7 @@ def test_windowed_and_capped_families_on_triton_attention(
 
     save_family(kind, tiny_model_dir, tmp_path)
     engine = _engine(tmp_path, attention_backend="triton", max_loras=0)
-    items = shared_prefix_workload(6, seed=21)
+    items = shared_prefix_workload(4, seed=21, num_docs=2)  # 2 documents: prefix hits
     outputs = _run(engine, [(w.request_id, w.prompt, min(w.max_tokens, 4), w.arrival_step,
                              None) for w in items])
     assert engine.stats().prefix_cache.hit_tokens > 0
