@@ -108,3 +108,14 @@ def test_every_checkout_builds_from_the_same_staged_copies(tmp_path: Path,
     cpu_kernels._stage_sources(build_dir)
     assert staged[0].read_bytes().endswith(b"// changed\n")
     assert [p.stat().st_mtime_ns for p in staged[1:]] == stamps[1:]
+
+
+def test_a_finished_build_is_marked_and_loaded_as_is_from_any_environment() -> None:
+    # ninja would rebuild for another venv (its torch headers' path is in the commands):
+    # a build marked finished is loaded directly, its name holding what it depends on.
+    if not cpu_kernels._build():
+        pytest.skip("the CPU kernels cannot be built here")
+    name = f"loragate_cpu_kernels_{cpu_kernels._build_tag()}"
+    build_dir = cpu_kernels.build_directory(name)
+    assert (build_dir / cpu_kernels.BUILT_MARK).is_file()
+    assert (build_dir / f"{name}.so").is_file()

@@ -20,7 +20,8 @@ too: ~40-80 us per compiled call here, more than the eager ops at decode sizes.)
 
 The extension is compiled with torch's cpp_extension (g++ and ninja, a minute or two once;
 cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions, from copies of the
-sources kept there, so every checkout with the same sources shares one build) for this
+sources kept there, so every checkout and venv with the same sources and torch shares one
+build) for this
 machine's instruction set (``-march=native``; ``LORAGATE_CPU_MARCH`` names another target on
 x86, e.g. ``haswell`` for an image built on one machine and run on AVX2 ones), with OpenMP so
 that at::parallel_for uses torch's threads (the runtime torch already loaded). Where it cannot
@@ -108,6 +109,8 @@ def _build_tag() -> str:
     return hashlib.sha256(target.encode() + code).hexdigest()[:10]
 
 
+BUILT_MARK = "loragate.built"
+"""Created in the build directory once a build there succeeded (its .so is whole)."""
 TORCH_BATON = "lock"
 """The file torch's cpp_extension creates in the build directory while it builds, and waits
 (forever) for as long as it exists."""
@@ -177,11 +180,21 @@ def _build() -> bool:
                 name = f"loragate_cpu_kernels_{_build_tag()}"
                 build_dir = build_directory(name)
                 with build_lock(build_dir):
-                    sources = _stage_sources(build_dir)
-                    load(name=name, sources=[str(s) for s in sources],
-                         extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *native],
-                         extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                         is_python_module=False, verbose=False)
+                    built = build_dir / f"{name}.so"
+                    done = build_dir / BUILT_MARK
+                    if built.is_file() and done.is_file():
+                        # The name holds everything the build depends on (sources, target,
+                        # torch, Python): loaded as is. ninja would rebuild for another venv,
+                        # whose torch headers' path is in its command lines.
+                        torch.ops.load_library(str(built))
+                    else:
+                        done.unlink(missing_ok=True)
+                        sources = _stage_sources(build_dir)
+                        load(name=name, sources=[str(s) for s in sources],
+                             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *native],
+                             extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                             is_python_module=False, verbose=False)
+                        done.touch()
                 _built.append(True)
             except Exception as exc:
                 log.warning("compiled CPU kernels unavailable (%s: %s); the engine uses its "
