@@ -20,7 +20,6 @@ import functools
 import itertools
 import time
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from engine.adapter_roots import AdapterPathRefused, AdapterRoots
@@ -29,6 +28,7 @@ from engine.engine_thread import EngineDeadError, EngineInternalError, EngineThr
 from engine.invalid_field import field_of
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats
+from engine.preparing_thread import PreparingThread
 from engine.protocol import (
     ChunkStream,
     EngineError,
@@ -47,10 +47,6 @@ from lora.adapter_info import AdapterInfo
 
 T = TypeVar("T")
 TIMED_OUT_MESSAGE = "the request passed its deadline"
-PREPARING_THREADS = 1
-"""Threads that tokenize prompts and compile grammars off the event loop: one, so that a
-flood of large grammars takes at most one core from the engine's steps (on a 2-core host, a
-cached request beside 12 large compiles took 0.84 s with one, 1.39 s with two)."""
 
 
 class AsyncEngine:
@@ -80,10 +76,8 @@ class AsyncEngine:
         self.draining = False
         """Set when the engine drains: new requests are refused, open streams finish."""
         self._ids = itertools.count()
-        # Their own thread, not the loop's default pool (which serves other work of the
-        # process): a flood of slow compiles waits here while cached requests go straight in.
-        self._preparing = ThreadPoolExecutor(PREPARING_THREADS,
-                                             thread_name_prefix="loragate-prepare")
+        # A flood of slow compiles waits there while cached requests go straight in.
+        self._preparing = PreparingThread()
         self.last_adapters: list[AdapterInfo] = engine.list_loras()
         """Adapters as of the last command that read them (for metrics scrapes)."""
 
@@ -242,7 +236,7 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self._thread.stop()
-        self._preparing.shutdown(wait=False, cancel_futures=True)
+        self._preparing.shutdown()
         if self.engine.lora is not None:
             self.engine.lora.shutdown()
         if self.engine.kv_events is not None:  # after the loop: no step flushes any more
@@ -268,28 +262,11 @@ class AsyncEngine:
                                  cache_salt, time.monotonic())
         if not self.engine.requests.takes_long(prompt, params):
             return make()
-        return await self._prepared(make)
+        return await self._preparing.run(make)
 
     async def tokenize_off_loop(self, text: str) -> list[int]:
         """tokenize() on the preparing thread (a long text takes a while)."""
-        return await self._prepared(functools.partial(self.tokenize, text))
-
-    async def _prepared(self, work: Callable[[], T]) -> T:
-        """work() on the preparing thread. EngineDeadError when the engine shuts down
-        before it ran (shutdown cancels queued work: the caller was not cancelled, and an
-        engine error lets a gateway retry elsewhere) or has shut down already."""
-        try:
-            future = asyncio.get_running_loop().run_in_executor(self._preparing, work)
-        except RuntimeError:  # the pool refuses work after shutdown
-            raise EngineDeadError("the engine has shut down") from None
-        try:
-            return await future
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # the caller's own cancellation
-            raise EngineDeadError("the engine shut down while the request was being "
-                                  "prepared") from None
+        return await self._preparing.run(functools.partial(self.tokenize, text))
 
     async def _admit(self, request: Request) -> OutputStream:
         """Register the request's output queue and add it on the engine thread; ValueError

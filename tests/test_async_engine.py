@@ -146,7 +146,7 @@ def test_a_request_still_being_prepared_at_shutdown_is_an_engine_error(
     release = threading.Event()
 
     async def scenario() -> object:
-        busy = asyncio.get_running_loop().run_in_executor(engine._preparing, release.wait)
+        busy = asyncio.ensure_future(engine._preparing.run(release.wait))
         request = GenerateRequest("queued", [5, 6, 7],
                                   SamplingParams(max_tokens=2, bad_words=("no",)))
         opening = asyncio.create_task(engine.open(request))  # queued behind `busy`

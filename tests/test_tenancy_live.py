@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
-import tarfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -21,22 +18,24 @@ from engine.demo_shapes import DemoModelSpec
 from gateway.exposure import instance_tag
 from gateway.sliding_window import SPAN_S
 from lora.targets import SUPPORTED_MODULES
+from tests.adapter_lifecycle_helpers import tar_dir
 from tests.live_http import metric, poll, wait_engines_idle
-from tests.live_servers import LiveServer, start_engine, start_gateway
-from tests.redis_server import PrivateRedis, private_redis
+from tests.live_servers import start_engine, start_gateway
+from tests.redis_server import private_redis
+from tests.tenancy_helpers import (
+    ADMIN,
+    Setup,
+    admin,
+    complete,
+    engine_hits,
+    engine_holds,
+    if_status,
+    models,
+    new_tenant,
+    sees_adapter,
+)
 
-ADMIN = "test-admin-key"
 LONG_PROMPT = list(range(10, 10 + 160))  # 10 full blocks of 16
-
-
-@dataclass
-class Setup:
-    engine: LiveServer
-    gateways: list[LiveServer]
-    redis: PrivateRedis
-    adapters: dict[str, Path]
-    upload_dir: Path
-    other_model: Path
 
 
 @pytest.fixture(scope="module")
@@ -66,52 +65,6 @@ def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         redis.stop()
 
 
-def admin(setup: Setup, method: str, path: str, gateway: int = 0,
-          **kwargs: object) -> httpx.Response:
-    return httpx.request(method, setup.gateways[gateway].url + path, timeout=30.0,
-                         headers={"Authorization": f"Bearer {ADMIN}"}, **kwargs)  # type: ignore[arg-type]
-
-
-def new_tenant(setup: Setup, tenant_id: str, **limits: object) -> str:
-    """Create a tenant and return a fresh key."""
-    assert admin(setup, "POST", "/admin/tenants",
-                 json={"tenant_id": tenant_id, **limits}).status_code == 201
-    response = admin(setup, "POST", f"/admin/tenants/{tenant_id}/keys")
-    assert response.status_code == 201
-    return str(response.json()["key"])
-
-
-def complete(setup: Setup, key: str, model: str, prompt: list[int] | str = "hello",
-             gateway: int = 0, max_tokens: int = 4) -> httpx.Response:
-    return httpx.post(setup.gateways[gateway].url + "/v1/completions", timeout=60.0,
-                      headers={"Authorization": f"Bearer {key}"},
-                      json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0, "ignore_eos": True})
-
-
-def _sees_adapter(setup: Setup, key: str, gateway: int, adapter: str) -> bool:
-    return adapter in models(setup, key, gateway)
-
-
-def _if_status(response: httpx.Response, status: int) -> httpx.Response | None:
-    return response if response.status_code == status else None
-
-
-def models(setup: Setup, key: str, gateway: int = 0) -> list[str]:
-    """The model ids the key may use on that replica ([] while the replica rejects it)."""
-    response = httpx.get(setup.gateways[gateway].url + "/v1/models",
-                         headers={"Authorization": f"Bearer {key}"}, timeout=10.0)
-    if response.status_code == 401:
-        return []
-    assert response.status_code == 200, response.text
-    return [m["id"] for m in response.json()["data"]]
-
-
-def engine_hits(setup: Setup) -> float:
-    text = httpx.get(setup.engine.url + "/metrics", timeout=10.0).text
-    return metric(text, "loragate_prefix_cache_hit_tokens_total")
-
-
 @pytest.fixture(scope="module")
 def tenants(setup: Setup) -> dict[str, str]:
     keys = {"alpha": new_tenant(setup, "alpha"), "beta": new_tenant(setup, "beta")}
@@ -127,7 +80,7 @@ def test_tenants_see_and_call_only_their_adapters(setup: Setup,
                                                   tenants: dict[str, str]) -> None:
     base = models(setup, tenants["alpha"])[0]
     for gateway in (0, 1):  # both replicas, once they have the adapters
-        poll(functools.partial(_sees_adapter, setup, tenants["alpha"], gateway, "a-bot"),
+        poll(functools.partial(sees_adapter, setup, tenants["alpha"], gateway, "a-bot"),
              "replica to see the adapter")
         assert models(setup, tenants["alpha"], gateway) == [base, "a-bot"]
         assert models(setup, tenants["beta"], gateway) == [base, "b-bot"]
@@ -175,7 +128,7 @@ def test_a_recreated_tenant_inherits_no_adapter_and_no_cached_prefix(setup: Setu
         "name": "omega-bot", "path": str(setup.adapters["a-bot"]), "owner": "omega"})
     assert response.status_code == 201, response.text
     response = admin(setup, "POST", "/admin/adapters/upload?name=omega-up&owner=omega",
-                     content=_tar(setup.adapters["a-bot"]))
+                     content=tar_dir(setup.adapters["a-bot"]))
     assert response.status_code == 201, response.text
     base = models(setup, key)[0]
     prompt = list(range(300, 460))  # 10 full blocks no other test sends
@@ -213,10 +166,6 @@ def test_a_tenant_deleted_while_its_adapters_run_unloads_them_when_their_request
             "name": name, "path": str(path), "owner": "busy"})
         assert response.status_code == 201, response.text
 
-    def engine_holds(name: str) -> bool:
-        held = httpx.get(setup.engine.url + "/adapters", timeout=10.0).json()
-        return any(a["name"] == name for a in held)
-
     def stream(model: str) -> contextlib.AbstractContextManager[httpx.Response]:
         body = {"model": model, "prompt": "hello", "max_tokens": 200, "temperature": 0,
                 "ignore_eos": True, "stream": True}
@@ -234,7 +183,7 @@ def test_a_tenant_deleted_while_its_adapters_run_unloads_them_when_their_request
         assert deleted.json()["adapters_deleted"] == sorted(names)
         assert deleted.json()["adapters_pending_delete"] == sorted(names)
         for name in names:
-            assert engine_holds(name)  # their requests still run on them
+            assert engine_holds(setup, name)  # their requests still run on them
             # The names stay taken until the engines let the old weights go.
             assert admin(setup, "GET", f"/admin/adapters/{name}").json()["status"] == \
                 "deleting"
@@ -246,7 +195,7 @@ def test_a_tenant_deleted_while_its_adapters_run_unloads_them_when_their_request
             rest = [line for line in lines if line]
             assert rest[-1] == "data: [DONE]" and "error" not in rest[-2]  # and finish
     def gone(name: str) -> bool:
-        return not engine_holds(name) and \
+        return not engine_holds(setup, name) and \
             admin(setup, "GET", f"/admin/adapters/{name}").status_code == 404
 
     for name in names:
@@ -255,15 +204,11 @@ def test_a_tenant_deleted_while_its_adapters_run_unloads_them_when_their_request
 
 def test_a_registration_refused_after_loading_leaves_no_adapter_on_the_engines(
         setup: Setup) -> None:
-    def engine_holds(name: str) -> bool:
-        held = httpx.get(setup.engine.url + "/adapters", timeout=10.0).json()
-        return any(a["name"] == name for a in held)
-
     response = admin(setup, "POST", "/admin/adapters", json={
         "name": "orphan", "path": str(setup.adapters["a-bot"]), "owner": "no-such-tenant"})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "owner"
-    assert not engine_holds("orphan")
+    assert not engine_holds(setup, "orphan")
     assert admin(setup, "GET", "/admin/adapters/orphan").status_code == 404
 
 
@@ -309,7 +254,7 @@ def test_tpm_counts_prompt_and_completion_tokens(setup: Setup) -> None:
     first = complete(setup, key, base, list(range(10, 50)), max_tokens=8)  # 48 tokens
     assert first.status_code == 200
     assert first.json()["usage"]["total_tokens"] == 48
-    refused = poll(lambda: _if_status(complete(setup, key, base, gateway=1), 429),
+    refused = poll(lambda: if_status(complete(setup, key, base, gateway=1), 429),
                    "the charge to reach the shared counter", timeout_s=5)
     assert refused.json()["error"]["code"] == "tpm_exceeded"
 
@@ -335,20 +280,13 @@ def test_redis_outage_fails_open_and_recovers(setup: Setup) -> None:
 
 
 # ---------------------------------------------------------------------------------- admin
-def _tar(directory: Path) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        archive.add(directory, arcname=directory.name)
-    return buffer.getvalue()
-
-
 def test_bad_uploads_are_refused_and_leave_nothing(setup: Setup, tiny_model_dir: Path,
                                                    tmp_path: Path) -> None:
     mismatched = make_peft_adapter(setup.other_model, tmp_path / "mismatched", rank=4,
                                    target_modules=("q_proj",), seed=9)
     before = sorted(setup.upload_dir.iterdir()) if setup.upload_dir.exists() else []
     for name, body in (("corrupt", b"\x1f\x8b not really gzip"),
-                       ("mismatched", _tar(mismatched))):
+                       ("mismatched", tar_dir(mismatched))):
         response = admin(setup, "POST", f"/admin/adapters/upload?name={name}&owner=alpha",
                          content=body)
         assert response.status_code == 400, response.text
@@ -361,7 +299,7 @@ def test_bad_uploads_are_refused_and_leave_nothing(setup: Setup, tiny_model_dir:
 def test_uploaded_adapter_loads_lazily_and_reports_status(setup: Setup,
                                                           tenants: dict[str, str]) -> None:
     response = admin(setup, "POST", "/admin/adapters/upload?name=uploaded&owner=alpha",
-                     content=_tar(setup.adapters["a-bot"]))
+                     content=tar_dir(setup.adapters["a-bot"]))
     assert response.status_code == 201, response.text
     status = response.json()
     assert status["owner"] == "alpha"

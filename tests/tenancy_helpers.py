@@ -1,0 +1,77 @@
+"""Helpers of the tenancy tests (tests/test_tenancy_live.py): the live setup's parts and the
+admin and client calls they make."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tests.live_http import metric
+from tests.live_servers import LiveServer
+from tests.redis_server import PrivateRedis
+
+ADMIN = "test-admin-key"
+
+
+@dataclass
+class Setup:
+    engine: LiveServer
+    gateways: list[LiveServer]
+    redis: PrivateRedis
+    adapters: dict[str, Path]
+    upload_dir: Path
+    other_model: Path
+
+
+def admin(setup: Setup, method: str, path: str, gateway: int = 0,
+          **kwargs: object) -> httpx.Response:
+    return httpx.request(method, setup.gateways[gateway].url + path, timeout=30.0,
+                         headers={"Authorization": f"Bearer {ADMIN}"}, **kwargs)  # type: ignore[arg-type]
+
+
+def new_tenant(setup: Setup, tenant_id: str, **limits: object) -> str:
+    """Create a tenant and return a fresh key."""
+    assert admin(setup, "POST", "/admin/tenants",
+                 json={"tenant_id": tenant_id, **limits}).status_code == 201
+    response = admin(setup, "POST", f"/admin/tenants/{tenant_id}/keys")
+    assert response.status_code == 201
+    return str(response.json()["key"])
+
+
+def complete(setup: Setup, key: str, model: str, prompt: list[int] | str = "hello",
+             gateway: int = 0, max_tokens: int = 4) -> httpx.Response:
+    return httpx.post(setup.gateways[gateway].url + "/v1/completions", timeout=60.0,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0, "ignore_eos": True})
+
+
+def sees_adapter(setup: Setup, key: str, gateway: int, adapter: str) -> bool:
+    return adapter in models(setup, key, gateway)
+
+
+def if_status(response: httpx.Response, status: int) -> httpx.Response | None:
+    return response if response.status_code == status else None
+
+
+def models(setup: Setup, key: str, gateway: int = 0) -> list[str]:
+    """The model ids the key may use on that replica ([] while the replica rejects it)."""
+    response = httpx.get(setup.gateways[gateway].url + "/v1/models",
+                         headers={"Authorization": f"Bearer {key}"}, timeout=10.0)
+    if response.status_code == 401:
+        return []
+    assert response.status_code == 200, response.text
+    return [m["id"] for m in response.json()["data"]]
+
+
+def engine_holds(setup: Setup, name: str) -> bool:
+    """Whether the engine has an adapter of that name registered."""
+    held = httpx.get(setup.engine.url + "/adapters", timeout=10.0).json()
+    return any(a["name"] == name for a in held)
+
+
+def engine_hits(setup: Setup) -> float:
+    text = httpx.get(setup.engine.url + "/metrics", timeout=10.0).text
+    return metric(text, "loragate_prefix_cache_hit_tokens_total")
