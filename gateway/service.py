@@ -134,10 +134,8 @@ class Gateway:
         if ticket is None:
             return
         # A refused request stays counted, as if it had reached an engine and used nothing.
-        task = asyncio.get_running_loop().create_task(self.limiter.release(
-            ticket, tokens if outcome == "served" else 0, outcome != "failed"))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._later(self.limiter.release(ticket, tokens if outcome == "served" else 0,
+                                         outcome != "failed"))
 
     async def ensure_adapter(self, instance: Instance, adapter: str) -> None:
         """Make the instance hold the registered content of the adapter before a request
@@ -356,8 +354,9 @@ class Gateway:
                                   len(job.request.prompt_token_ids))
 
     def _later(self, work: Coroutine[Any, Any, Any]) -> None:
-        """Run best-effort cleanup (an abort, closing a stream) in the background; a failure
-        (the instance is gone: what the cleanup was for) is logged, never raised."""
+        """Run best-effort work (an abort, closing a stream, releasing a rate-limit ticket) in
+        the background; a failure (the instance or the store is gone) is logged, never
+        raised."""
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(_cleanup_done)
@@ -366,4 +365,4 @@ class Gateway:
 
 def _cleanup_done(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
-        log.info("background cleanup failed: %r", task.exception())
+        log.warning("background work failed: %r", task.exception())
