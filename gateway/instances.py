@@ -103,10 +103,9 @@ class Instance:
         watched). Called on ejection with the start of the state calls that timed out in a
         row: nothing came from the instance since, so it is frozen; a wait that began later
         saw the instance answer more recently (a busy, not a frozen, engine) and goes on.
-        Only for an instance
-        that stopped answering but keeps its connections open: one whose connections fail
-        ends its streams itself (cancelling reads that are handling that failure would
-        race with it), and a draining one finishes them."""
+        Only for an instance that stopped answering: one whose connections fail ends its
+        streams itself (cancelling reads that are handling that failure would race with
+        it), and a draining one finishes them."""
         now = asyncio.get_running_loop().time()
         for scope, began in list(self.waits.items()):
             # A scope whose own deadline fired this loop turn is expiring already
