@@ -31,6 +31,7 @@ import logging
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from engine.protocol import EngineClient, EngineRejected, EngineUnavailable, Loa
 from gateway.adapter_upload import extract_archive, remove_tree
 from gateway.instances import Instance
 from gateway.service import Gateway
+from gateway.store import StateStore
 from gateway.tenancy import AdapterRecord
 from lora.adapter import LoraAdapter, load_adapter
 
@@ -234,6 +236,27 @@ async def finish_delete(gw: Gateway, name: str, uploads: Path) -> None:
         except Exception:  # the store or an engine hiccuped: try again next round
             log.exception("finishing the delete of adapter %s", name)
     log.warning("adapter %s is still held by an engine; it stays pending delete", name)
+
+
+HIDE_ATTEMPTS = 5
+"""hide_owned re-reads the adapters this often while admin calls change them under it."""
+
+
+async def hide_owned(store: StateStore, tenant_id: str) -> list[str]:
+    """Turn every adapter ``tenant_id`` owns into a pending delete owned by nobody (so that
+    deleting the tenant leaves it, its name taken until the engines let go); returns their
+    names, sorted. A record changed meanwhile (a PATCH, a DELETE) is read again."""
+    hidden: list[str] = []
+    for _ in range(HIDE_ATTEMPTS):
+        owned = [a for a in (await store.snapshot()).adapters.values() if a.owner == tenant_id]
+        if not owned:
+            break
+        for record in owned:
+            tombstone = replace(record, owner=None, owner_uid="", shared_with=(),
+                                deleting=True)
+            if await store.swap_adapter(record.name, record, tombstone):
+                hidden.append(record.name)
+    return sorted(hidden)
 
 
 def start_finishing(tasks: dict[str, asyncio.Task[None]], gw: Gateway, name: str,

@@ -166,14 +166,15 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
     @router.patch("/adapters/{name}")
     async def update_adapter(name: str, body: AdapterPatch,
                              gw: AdminGateway) -> dict[str, Any]:
-        record = await _get_live_adapter(gw, name)
+        current = await _get_live_adapter(gw, name)
         changes = body.model_dump(exclude_unset=True)
         if "shared_with" in changes:
             changes["shared_with"] = tuple(changes["shared_with"] or ())
-        record = replace(record, **changes)
+        record = replace(current, **changes)
         if "owner" in changes:
             record = replace(record, owner_uid=await owner_uid(gw, record.owner))
-        await gw.view.store.put_adapter(record)
+        if not await gw.view.store.swap_adapter(name, current, record):
+            raise _changed_meanwhile(name)
         await gw.view.refresh()
         return lifecycle.adapter_status(gw, record)
 
@@ -190,8 +191,10 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
                 raise ApiError(409, f"adapter {name!r} is in use on {busy}; retry when idle "
                                f"or pass force=true", code="adapter_in_use")
             # Hidden first: no new request can load it again while it is unloaded.
-            record = replace(record, deleting=True)
-            await gw.view.store.put_adapter(record)
+            hidden = replace(record, deleting=True)
+            if not await gw.view.store.swap_adapter(name, record, hidden):
+                raise _changed_meanwhile(name)
+            record = hidden
             await gw.view.refresh()
         unloaded, held = await lifecycle.unload_everywhere(gw, name)
         if not held:
@@ -200,8 +203,7 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
         if not force and not was_pending:  # a request took it between the check and now
             # Shown again only if it is still the record hidden above (a tenant deletion
             # meanwhile made it its own pending delete: that one stands).
-            if (await gw.view.store.snapshot()).adapters.get(name) == record:
-                await gw.view.store.put_adapter(replace(record, deleting=False))
+            if await gw.view.store.swap_adapter(name, record, replace(record, deleting=False)):
                 await gw.view.refresh()
             raise ApiError(409, f"adapter {name!r} is in use on {held}; retry when idle or "
                            f"pass force=true", code="adapter_in_use")
@@ -263,6 +265,11 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
 
 
 # ------------------------------------------------------------------------ helpers
+def _changed_meanwhile(name: str) -> ApiError:
+    return ApiError(409, f"adapter {name!r} was changed by another admin call meanwhile; "
+                    f"read it again and retry", code="conflict")
+
+
 def _valid_name(name: str) -> bool:
     import re
 
@@ -305,8 +312,11 @@ async def record_adapter(gw: Gateway, record: AdapterRecord) -> JSONResponse:
     record = replace(record, owner_uid=await owner_uid(gw, record.owner))
     loaded = await lifecycle.load_where_reachable(gw, record)
     try:
-        await lifecycle.check_name_free(gw, record.name)  # taken while it loaded
-        await gw.view.store.put_adapter(record)
+        # Only if the name is still free: of two registrations racing for it (on any
+        # gateway replica), exactly one records it.
+        if not await gw.view.store.swap_adapter(record.name, None, record):
+            await lifecycle.check_name_free(gw, record.name)  # the precise 409
+            raise ApiError(409, f"adapter {record.name!r} already exists")
     except Exception:
         await lifecycle.unload_from(loaded, record.name)
         raise

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -89,20 +89,16 @@ def build_tenant_router(uploads: Path, finishing: dict[str, asyncio.Task[None]]
     @router.delete("/tenants/{tenant_id}")
     async def delete_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
         await get_tenant(gw, tenant_id)
-        owned = [a for a in (await gw.view.store.snapshot()).adapters.values()
-                 if a.owner == tenant_id]
         # Its adapters go as a DELETE of each would: hidden at once (pending delete, owned
         # by nobody, so the tenant's own deletion leaves them), and their names stay taken
         # until every engine unloaded them: old weights never answer for a new adapter.
-        for record in owned:
-            await gw.view.store.put_adapter(
-                replace(record, owner=None, owner_uid="", shared_with=(), deleting=True))
+        hidden = await lifecycle.hide_owned(gw.view.store, tenant_id)
         # Keys go with it; a tenant created later under this id gets a new uid, hence a new
         # cache salt: it inherits nothing.
-        await gw.view.store.delete_tenant(tenant_id)
+        dropped = await gw.view.store.delete_tenant(tenant_id)  # owned yet not hidden: gone
         await gw.view.refresh()
         unloaded, pending = {}, []
-        for name in sorted(a.name for a in owned):
+        for name in hidden:
             tombstone = gw.view.snapshot.adapters.get(name)
             if tombstone is None or not tombstone.deleting:
                 continue  # a DELETE of the adapter finished meanwhile
@@ -113,7 +109,7 @@ def build_tenant_router(uploads: Path, finishing: dict[str, asyncio.Task[None]]
             else:
                 await lifecycle.drop(gw, tombstone, uploads)
         return {"tenant_id": tenant_id, "status": "deleted",
-                "adapters_deleted": sorted(a.name for a in owned), "unloaded": unloaded,
+                "adapters_deleted": sorted(hidden + dropped), "unloaded": unloaded,
                 "adapters_pending_delete": pending}
 
     # -------------------------------------------------------------------- keys

@@ -110,8 +110,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                                f"unreachable")
         # Adapters given on the command line are public unless the store already knows them.
         for adapter_name, path in (adapters or {}).items():
-            if adapter_name not in view.snapshot.adapters:
-                await store.put_adapter(AdapterRecord(adapter_name, path))
+            await store.swap_adapter(adapter_name, None, AdapterRecord(adapter_name, path))
         await view.refresh()
         connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0)
         # Control calls apart from the streams: see HttpEngineClient.

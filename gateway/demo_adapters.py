@@ -134,8 +134,9 @@ async def watch(adapter_dir: Path, view: StateView, interval_s: float = WATCH_EV
         new = {name: path for name, path in complete_adapters(adapter_dir).items()
                if name not in view.snapshot.adapters}
         for name, path in new.items():
-            await view.store.put_adapter(AdapterRecord(name, path))
-            log.info("demo adapter %s is ready and registered", name)
+            # Unless an admin registered the name meanwhile (theirs stands).
+            if await view.store.swap_adapter(name, None, AdapterRecord(name, path)):
+                log.info("demo adapter %s is ready and registered", name)
         if new:
             await view.refresh()
         if not missing_styles(adapter_dir):

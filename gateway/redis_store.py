@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", Tenant, ApiKey, AdapterRecord)
 Builder = Callable[[dict[str, Any]], tuple[R, list[str]]]
 """A record from its JSON fields, and the names of the fields it does not know."""
-DELETE_ATTEMPTS = 20
-"""delete_tenant retries its optimistic transaction this often while other writes race it."""
+WATCH_ATTEMPTS = 20
+"""delete_tenant and swap_adapter retry their optimistic transactions this often while other
+writes race them."""
 
 # live(key, oldest): drop the seconds before `oldest`, return the sum of the rest and the
 # rest as {second, amount} pairs. wait(...): seconds until `need` more fits under `limit`,
@@ -225,7 +226,7 @@ class RedisStore:
     async def delete_tenant(self, tenant_id: str) -> list[str]:
         tables = self._k("keys"), self._k("adapters")
         async with self._redis.pipeline(transaction=True) as pipe:
-            for _ in range(DELETE_ATTEMPTS):
+            for _ in range(WATCH_ATTEMPTS):
                 try:
                     # Optimistic: if a key or adapter is written meanwhile, start over.
                     await self._call(pipe.watch(*tables))
@@ -256,8 +257,32 @@ class RedisStore:
     async def delete_key(self, key_hash: str) -> None:
         await self._write("del", "keys", key_hash)
 
-    async def put_adapter(self, adapter: AdapterRecord) -> None:
-        await self._write("set", "adapters", adapter.name, json.dumps(asdict(adapter)))
+    async def swap_adapter(self, name: str, expected: AdapterRecord | None,
+                           new: AdapterRecord | None) -> bool:
+        table = self._k("adapters")
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for _ in range(WATCH_ATTEMPTS):
+                try:
+                    # Optimistic: a write of the table between WATCH and EXEC starts over.
+                    await self._call(pipe.watch(table))
+                    raw = await self._call(pipe.hget(table, name))
+                    current = (None if raw is None
+                               else self._parse("adapters", name, raw, _adapter))
+                    if current != expected:
+                        await self._call(pipe.reset())
+                        return False
+                    pipe.multi()
+                    if new is None:
+                        pipe.hdel(table, name)
+                    else:
+                        pipe.hset(table, name, json.dumps(asdict(new)))
+                    pipe.incr(self._k("version"))
+                    await self._call(pipe.execute())
+                    return True
+                except WatchError:
+                    continue
+        raise StoreUnavailable(f"redis at {self.url}: adapter {name!r} could not be "
+                               f"written: its table kept changing")
 
     async def delete_adapter(self, name: str) -> None:
         await self._write("del", "adapters", name)

@@ -141,8 +141,10 @@ class SqliteStore(MemoryStore):
     async def delete_key(self, key_hash: str) -> None:
         await self._persisted(super().delete_key(key_hash))
 
-    async def put_adapter(self, adapter: AdapterRecord) -> None:
-        await self._persisted(super().put_adapter(adapter))
+    async def swap_adapter(self, name: str, expected: AdapterRecord | None,
+                           new: AdapterRecord | None) -> bool:
+        swapped: bool = await self._persisted(super().swap_adapter(name, expected, new))
+        return swapped
 
     async def delete_adapter(self, name: str) -> None:
         await self._persisted(super().delete_adapter(name))

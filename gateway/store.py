@@ -75,7 +75,13 @@ class StateStore(Protocol):
 
     async def delete_key(self, key_hash: str) -> None: ...
 
-    async def put_adapter(self, adapter: AdapterRecord) -> None: ...
+    async def swap_adapter(self, name: str, expected: AdapterRecord | None,
+                           new: AdapterRecord | None) -> bool:
+        """Compare and set, atomically across gateways: if the record under ``name`` equals
+        ``expected`` (None: there is none), replace it with ``new`` (None: delete it) and
+        return True; otherwise change nothing and return False. What makes a name taken by
+        exactly one of two concurrent registrations, and a PATCH or DELETE that read a record
+        fail instead of overwriting a change made since."""
 
     async def delete_adapter(self, name: str) -> None: ...
 
@@ -145,9 +151,17 @@ class MemoryStore:
         self._keys.pop(key_hash, None)
         self._bump()
 
-    async def put_adapter(self, adapter: AdapterRecord) -> None:
-        self._adapters[adapter.name] = adapter
+    async def swap_adapter(self, name: str, expected: AdapterRecord | None,
+                           new: AdapterRecord | None) -> bool:
+        # No await between the read and the write: atomic on the event loop.
+        if self._adapters.get(name) != expected:
+            return False
+        if new is None:
+            self._adapters.pop(name, None)
+        else:
+            self._adapters[name] = new
         self._bump()
+        return True
 
     async def delete_adapter(self, name: str) -> None:
         self._adapters.pop(name, None)

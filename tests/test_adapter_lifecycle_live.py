@@ -12,6 +12,7 @@ import json
 import shutil
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -65,6 +66,25 @@ def test_reupload_under_a_force_deleted_name_serves_only_the_new_weights(
         assert text_of(complete(setup, "tb", "shared")) == want_new
         drain.join(120)
     wait_engines_idle(setup.engine.url)
+
+
+def test_racing_registrations_of_one_name_record_one_and_serve_its_weights(
+        setup: Setup) -> None:
+    """Registrations load on the engines before they are recorded: of several racing for a
+    name (different tenants, different weights), one is recorded, the others get 409, and
+    the name answers with the recorded weights whatever the engine loaded last."""
+    want = {"ta": reference(setup, "ta", "race-ref-old", setup.old),
+            "tb": reference(setup, "tb", "race-ref-new", setup.new)}
+    owners = ["ta", "tb"] * 3
+    with ThreadPoolExecutor(len(owners)) as pool:
+        answers = list(pool.map(lambda owner: register(
+            setup, "race", setup.old if owner == "ta" else setup.new, owner=owner), owners))
+    assert sorted(a.status_code for a in answers) == [201] + [409] * 5, \
+        [a.text for a in answers]
+    winner = owners[[a.status_code for a in answers].index(201)]
+    assert text_of(complete(setup, winner, "race")) == want[winner]
+    loser = "tb" if winner == "ta" else "ta"
+    assert complete(setup, loser, "race").status_code == 404
 
 
 def test_force_delete_of_a_busy_adapter_is_pending_until_its_requests_end(

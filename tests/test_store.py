@@ -5,6 +5,7 @@ RedisStore runs against a real Redis (REDIS_URL)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import sqlite3
@@ -47,7 +48,7 @@ def test_records_round_trip_and_bump_the_version(make_store: Callable[[], StateS
                                 owner_uid=tenant.uid)
         await store.put_tenant(tenant)
         await store.put_key(key)
-        await store.put_adapter(adapter)
+        assert await store.swap_adapter("bot", None, adapter)
         assert await store.version() == v0 + 3
         other = make_store()  # a second gateway sees the same records
         snapshot = await other.snapshot()
@@ -60,6 +61,44 @@ def test_records_round_trip_and_bump_the_version(make_store: Callable[[], StateS
         assert await other.version() == v0 + 4
         await store.close()
         await other.close()
+
+    run(scenario())
+
+
+def test_swap_adapter_changes_only_the_record_it_was_given(
+        make_store: Callable[[], StateStore]) -> None:
+    async def scenario() -> None:
+        store, other = make_store(), make_store()
+        first = AdapterRecord("bot", "/a", owner="acme")
+        second = AdapterRecord("bot", "/b", owner="beta")
+        v0 = await store.version()
+        assert await store.swap_adapter("bot", None, first)
+        assert not await other.swap_adapter("bot", None, second)  # the name is taken
+        assert not await other.swap_adapter("bot", second, None)  # not the record there
+        assert await other.version() == v0 + 1  # refusals write nothing
+        hidden = dataclasses.replace(first, deleting=True)
+        assert await other.swap_adapter("bot", first, hidden)
+        assert not await store.swap_adapter("bot", first, second)  # read before the change
+        assert (await store.snapshot()).adapters == {"bot": hidden}
+        assert await store.swap_adapter("bot", hidden, None)
+        assert (await other.snapshot()).adapters == {}
+        await store.close()
+        await other.close()
+
+    run(scenario())
+
+
+def test_one_of_many_racing_registrations_takes_a_name(
+        make_store: Callable[[], StateStore]) -> None:
+    async def scenario() -> None:
+        stores = [make_store() for _ in range(4)]  # four gateways sharing the state
+        records = [AdapterRecord("bot", f"/adapters/{i}") for i in range(16)]
+        won = await asyncio.gather(*(stores[i % 4].swap_adapter("bot", None, r)
+                                     for i, r in enumerate(records)))
+        assert sum(won) == 1
+        assert (await stores[0].snapshot()).adapters == {"bot": records[won.index(True)]}
+        for store in stores:
+            await store.close()
 
     run(scenario())
 
@@ -77,7 +116,7 @@ def test_deleting_a_tenant_takes_its_keys_and_adapters_and_shares(
             await store.put_tenant(tenant)
             await store.put_key(ApiKey(hash_key(tenant.tenant_id), tenant.tenant_id, "k", 0.0))
         for record in records:
-            await store.put_adapter(record)
+            assert await store.swap_adapter(record.name, None, record)
         v0 = await store.version()
         assert await store.delete_tenant("acme") == ["mine"]
         snapshot = await make_store().snapshot()
@@ -271,8 +310,8 @@ def test_sqlite_store_keeps_records_and_version_across_a_restart(tmp_path: Path)
         for t in (tenant, other):
             await store.put_tenant(t)
         await store.put_key(key)
-        await store.put_adapter(owned)
-        await store.put_adapter(shared)
+        assert await store.swap_adapter(owned.name, None, owned)
+        assert await store.swap_adapter(shared.name, None, shared)
         await store.put_key(ApiKey(hash_key("gone"), "beta", "k2", 1.0))
         await store.delete_key(hash_key("gone"))
         version = await store.version()
