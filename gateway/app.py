@@ -35,7 +35,7 @@ from engine.models.shape import ModelShape
 from gateway.access_log import AccessLog
 from gateway.adapter_resolver import AdapterResolver
 from gateway.admin_api import build_admin_router
-from gateway.auth import StateView
+from gateway.auth import StateView, require_admin
 from gateway.config import GatewayConfig
 from gateway.demo_adapters import watch
 from gateway.docs_ui import install_docs
@@ -61,6 +61,8 @@ MAX_BODY_BYTES = 8 << 20
 MAX_UPLOAD_BYTES = 2 << 30
 """The limit for adapter uploads (POST /admin/adapters/upload) instead."""
 UPLOAD_PATH = "/admin/adapters/upload"
+KEYED_PATHS = ("/tokenize", "/detokenize")
+"""Routes outside /v1/ that take a tenant's key (Guard checks it before the body)."""
 CONTROL_CONNECTIONS = 32
 """Connections per engine for state polls, aborts and adapter calls (apart from streams)."""
 
@@ -182,12 +184,26 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         return operator_endpoints_open(config.admin_key,
                                        gateway is None or gateway.view.open_mode)
 
+    async def caller_refusal(scope: Scope) -> JSONResponse | None:
+        """The 401 a request's route would answer for its key, before its body is read (the
+        routes' own dependencies check again, with the body)."""
+        gateway: Gateway | None = getattr(app.state, "gateway", None)
+        path = scope["path"]
+        try:
+            if path.startswith("/admin/"):
+                require_admin(Request(scope), config.admin_key)
+            elif gateway is not None and (path.startswith("/v1/") or path in KEYED_PATHS):
+                await gateway.authenticate(Request(scope))
+        except ApiError as exc:
+            return exc.response()
+        return None
+
     app.add_middleware(Guard, max_bytes=body_limit,
                        draining=lambda: bool(app.state.draining),
                        retry_after_s=config.retry_after_s,
                        body_timeout_s=config.body_read_timeout_s,
                        restrict_hosts=lambda: bool(config.allowed_hosts) or open_mode(),
-                       allowed_hosts=config.allowed_hosts)
+                       allowed_hosts=config.allowed_hosts, caller_refusal=caller_refusal)
     def count_response(scope: Scope, status: int) -> None:
         gateway: Gateway | None = getattr(app.state, "gateway", None)
         if gateway is None:

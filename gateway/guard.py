@@ -7,6 +7,8 @@ stream, a cost paid per token. In order, for each HTTP request:
   gateway/exposure.py);
 - 413 for a Content-Length over the path's limit;
 - 503 for new generation requests while the gateway drains;
+- 401 (or the admin API's 401 / 403) before a body is read when the caller's key is unknown:
+  an anonymous client must not make the gateway parse megabytes of JSON;
 - while the app reads the body: 413 once it grows past the limit (chunked uploads), 408 when
   it has not all arrived by its deadline (body_timeout_s from the headers, plus a second per
   MiB received, so a big upload at a sane rate is never cut off but a trickle is);
@@ -19,7 +21,7 @@ Every refusal is an OpenAI-style error body.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -38,7 +40,8 @@ class Guard:
 
     def __init__(self, app: ASGIApp, max_bytes: Callable[[str], int],
                  draining: Callable[[], bool], retry_after_s: int, body_timeout_s: float,
-                 restrict_hosts: Callable[[], bool], allowed_hosts: tuple[str, ...]) -> None:
+                 restrict_hosts: Callable[[], bool], allowed_hosts: tuple[str, ...],
+                 caller_refusal: Callable[[Scope], Awaitable[JSONResponse | None]]) -> None:
         self.app = app
         self.max_bytes_for = max_bytes
         self.draining = draining
@@ -46,6 +49,7 @@ class Guard:
         self.body_timeout_s = body_timeout_s
         self.restrict_hosts = restrict_hosts
         self.allowed_hosts = allowed_hosts
+        self.caller_refusal = caller_refusal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -90,6 +94,8 @@ class Guard:
             return message
 
         refusal = self._refusal(scope, headers, length, max_bytes)
+        if refusal is None and not body_done:
+            refusal = await self.caller_refusal(scope)
         if refusal is not None:
             await refusal(scope, receive, guarded_send)
             return

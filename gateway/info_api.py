@@ -11,16 +11,25 @@ see is a 404, as there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter
-from pydantic import Field, StrictBool, ValidationError, model_validator
+from pydantic import (
+    Field,
+    SkipValidation,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from transformers import PreTrainedTokenizerBase
 
 from engine.http.errors import ApiError
 from gateway import openai_fields
+from gateway.auth import Principal
 from gateway.caller import Caller
 from gateway.openai_chat_protocol import (
     MAX_TOOLS,
@@ -30,7 +39,7 @@ from gateway.openai_chat_protocol import (
     ToolDefinition,
 )
 from gateway.openai_fields import StrictRequest, Unsupported
-from gateway.openai_protocol import MAX_MODEL_NAME, MAX_PROMPT_TOKEN_IDS, TokenId
+from gateway.openai_protocol import MAX_MODEL_NAME, token_ids
 from gateway.openai_text import Text
 from gateway.prompts import PromptEncoder
 from gateway.service import Gateway
@@ -84,10 +93,31 @@ class TokenizeRequest(StrictRequest):
 
 
 class DetokenizeRequest(StrictRequest):
-    """Token ids back to text."""
+    """Token ids back to text (at most a context's worth: the handler checks)."""
 
     model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)]
-    tokens: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+    tokens: Annotated[list[int], SkipValidation]
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _ids(cls, value: Any) -> list[int]:
+        """One pass over the list, however long (a validator per item costs seconds for a
+        million ids, on the event loop)."""
+        if not isinstance(value, list):
+            raise ValueError("tokens must be a list of token ids")
+        return token_ids(value, "tokens")
+
+
+@contextlib.asynccontextmanager
+async def counted(gateway: Gateway, principal: Principal) -> AsyncIterator[None]:
+    """A tokenizer call counts as a request against its tenant's limits (RPM, concurrency,
+    a revoked key; never tokens): tokenizing is CPU work on the gateway, and a tenant over
+    its limits must not be able to keep it busy here."""
+    claim = await gateway.admit(principal)
+    try:
+        yield
+    finally:
+        gateway.settle(claim, 0, "refused")  # counted, charged no tokens
 
 
 def model_card(gateway: Gateway, name: str, created: int) -> dict[str, Any]:
@@ -115,18 +145,19 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
         gateway = get_gateway()
         gateway.resolve_model(body.model, principal)  # 404 for a model it cannot see
         context = gateway.context_length()
-        if body.prompt is not None:
-            PromptEncoder.check_chars(len(body.prompt), context, "prompt")
-            ids = await prompts.encode_prompt(body.prompt)
-        else:
-            try:
-                chat = body.chat_request()
-            except ValidationError as exc:  # options that do not agree, as a chat request's
-                error = exc.errors()[0]
-                raise ApiError(400, error["msg"],
-                               param=".".join(map(str, error["loc"])) or None) from None
-            PromptEncoder.check_chars(chat.prompt_chars(), context, "messages")
-            ids = await prompts.encode_chat_request(chat)
+        async with counted(gateway, principal):
+            if body.prompt is not None:
+                PromptEncoder.check_chars(len(body.prompt), context, "prompt")
+                ids = await prompts.encode_prompt(body.prompt)
+            else:
+                try:
+                    chat = body.chat_request()
+                except ValidationError as exc:  # options that do not agree, as a chat's
+                    error = exc.errors()[0]
+                    raise ApiError(400, error["msg"],
+                                   param=".".join(map(str, error["loc"])) or None) from None
+                PromptEncoder.check_chars(chat.prompt_chars(), context, "messages")
+                ids = await prompts.encode_chat_request(chat)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": context, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
@@ -136,13 +167,17 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
     async def detokenize(body: DetokenizeRequest, principal: Caller) -> dict[str, str]:
         gateway = get_gateway()
         gateway.resolve_model(body.model, principal)
+        context = gateway.context_length()
+        if len(body.tokens) > context:  # no request holds more: nothing to decode
+            raise ApiError(400, f"tokens holds {len(body.tokens)} ids, more than the "
+                           f"model's context ({context})", param="tokens")
         vocab = len(tokenizer)
-        bad = next((t for t in body.tokens if t >= vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"token id {bad} is outside the vocabulary (size {vocab})",
-                           param="tokens")
-        # Decoding a long list is CPU work: off the event loop.
-        text = await asyncio.to_thread(tokenizer.decode, body.tokens)
+        if body.tokens and max(body.tokens) >= vocab:
+            raise ApiError(400, f"token id {max(body.tokens)} is outside the vocabulary "
+                           f"(size {vocab})", param="tokens")
+        async with counted(gateway, principal):
+            # Decoding is CPU work: off the event loop.
+            text = await asyncio.to_thread(tokenizer.decode, body.tokens)
         return {"prompt": str(text)}
 
     @router.get("/tokenizer_info")

@@ -301,7 +301,7 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must be a string, a list of token ids, or a list of "
                              "either (a batch)")
         if not value or isinstance(value[0], int):
-            return [_token_ids(value)]
+            return [token_ids(value)]
         if len(value) > MAX_BATCH_PROMPTS:
             raise ValueError(f"a batch holds at most {MAX_BATCH_PROMPTS} prompts")
         if all(isinstance(p, str) for p in value):
@@ -309,7 +309,7 @@ class CompletionRequest(SamplingFields):
         if all(isinstance(p, list) for p in value):
             if sum(len(p) for p in value) > MAX_PROMPT_TOKEN_IDS:
                 raise ValueError(f"a batch holds at most {MAX_PROMPT_TOKEN_IDS} token ids")
-            return [_token_ids(p) for p in value]
+            return [token_ids(p) for p in value]
         raise ValueError("a batch of prompts is a list of strings or a list of token-id lists")
 
     @field_validator("prompt")
@@ -358,12 +358,12 @@ class CompletionRequest(SamplingFields):
         return max(echoed, self.prompt_logprobs)
 
 
-def _token_ids(value: list[Any]) -> list[int]:
-    """A prompt of token ids, checked in one pass (ValueError for the first bad one)."""
+def token_ids(value: list[Any], what: str = "a prompt") -> list[int]:
+    """A list of token ids checked in one pass (ValueError for the first bad one)."""
     if len(value) > MAX_PROMPT_TOKEN_IDS:
-        raise ValueError(f"a prompt holds at most {MAX_PROMPT_TOKEN_IDS} token ids")
+        raise ValueError(f"{what} holds at most {MAX_PROMPT_TOKEN_IDS} token ids")
     if not set(map(type, value)) <= {int}:
-        raise ValueError("a prompt of token ids must be a list of integers")
+        raise ValueError(f"{what} of token ids must be a list of integers")
     if value and (min(value) < 0 or max(value) >= INT32_LIMIT):
         raise ValueError(f"token ids must be in [0, {INT32_LIMIT})")
     return value

@@ -80,8 +80,12 @@ def _guarded(restrict: bool, allowed: tuple[str, ...]) -> Guard:
     async def ping() -> dict[str, bool]:
         return {"ok": True}
 
+    async def anyone(_: object) -> None:
+        return None
+
     return Guard(app, max_bytes=lambda _: 1024, draining=lambda: False, retry_after_s=1,
-                 body_timeout_s=5.0, restrict_hosts=lambda: restrict, allowed_hosts=allowed)
+                 body_timeout_s=5.0, restrict_hosts=lambda: restrict, allowed_hosts=allowed,
+                 caller_refusal=anyone)
 
 
 async def _status(guard: Guard, host: str) -> tuple[int, str | None]:

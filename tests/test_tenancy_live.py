@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -246,6 +247,40 @@ def test_rpm_is_exact_across_two_gateways(setup: Setup) -> None:
         assert 1 <= int(response.headers["retry-after"]) <= SPAN_S  # sliding: up to 61 s
         assert response.json()["error"]["code"] == "rpm_exceeded"
         assert "rpm" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/detokenize",
+                                  "/admin/adapters"])
+def test_an_unknown_key_is_refused_before_the_body_is_read(setup: Setup, path: str) -> None:
+    """An anonymous client must not make the gateway read and parse megabytes of JSON: the
+    401 comes while the announced body has not even been sent."""
+    host, port = setup.gateways[0].url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30.0) as conn:
+        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                     f"application/json\r\nAuthorization: Bearer nope\r\n"
+                     f"Content-Length: {4 << 20}\r\n\r\n{{".encode())
+        answer = b""
+        while chunk := conn.recv(65536):  # until the gateway closes: it read no body
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 401"), answer
+    assert b"invalid_api_key" in answer
+
+
+def test_tokenizer_calls_count_against_rpm(setup: Setup) -> None:
+    """/tokenize and /detokenize are CPU work on the gateway: a tenant over its RPM is
+    refused there too (and they count, charged no tokens)."""
+    key = new_tenant(setup, "eta", rpm=3)
+    base = poll(lambda: models(setup, key, 0), "the gateway to know eta")[0]
+    url, auth = setup.gateways[0].url, {"Authorization": f"Bearer {key}"}
+    assert httpx.post(url + "/tokenize", headers=auth, timeout=30.0,
+                      json={"model": base, "prompt": "hello"}).status_code == 200
+    assert httpx.post(url + "/detokenize", headers=auth, timeout=30.0,
+                      json={"model": base, "tokens": [20, 21]}).status_code == 200
+    assert complete(setup, key, base).status_code == 200
+    for path, body in (("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [20]})):
+        refused = httpx.post(url + path, headers=auth, timeout=30.0, json={"model": base, **body})
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "rpm_exceeded"
 
 
 def test_tpm_counts_prompt_and_completion_tokens(setup: Setup) -> None:

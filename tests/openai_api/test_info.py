@@ -93,6 +93,9 @@ def test_tokenize_takes_the_chat_requests_template_options(
     ("/detokenize", {"tokens": [1], "bogus_field": 1}, "bogus_field"),
     ("/detokenize", {"tokens": [10**9]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": ["1"]}, "tokens"),
+    ("/detokenize", {"tokens": 5}, "tokens"),
+    ("/detokenize", {"tokens": [1] * 100_000}, "tokens"),  # more than any context
 ])
 def test_bad_requests_are_400(gateway: LiveServer, base_model: str, path: str,
                               body: dict[str, Any], param: str | None) -> None:
