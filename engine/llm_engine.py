@@ -42,6 +42,9 @@ NO_TOKEN_MESSAGE = ("no token is allowed to come next: the request's allowed_tok
                     "bad_words, min_tokens and structured output together exclude every "
                     "token of the vocabulary here")
 """What a request is told whose constraints left no token to sample (a 400: its own)."""
+NON_FINITE_MESSAGE = ("the model computed NaN or infinite logits for this request, so no "
+                      "token can be sampled: its adapter's weights overflow (or the model's)")
+"""What a request is told whose logits were not numbers (a 500; the batch goes on)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -253,11 +256,13 @@ class LLMEngine:
         self.isolation.succeeded(sched)
         t2 = time.perf_counter()
         self._store_prompt_logprobs(result.prompt_logprobs)
-        updated = self.scheduler.update(sched, result.sampled, result.no_token)
+        updated = self.scheduler.update(sched, result.sampled,
+                                        result.no_token + result.non_finite)
         now = time.monotonic()
         outputs = failed + [self._on_new_token(self._tracked[r.request_id], result.logprobs,
                                                now) for r in updated]
         outputs += [self._fail(r, NO_TOKEN_MESSAGE, "invalid_request") for r in result.no_token]
+        outputs += [self._fail(r, NON_FINITE_MESSAGE) for r in result.non_finite]
         t3 = time.perf_counter()
         prefill_tokens = sum(c.num_tokens for c in sched.chunks if not c.sample or
                              c.num_tokens > 1)

@@ -20,7 +20,7 @@ from engine.logits_processors import PenaltyCounts, RowState, adjust_logits
 from engine.models.llama import LlamaForFlatBatch
 from engine.paged_decode import CopyBuffers
 from engine.prompt_logprobs import PromptLogprob, plan_prompt_rows, score_prompt_rows
-from engine.sampler import NO_TOKEN, Sampler
+from engine.sampler import NO_TOKEN, NON_FINITE, Sampler
 from engine.scheduler_output import SchedulerOutput
 from engine.structured_output import GrammarMatchers
 from engine.triton_attention import default_block_m, resolve_attention_backend
@@ -35,6 +35,8 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     no_token: list[str] = field(default_factory=list)
     """Requests due a token whose constraints allowed none (nothing sampled for them)."""
+    non_finite: list[str] = field(default_factory=list)
+    """Requests due a token whose logits were NaN or +inf (nothing sampled for them)."""
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
     """Per request asking for them: (first prompt position scored, one entry per position)."""
@@ -192,9 +194,11 @@ class ModelRunner:
             logits, ids, rows,
             lambda raw: self.grammars.mask(
                 adjust_logits(raw, rows, self.stop_token_ids, self.penalty_counts), raw, ids))
-        if NO_TOKEN in tokens:
-            kept = [i for i, token in enumerate(tokens) if token != NO_TOKEN]
+        if min(tokens, default=0) < 0:
+            kept = [i for i, token in enumerate(tokens) if token >= 0]
             out.no_token = [r for r, token in zip(ids, tokens, strict=True) if token == NO_TOKEN]
+            out.non_finite = [r for r, token in zip(ids, tokens, strict=True)
+                              if token == NON_FINITE]
             ids, rows = [ids[i] for i in kept], [rows[i] for i in kept]
             tokens, logprobs = [tokens[i] for i in kept], [logprobs[i] for i in kept]
         self._count_penalized(rows, tokens)

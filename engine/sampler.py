@@ -13,6 +13,10 @@ NO_TOKEN = -1
 """The token of a row whose adjusted logits allow none (every token -inf: allowed_token_ids,
 bad_words, min_tokens and a grammar can together exclude all): the request
 cannot go on, and the engine ends it with an error instead of emitting a forbidden token."""
+NON_FINITE = -2
+"""The token of a row whose logits are NaN or +inf (an adapter whose finite weights overflow
+in the forward, a model that does): there is nothing to sample, and the engine ends the
+request with an error instead of emitting an arbitrary token with a made-up logprob."""
 TOP_CANDIDATES = 1024
 """Top-k / top-p rows first look at this many most likely tokens (torch.topk, ~8x cheaper
 than sorting a 49k vocabulary); a top-p row whose nucleus reaches past them (a very flat
@@ -52,8 +56,9 @@ class Sampler:
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: [N, V] float32, one row per request; adjust: the logit adjustments
         (engine/logits_processors.py), applied before choosing. Returns token ids (NO_TOKEN
-        for a row that allows none) and, per row, {token: logprob} for the chosen token plus
-        the top-k alternatives of the raw logits (None if not asked or NO_TOKEN)."""
+        for a row that allows none, NON_FINITE for a row of NaN or +inf logits) and, per
+        row, {token: logprob} for the chosen token plus the top-k alternatives of the raw
+        logits (None if not asked or no token)."""
         params = [r.params for r in rows]
         raw = logits
         if adjust is not None:
@@ -63,6 +68,8 @@ class Sampler:
         best = logits.max(dim=-1)
         tokens = best.indices
         blocked = best.values == float("-inf")
+        # A NaN anywhere in a row makes its max NaN; +inf is its max: one check per row.
+        broken = best.values.isnan() | (best.values == float("inf"))
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
@@ -70,8 +77,9 @@ class Sampler:
                 logits[index], [request_ids[i] for i in random_rows],
                 [params[i] for i in random_rows],
             )
-        # One read back for the tokens and the blocked rows (a sync on a GPU).
-        token_list = torch.where(blocked, NO_TOKEN, tokens).tolist()
+        # One read back for the tokens and the rows without one (a sync on a GPU).
+        token_list = torch.where(broken, NON_FINITE,
+                                 torch.where(blocked, NO_TOKEN, tokens)).tolist()
         return token_list, self._logprobs(raw, token_list, params)
 
     def _sample_random(
@@ -118,7 +126,7 @@ class Sampler:
         logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]
     ) -> list[dict[int, float] | None]:
         wanted = [i for i, p in enumerate(params)
-                  if p.logprobs is not None and tokens[i] != NO_TOKEN]
+                  if p.logprobs is not None and tokens[i] >= 0]
         result: list[dict[int, float] | None] = [None] * len(params)
         if not wanted:
             return result

@@ -23,11 +23,11 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
 from engine.http.errors import ApiError
 from engine.models.loader import load_hf_config
@@ -38,32 +38,47 @@ from gateway.adapter_upload import remove_tree
 from gateway.admin_common import NAME_PATTERN, AdminGateway, on_instances, owner_uid
 from gateway.admin_tenants import build_tenant_router
 from gateway.openai_fields import StrictRequest, Unsupported
+from gateway.openai_text import Text
 from gateway.service import Gateway
 from gateway.tenancy import AdapterRecord
 from lora.adapter import LoraAdapter, load_adapter
 
 
+def _no_nul(path: str) -> str:
+    if "\x00" in path:
+        raise ValueError("a path holds no NUL character")
+    return path
+
+
+AdapterPath = Annotated[Text, Field(min_length=1, max_length=4096), AfterValidator(_no_nul)]
+TenantId = Annotated[str, Field(pattern=NAME_PATTERN)]
+SharedWith = Annotated[list[TenantId], Field(max_length=1024)]
+
+
 class AdapterBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=NAME_PATTERN)
-    path: str
-    owner: str | None = None
-    public: bool = False
+    path: AdapterPath
+    owner: TenantId | None = None
+    public: StrictBool = False
     """Every tenant may use it; required (instead of owner) for a public adapter."""
-    shared_with: list[str] = Field(default_factory=list)
+    shared_with: SharedWith = Field(default_factory=list)
 
 
 class AdapterPatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    owner: str | None = None
-    shared_with: list[str] | None = None
+    owner: TenantId | None = None
+    public: StrictBool = False
+    """With owner null: the adapter becomes public, which must be said explicitly (as at
+    registration)."""
+    shared_with: SharedWith | None = None
 
 
 class VllmLoadBody(StrictRequest):
     """vLLM's POST /v1/load_lora_adapter body."""
 
     lora_name: str = Field(pattern=NAME_PATTERN)
-    lora_path: str
+    lora_path: AdapterPath
     lora_int_id: int | None = None
     """vLLM's internal number for the adapter: loragate names adapters by name only."""
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = {
@@ -168,6 +183,11 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
                              gw: AdminGateway) -> dict[str, Any]:
         current = await _get_live_adapter(gw, name)
         changes = body.model_dump(exclude_unset=True)
+        public = changes.pop("public", False)
+        if public:
+            changes.setdefault("owner", None)
+        if "owner" in changes:  # public again only if said so, as at registration
+            lifecycle.check_owner(changes["owner"], public)
         if "shared_with" in changes:
             changes["shared_with"] = tuple(changes["shared_with"] or ())
         record = replace(current, **changes)

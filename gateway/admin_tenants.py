@@ -18,37 +18,40 @@ import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from engine.http.errors import ApiError
 from gateway import adapter_admin as lifecycle
 from gateway.admin_common import NAME_PATTERN, AdminGateway, get_tenant
+from gateway.openai_text import Text
 from gateway.service import Gateway
 from gateway.tenancy import ApiKey, Tenant, hash_key, new_key
+
+MAX_TENANT_NAME = 256
 
 
 class TenantBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tenant_id: str = Field(pattern=NAME_PATTERN)
-    name: str = ""
-    priority: int = 0
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrency: int | None = None
-    shared_salt: str | None = None
+    name: Annotated[Text, Field(max_length=MAX_TENANT_NAME)] = ""
+    priority: StrictInt = 0
+    rpm: StrictInt | None = None
+    tpm: StrictInt | None = None
+    max_concurrency: StrictInt | None = None
+    shared_salt: Text | None = None
 
 
 class TenantPatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str | None = None
-    priority: int | None = None
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrency: int | None = None
-    shared_salt: str | None = None
+    name: Annotated[Text, Field(max_length=MAX_TENANT_NAME)] | None = None
+    priority: StrictInt | None = None
+    rpm: StrictInt | None = None
+    tpm: StrictInt | None = None
+    max_concurrency: StrictInt | None = None
+    shared_salt: Text | None = None
 
 
 def build_tenant_router(uploads: Path, finishing: dict[str, asyncio.Task[None]]

@@ -66,6 +66,12 @@ class LoraAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
+MAX_WEIGHT_CHANGE = 1e4
+"""An adapter whose weight change (B A scaling) may reach past this in any entry is refused:
+trained adapters stay far below it (base weights are of order 0.01-1); past it, activations
+overflow to inf and NaN."""
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
@@ -180,6 +186,14 @@ def _load(name: str, path: Path, targets: LoraTargets, max_rank: int) -> LoraAda
             if not bool(torch.isfinite(tensor).all()):
                 raise ValueError(f"{where}: layer {layer} {module} lora_{half} holds NaN or "
                                  f"infinite values")
+        # Finite halves can still overflow in the forward (lora_alpha=-1e30 with small B):
+        # bound the weight change's largest entry, |(B A)_ij| <= |B_i.| |A_.j| (in float64).
+        bound = float(b32.double().norm(dim=1).max() * a32.double().norm(dim=0).max())
+        if bound > MAX_WEIGHT_CHANGE:
+            raise ValueError(f"{where}: layer {layer} {module} changes the base weights by "
+                             f"up to {bound:.3g} (scaling {scaling:.3g}), over "
+                             f"{MAX_WEIGHT_CHANGE:g}: its outputs would overflow (check "
+                             f"lora_alpha)")
         weights[(layer, module)] = (a32, b32)
 
     # The digest covers everything that changes the KV an adapter produces.

@@ -22,6 +22,7 @@ import pytest
 
 from engine.demo_model import make_peft_adapter
 from tests.adapter_lifecycle_helpers import (
+    ADMIN,
     Setup,
     admin,
     complete,
@@ -157,6 +158,47 @@ def test_owner_is_required_unless_public_is_explicit(setup: Setup) -> None:
     assert upload(setup, "everyone-up", tar_dir(setup.new), "&public=true").status_code == 201
     assert admin(setup, "GET", "/admin/adapters/everyone-up").json()["owner"] is None
     wait_engines_idle(setup.engine.url)
+
+
+def test_patch_makes_an_adapter_public_only_when_told_so(setup: Setup) -> None:
+    assert register(setup, "private-one", setup.new, owner="ta").status_code == 201
+    cleared = admin(setup, "PATCH", "/admin/adapters/private-one", json={"owner": None})
+    assert cleared.status_code == 400 and cleared.json()["error"]["param"] == "owner"
+    assert complete(setup, "tb", "private-one").status_code == 404  # still ta's alone
+    both = admin(setup, "PATCH", "/admin/adapters/private-one",
+                 json={"owner": "tb", "public": True})
+    assert both.status_code == 400
+    public = admin(setup, "PATCH", "/admin/adapters/private-one", json={"public": True})
+    assert public.status_code == 200 and public.json()["owner"] is None
+    assert complete(setup, "tb", "private-one").status_code == 200
+    wait_engines_idle(setup.engine.url)
+
+
+@pytest.mark.parametrize(("method", "path", "body", "param"), [
+    ("POST", "/admin/adapters", r'{"name": "nul", "path": "/tmp/a\u0000b", "owner": "ta"}',
+     "path"),
+    ("POST", "/v1/load_lora_adapter", r'{"lora_name": "nul", "lora_path": "/tmp/a\u0000b"}',
+     "lora_path"),
+    ("POST", "/admin/adapters",
+     r'{"name": "sur", "path": "/tmp/x", "owner": "ta", "shared_with": ["\ud800"]}',
+     "shared_with"),
+    ("PATCH", "/admin/tenants/ta", r'{"name": "\ud800"}', "name"),
+    ("PATCH", "/admin/tenants/ta", '{"name": "' + "x" * 5000 + '"}', "name"),
+    ("PATCH", "/admin/tenants/ta", '{"rpm": true}', "rpm"),
+    ("POST", "/admin/tenants", r'{"tenant_id": "tz", "name": "\udfff"}', "name"),
+], ids=["nul-path", "nul-lora-path", "surrogate-share", "surrogate-name", "long-name",
+        "bool-rpm", "surrogate-new-tenant"])
+def test_admin_bodies_refuse_what_they_could_not_store_or_show(
+        setup: Setup, method: str, path: str, body: str, param: str) -> None:
+    """Raw JSON: a lone surrogate or a NUL in a JSON string is valid JSON. Each is a 400
+    naming the field, nothing is stored, and the listings still answer."""
+    response = httpx.request(method, setup.gateway.url + path, content=body, timeout=60.0,
+                             headers={"Authorization": f"Bearer {ADMIN}",
+                                      "Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    for listing in ("/admin/tenants", "/admin/adapters"):
+        assert admin(setup, "GET", listing).status_code == 200
 
 
 def test_rank_over_the_engines_max_lora_rank_is_refused(setup: Setup,

@@ -92,7 +92,7 @@ def test_greedy_takes_the_first_of_tied_maxima() -> None:
     logits = torch.full((3, 4096), -1.0)
     logits[0, [9, 4000]] = 5.0           # a tie: the lower id, as argmax picks
     logits[1, 4095] = 2.0                # the last column
-    logits[2, [10, 3000]] = float("inf")
+    logits[2, [10, 3000]] = 3e38
     rows = [RowState(SamplingParams(temperature=0.0), 0, [], i) for i in range(3)]
     tokens, _ = Sampler(0, CPU).sample(logits, ["a", "b", "c"], rows)
     assert tokens == [9, 4095, 10] == logits.argmax(dim=-1).tolist()
@@ -114,3 +114,17 @@ def test_a_row_that_allows_no_token_gets_none(temperature: float) -> None:
     tokens, logprobs = Sampler(0, CPU).sample(logits, ["a", "b"], rows, ban_all_of_row_0)
     assert tokens[0] == sampler_module.NO_TOKEN and logprobs[0] is None
     assert 0 <= tokens[1] < LOGITS.numel() and logprobs[1] is not None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "random"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_row_of_non_finite_logits_gets_no_token(temperature: float, bad: float) -> None:
+    # An adapter whose finite weights overflow in the forward: its rows are not numbers,
+    # and nothing may be sampled from them (the others of the batch are unaffected).
+    logits = LOGITS.expand(3, -1).clone()
+    logits[1, 3:5] = bad
+    rows = [RowState(SamplingParams(temperature=temperature, logprobs=2), 0, [], i)
+            for i in range(3)]
+    tokens, logprobs = Sampler(0, CPU).sample(logits, ["a", "b", "c"], rows)
+    assert tokens[1] == sampler_module.NON_FINITE and logprobs[1] is None
+    assert all(0 <= tokens[i] < LOGITS.numel() and logprobs[i] for i in (0, 2))

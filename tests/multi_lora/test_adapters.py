@@ -185,6 +185,18 @@ def test_non_finite_weights_are_refused(adapters: dict[str, Path], shape: ModelS
         load_adapter("poisoned", path, shape.lora_targets(), max_rank=32)
 
 
+@pytest.mark.parametrize("alpha", [-1e30, 1e9])
+def test_alpha_that_overflows_the_forward_is_refused(adapters: dict[str, Path],
+                                                     shape: ModelShape, tmp_path: Path,
+                                                     alpha: float) -> None:
+    """Finite weights, a finite scaling, yet outputs of 1e27: NaN logits downstream."""
+    path = _broken_copy(adapters["ad0"], tmp_path / "alpha")
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": alpha}))
+    with pytest.raises(ValueError, match=r"changes the base weights by up to .* over 10000"):
+        load_adapter("alpha", path, shape.lora_targets(), max_rank=32)
+
+
 @pytest.mark.parametrize("alpha", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_alpha_is_refused(adapters: dict[str, Path], shape: ModelShape,
                                      tmp_path: Path, alpha: str) -> None:

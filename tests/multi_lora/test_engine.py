@@ -3,6 +3,7 @@ busy, per-adapter KV pools, offline and async front ends."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import shutil
 from pathlib import Path
@@ -136,6 +137,34 @@ def test_unload_while_busy_and_bad_adapter_keep_engine_serving(
         engine.step()
     engine.remove_lora("ad0")
     assert engine.list_loras() == []
+
+
+def test_a_request_whose_logits_are_not_numbers_fails_alone(
+        tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+    """Weights that overflow in the forward (the loader refuses them; these are given to
+    the engine as already validated): the adapter's request ends with an error, the other
+    requests of its batch get what they get alone."""
+    def run(engine: LLMEngine, loras: dict[str, str | None]) -> dict[str, RequestOutput]:
+        for rid, lora in loras.items():
+            engine.add_request(rid, [5, 6, 7, 8, 9], SamplingParams(
+                max_tokens=6, temperature=0 if rid != "seeded" else 1.0, seed=3,
+                ignore_eos=True), lora=lora)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return done
+
+    engine = _engine(tiny_model_dir, {"ad0": adapters["ad0"]})
+    good = engine.validate_lora("ad1", str(adapters["ad1"]))
+    engine.add_lora(dataclasses.replace(good, name="overflow", weights={
+        key: (a, b * 1e30) for key, (a, b) in good.weights.items()}))
+    mixed = run(engine, {"base": None, "ad0": "ad0", "seeded": None,
+                         "overflow": "overflow"})
+    assert mixed["overflow"].error is not None and "NaN" in mixed["overflow"].error
+    alone = run(_engine(tiny_model_dir, {"ad0": adapters["ad0"]}),
+                {"base": None, "ad0": "ad0", "seeded": None})
+    for rid, out in alone.items():
+        assert mixed[rid].error is None and mixed[rid].token_ids == out.token_ids
 
 
 def test_adapter_file_changed_after_registration_fails_its_requests(
