@@ -54,6 +54,9 @@ class Job:
     """Answered as one response (not streamed): its chunks are held until the last, so an
     engine that dies mid-response is invisible to the client and the job starts over
     elsewhere."""
+    held_tokens: int = 0
+    """A whole response's tokens generated so far on its current engine (held, not yet
+    formatted): what its tenant is charged if the client leaves before the end."""
 
     @property
     def request_id(self) -> str:

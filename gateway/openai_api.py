@@ -142,9 +142,10 @@ async def _serve(gateway: Gateway, req: _Call,
 
         def fill(record: AccessRecord) -> None:
             if jobs:
-                record.prompt_tokens = fmt.prompt_tokens or sum(
+                prompt, record.completion_tokens = _used_tokens(
+                    jobs, fmt, req.body.samples_per_prompt)
+                record.prompt_tokens = prompt or sum(
                     len(job.request.prompt_token_ids) for job in jobs)
-                record.completion_tokens = fmt.completion_tokens
                 record.first_token_at = jobs[0].first_token_at
         access.finish = fill
     claim = await gateway.admit(req.principal)
@@ -241,8 +242,7 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
     headers = _route_headers(job, gateway.config)
 
     def settle() -> None:
-        gateway.settle(job.claim, fmt.prompt_tokens + fmt.completion_tokens, "served",
-                       job.adapter)
+        gateway.settle(job.claim, sum(_used_tokens(jobs, fmt, k)), "served", job.adapter)
 
     if req.body.stream:
         events = sse(gateway, jobs, streams, fmt, req.body.stream_usage)
@@ -255,6 +255,20 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
     gateway.metrics.requests.labels(job.endpoint, "200", job.adapter or "base",
                                     job.instance_id or "none").inc()
     return JSONResponse(result, headers=headers)
+
+
+def _used_tokens(jobs: list[Job], fmt: ResponseFormatter, k: int) -> tuple[int, int]:
+    """(prompt, completion) tokens the engines computed for a request: what the formatter
+    counted, or, for a whole response the client left before its end, the prompt of each
+    of its prompts that produced a token and every token held so far (TPM charges what the
+    engines did, streamed or not). ``k``: sequences per prompt (n, best_of)."""
+    prompt, completion = fmt.prompt_tokens, fmt.completion_tokens
+    held = sum(job.held_tokens for job in jobs)
+    if held > completion:
+        started = {i // k for i, job in enumerate(jobs) if job.first_token_at is not None}
+        prompt = max(prompt, sum(len(jobs[g * k].request.prompt_token_ids) for g in started))
+        completion = held
+    return prompt, completion
 
 
 def _route_headers(job: Job, config: GatewayConfig) -> dict[str, str]:

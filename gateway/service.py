@@ -292,6 +292,7 @@ class Gateway:
                         if job.whole and not chunk.finished:
                             if chunk.delta_token_ids and job.first_token_at is None:
                                 job.first_token_at = time.monotonic()
+                            job.held_tokens += len(chunk.delta_token_ids)
                             held.append(chunk)
                             continue
                         for earlier in held:
@@ -314,7 +315,7 @@ class Gateway:
                 self.metrics.retries.labels(type(exc).__name__).inc()
                 log.warning("retrying %s elsewhere: %s", job.request_id, exc)
                 held.clear()  # a whole response starts over: nothing of it was sent
-                job.first_token_at = None
+                job.first_token_at, job.held_tokens = None, 0
             except TimeoutError:
                 self._later(instance.client.abort(job.request_id))
                 yield self._failed(job, self._timeout_message(), "timeout")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from engine.demo_model import make_demo_model, make_peft_adapter
 from engine.demo_shapes import DemoModelSpec
@@ -281,6 +282,28 @@ def test_tokenizer_calls_count_against_rpm(setup: Setup) -> None:
         refused = httpx.post(url + path, headers=auth, timeout=30.0, json={"model": base, **body})
         assert refused.status_code == 429, refused.text
         assert refused.json()["error"]["code"] == "rpm_exceeded"
+
+
+def test_an_abandoned_whole_response_is_charged_what_the_engine_generated(
+        setup: Setup) -> None:
+    """A non-streamed request's tokens wait at the gateway until the last: a client that
+    leaves before then is still charged the prompt and what the engine generated."""
+    key = new_tenant(setup, "theta", tpm=100_000)
+    base = poll(lambda: models(setup, key, 0), "the gateway to know theta")[0]
+    with pytest.raises(httpx.ReadTimeout):  # 1000 tokens take the tiny engine seconds
+        httpx.post(setup.gateways[0].url + "/v1/completions",
+                   headers={"Authorization": f"Bearer {key}"},
+                   timeout=httpx.Timeout(30.0, read=0.6),
+                   json={"model": base, "prompt": "hello", "max_tokens": 1000,
+                         "temperature": 0, "ignore_eos": True})
+    counter = redis.Redis.from_url(setup.redis.url)
+
+    def charged() -> int | None:  # once the reservation (prompt + 1000) was settled
+        total = sum(int(v) for v in counter.hvals("lg:rl:theta:tok"))
+        return total if total < 1000 else None
+
+    tokens = poll(charged, "the abandoned request to be settled")
+    assert 10 < tokens < 1000  # the prompt and what was generated in 0.6 s, not nothing
 
 
 def test_tpm_counts_prompt_and_completion_tokens(setup: Setup) -> None:
