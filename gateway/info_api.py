@@ -53,11 +53,13 @@ class TokenizeRequest(StrictRequest):
     """A prompt (as /v1/completions takes it) or messages with the chat request's template
     options (as /v1/chat/completions takes them)."""
 
-    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)]
+    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)] | None = None
+    """None: the base model (its tokenizer is every adapter's), as vLLM takes it."""
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
     add_special_tokens: StrictBool | None = None
-    """Only the endpoint's own behaviour: True for a prompt, False for messages."""
+    """A prompt: as /v1/completions takes it (default True); messages: False only, as the
+    chat endpoint (the template places the special tokens)."""
     return_token_strs: StrictBool = False
     # With messages, as a chat request takes them (gateway/openai_chat_protocol.py):
     add_generation_prompt: StrictBool = True
@@ -71,22 +73,21 @@ class TokenizeRequest(StrictRequest):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
-        as_sent = self.prompt is not None  # what the endpoints do with special tokens
-        if self.add_special_tokens not in (None, as_sent):
-            raise ValueError(f"add_special_tokens={self.add_special_tokens} is not supported "
-                             f"for {'prompt' if as_sent else 'messages'}: the ids are those "
-                             f"a request sends (add_special_tokens={as_sent})")
-        if as_sent:
+        if self.messages is not None and self.add_special_tokens:
+            raise ValueError("add_special_tokens=True is not supported for messages: the ids "
+                             "are those a chat request sends (the template places the special "
+                             "tokens)")
+        if self.prompt is not None:
             chat_only = sorted(name for name in CHAT_ONLY & self.model_fields_set
                                if getattr(self, name) != type(self).model_fields[name].default)
             if chat_only:
                 raise ValueError(f"{', '.join(chat_only)} only apply to messages")
         return self
 
-    def chat_request(self) -> ChatCompletionRequest:
+    def chat_request(self, model: str) -> ChatCompletionRequest:
         """The chat request these messages and options stand for (validated as one)."""
         return ChatCompletionRequest(
-            model=self.model, messages=self.messages or [], tools=self.tools,
+            model=model, messages=self.messages or [], tools=self.tools,
             tool_choice=self.tool_choice, add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             chat_template_kwargs=self.chat_template_kwargs)
@@ -95,7 +96,8 @@ class TokenizeRequest(StrictRequest):
 class DetokenizeRequest(StrictRequest):
     """Token ids back to text (at most a context's worth: the handler checks)."""
 
-    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)]
+    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)] | None = None
+    """As TokenizeRequest's."""
     tokens: Annotated[list[int], SkipValidation]
 
     @field_validator("tokens", mode="before")
@@ -143,15 +145,17 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest, principal: Caller) -> dict[str, Any]:
         gateway = get_gateway()
-        gateway.resolve_model(body.model, principal)  # 404 for a model it cannot see
+        model = body.model or gateway.base_model
+        gateway.resolve_model(model, principal)  # 404 for a model it cannot see
         context = gateway.context_length()
         async with counted(gateway, principal):
             if body.prompt is not None:
                 PromptEncoder.check_chars(len(body.prompt), context, "prompt")
-                ids = await prompts.encode_prompt(body.prompt)
+                ids = await prompts.encode_prompt(body.prompt, body.add_special_tokens
+                                                  is not False)
             else:
                 try:
-                    chat = body.chat_request()
+                    chat = body.chat_request(model)
                 except ValidationError as exc:  # options that do not agree, as a chat's
                     error = exc.errors()[0]
                     raise ApiError(400, error["msg"],
@@ -166,7 +170,7 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, principal: Caller) -> dict[str, str]:
         gateway = get_gateway()
-        gateway.resolve_model(body.model, principal)
+        gateway.resolve_model(body.model or gateway.base_model, principal)
         context = gateway.context_length()
         if len(body.tokens) > context:  # no request holds more: nothing to decode
             raise ApiError(400, f"tokens holds {len(body.tokens)} ids, more than the "

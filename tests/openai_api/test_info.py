@@ -51,6 +51,24 @@ def test_detokenize_round_trips(gateway: LiveServer, base_model: str,
         "prompt": tokenizer.decode(ids)}
 
 
+def test_model_is_optional_and_special_tokens_as_completions_take_them(
+        gateway: LiveServer, client: openai.OpenAI, base_model: str,
+        tokenizer: PreTrainedTokenizerBase) -> None:
+    """What lm-evaluation-harness's remote tokenizer sends (as to vLLM): no model, and
+    add_special_tokens false for a prompt, as /v1/completions takes it."""
+    prompt = "The quick brown fox"
+    for special in (True, False):
+        out = post(gateway, "/tokenize", {"prompt": prompt, "add_special_tokens": special})
+        assert out.status_code == 200, out.text
+        assert out.json()["tokens"] == tokenizer(prompt, add_special_tokens=special)["input_ids"]
+        done = client.completions.create(model=base_model, prompt=prompt, max_tokens=1,
+                                         extra_body={"add_special_tokens": special})
+        assert done.usage is not None and done.usage.prompt_tokens == out.json()["count"]
+    ids = out.json()["tokens"]
+    assert post(gateway, "/detokenize", {"tokens": ids}).json() == {
+        "prompt": tokenizer.decode(ids)}
+
+
 CONTINUED = [{"role": "user", "content": "Name a colour."},
              {"role": "assistant", "content": "The colour is"}]
 
@@ -80,7 +98,7 @@ def test_tokenize_takes_the_chat_requests_template_options(
 @pytest.mark.parametrize("path, body, param", [
     ("/tokenize", {"prompt": "x", "messages": MESSAGES}, None),
     ("/tokenize", {}, None),
-    ("/tokenize", {"prompt": "x", "add_special_tokens": False}, None),
+    ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, None),
     # What a chat request with the same options refuses.
     ("/tokenize", {"messages": CONTINUED, "continue_final_message": True}, None),
     ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False,
