@@ -90,15 +90,20 @@ class Tenant:
         return f"tenant:{self.tenant_id}:{self.uid}" if self.uid else f"tenant:{self.tenant_id}"
 
 
+OPERATOR_SALT_PREFIX = "operator:"
+"""Tenant salts start with "tenant:" or "shared:", derived ones with a digit."""
+
+
 def derive_cache_salt(tenant_salt: str | None, requested: str | None) -> str | None:
     """The salt of a request: the tenant's salt, then the request's own cache_salt if any.
 
     Injective: the tenant's salt is length-prefixed, so no two distinct (tenant salt,
     requested) pairs give one string, whatever characters either holds; a tenant salt alone
     starts with a letter, a derived one with a digit. tenant_salt None (the operator, the
-    open mode): the requested salt as is."""
+    open mode): the requested salt under "operator:", a prefix no tenant salt has, so not
+    even the admin key reaches (or times) a tenant's blocks by sending its salt."""
     if tenant_salt is None:
-        return requested
+        return f"{OPERATOR_SALT_PREFIX}{requested}" if requested else None
     if not requested:
         return tenant_salt
     return f"{len(tenant_salt)}:{tenant_salt}/{requested}"

@@ -72,7 +72,12 @@ def test_derived_salts_never_collide() -> None:
     acme = Principal(Tenant("acme", shared_salt="a"))
     assert gateway.cache_salt(acme, "b") == derive_cache_salt("shared:a", "b")
     assert gateway.cache_salt(acme, None) == "shared:a"
-    assert gateway.cache_salt(Principal(None), "b") == "b"  # the operator picks freely
+    # The operator's salts live apart: the admin key cannot name a tenant's blocks.
+    operator = Principal(None)
+    assert gateway.cache_salt(operator, None) is None
+    assert gateway.cache_salt(operator, "b") != gateway.cache_salt(operator, "c")
+    for salt in tenant_salts:
+        assert gateway.cache_salt(operator, salt) not in seen
 
 
 def test_adapter_visibility() -> None:
