@@ -239,14 +239,14 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
         raise
     streams = BatchStream(opened)
     job = jobs[0]
-    headers = _route_headers(job, gateway.config)
 
     def settle() -> None:
         gateway.settle(job.claim, sum(_used_tokens(jobs, fmt, k)), "served", job.adapter)
 
-    if req.body.stream:
+    if req.body.stream:  # the headers go first: the instance that took the stream
         events = sse(gateway, jobs, streams, fmt, req.body.stream_usage)
-        return ClosingStream(events, streams, settle, headers=headers)
+        return ClosingStream(events, streams, settle,
+                             headers=_route_headers(job, gateway.config))
     try:
         result = await next_or_disconnect(req.http, collect(gateway, jobs, streams, fmt))
     finally:
@@ -254,7 +254,8 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
         await streams.aclose()  # normally closed by collect; not if it never started
     gateway.metrics.requests.labels(job.endpoint, "200", job.adapter or "base",
                                     job.instance_id or "none").inc()
-    return JSONResponse(result, headers=headers)
+    # After collect: a whole response retried elsewhere names the instance that served it.
+    return JSONResponse(result, headers=_route_headers(job, gateway.config))
 
 
 def _used_tokens(jobs: list[Job], fmt: ResponseFormatter, k: int) -> tuple[int, int]:

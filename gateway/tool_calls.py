@@ -81,12 +81,18 @@ class ToolPlan:
                                     any_whitespace=False)
         if self.mode != "required":
             return None
+        # Each function's parameters keep their own root: under the array's $defs, their
+        # local $refs ("#/$defs/X" of a pydantic model, "#" of a recursive one) rebased there.
+        roots = {f"tool{i}": rebased(f.schema(), f"#/$defs/tool{i}")
+                 for i, f in enumerate(self.functions)}
         call = {"anyOf": [{
             "type": "object",
-            "properties": {"name": {"const": f.name}, "arguments": f.schema()},
+            "properties": {"name": {"const": f.name},
+                           "arguments": {"$ref": f"#/$defs/tool{i}"}},
             "required": ["name", "arguments"], "additionalProperties": False,
-        } for f in self.functions]}
-        array: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+        } for i, f in enumerate(self.functions)]}
+        array: dict[str, Any] = {"type": "array", "items": call, "minItems": 1,
+                                 "$defs": roots}
         if not self.parallel:
             array["maxItems"] = 1
         # Compact: the arguments are re-encoded anyway, and whitespace is where a small
@@ -228,3 +234,30 @@ def template_takes_tools(chat_template: str | None) -> bool:
     """Whether the template renders the ``tools`` variable (else they go in a system
     message)."""
     return bool(chat_template) and "tools" in str(chat_template)
+
+
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+"""Schema keywords whose values are JSON data, not schemas: a "$ref" there is not a ref."""
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                           "dependentSchemas"})
+"""Keywords whose values map names (which may be any word, "enum" too) to schemas."""
+
+
+def rebased(schema: Any, base: str) -> Any:
+    """A copy of ``schema`` with every local $ref ("#...") pointing under ``base`` (a JSON
+    pointer, "#/..."), for a schema that becomes a part of a larger one."""
+    if isinstance(schema, list):
+        return [rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in DATA_KEYWORDS:
+            out[key] = value
+        elif key in NAMED_SCHEMAS and isinstance(value, dict):  # its keys are names
+            out[key] = {name: rebased(sub, base) for name, sub in value.items()}
+        else:
+            out[key] = rebased(value, base)
+    return out

@@ -22,6 +22,7 @@ import pytest
 from gateway.exposure import instance_tag
 from tests.live_http import (
     StreamResult,
+    engine_state,
     error_of,
     instances,
     metric,
@@ -137,6 +138,7 @@ def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Serv
     max_tokens = 990  # long enough that no victim stream can finish before the kill
     results = [StreamResult() for _ in range(8)]
     lone = StreamResult()  # through a gateway that has no other engine to retry on
+    wholes: list[asyncio.Task[httpx.Response]] = []
 
     async def scenario() -> set[int]:
         async with httpx.AsyncClient(timeout=60.0) as client:
@@ -152,10 +154,16 @@ def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Serv
                 client, servers.lone_gw.url + "/v1/completions",
                 body(max_tokens, stream=True), lone)))
             await until_async(lambda: lone.status != 0, "the victim to accept the lone stream")
+            # Two whole responses, one per engine: the victim's waits in its queue.
+            wholes.extend(asyncio.create_task(client.post(
+                gw.url + "/v1/completions", json=body(4, prompt=[*PROMPT, 100 + i])))
+                for i in range(2))
+            await until_async(lambda: engine_state(victim.url)["num_waiting"] == 3,
+                              "the victim to queue the whole response")
             victim.kill()
             started_on_victim = {i for i, r in enumerate(results)
                                  if r.instance == instance_tag(victim.url) and r.events}
-            await asyncio.wait_for(asyncio.gather(*tasks), 60.0)
+            await asyncio.wait_for(asyncio.gather(*tasks, *wholes), 60.0)
             return started_on_victim
 
     started_on_victim = asyncio.run(scenario())
@@ -175,6 +183,9 @@ def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Serv
         else:  # survivor's own, and the victim's queued ones retried on the survivor
             assert_completed(result.events, max_tokens)
     assert len(started_on_victim) == 2
+    for whole in wholes:  # retried on the survivor, and named so (not the engine that died)
+        assert whole.result().status_code == 200, whole.result().text
+        assert whole.result().headers["x-loragate-instance"] == instance_tag(survivor.url)
     assert not any(r.truncated for r in results)
     # Accepted, no token yet, and no instance left: an error event, not a cut connection.
     assert (lone.status, lone.instance, lone.truncated) == (200, instance_tag(victim.url), False)
@@ -183,7 +194,7 @@ def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Serv
         "code": "unavailable"}}, "[DONE]"]
     retries = metric(httpx.get(gw.url + "/metrics").text, "loragate_gateway_retries_total",
                      reason="EngineStreamBroken")
-    assert retries - retries_before == 2
+    assert retries - retries_before == 3  # two streams and the whole response
 
     view = instances(gw.url)
     assert (view[victim.url]["healthy"], view[survivor.url]["healthy"]) == (False, True)

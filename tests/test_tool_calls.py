@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
@@ -65,6 +66,45 @@ def test_forced_calls_parse_their_constrained_output() -> None:
     assert json.loads(named.constraint().spec) == WEATHER.parameters  # type: ignore[union-attr]
     assert _calls(named.parse('{"city": "Rome"}')[1]) == [("get_weather", {"city": "Rome"})]
     assert ToolPlan((WEATHER,), "none").parse("hi") == ("hi", [])
+
+
+def test_a_required_call_keeps_each_functions_refs_pointing_into_its_own_schema() -> None:
+    """A pydantic model's parameters ($defs, "#/$defs/..."), a recursive one ("#") and a
+    property named like a keyword, forced together: the grammar compiles, and it takes
+    exactly the calls valid against each function."""
+    person = Function("save_person", None, {
+        "$defs": {"Color": {"enum": ["red", "blue"], "type": "string"},
+                  "Address": {"properties": {"city": {"type": "string"}},
+                              "required": ["city"], "type": "object"}},
+        "properties": {"favorite": {"$ref": "#/$defs/Color"},
+                       "address": {"$ref": "#/$defs/Address"},
+                       "enum": {"const": {"$ref": "#/not-a-ref"}}},
+        "required": ["favorite", "address"], "type": "object"})
+    tree = Function("tree", None, {
+        "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["kids"], "additionalProperties": False})
+    spec = json.loads(ToolPlan((person, tree), "required").constraint().spec)  # type: ignore[union-attr]
+    assert spec["$defs"]["tool0"]["properties"]["favorite"] == {
+        "$ref": "#/$defs/tool0/$defs/Color"}
+    assert spec["$defs"]["tool0"]["properties"]["enum"] == {"const": {"$ref": "#/not-a-ref"}}
+    assert spec["$defs"]["tool1"]["properties"]["kids"]["items"] == {"$ref": "#/$defs/tool1"}
+    xgrammar = pytest.importorskip("xgrammar")
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(["a"]), max_threads=1,
+                                        cache_enabled=False)
+    compiled = compiler.compile_json_schema(json.dumps(spec), any_whitespace=False)
+
+    def accepts(calls: list[dict[str, Any]]) -> bool:
+        """Whether the grammar takes exactly these calls, written as it writes JSON."""
+        matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return bool(matcher.accept_string(json.dumps(calls))) and matcher.is_terminated()
+
+    address = {"city": "Paris"}
+    assert accepts([{"name": "save_person", "arguments": {"favorite": "blue",
+                                                          "address": address}}])
+    assert accepts([{"name": "tree", "arguments": {"kids": [{"kids": []}]}}])
+    assert not accepts([{"name": "save_person", "arguments": {"favorite": "green",
+                                                              "address": address}}])
+    assert not accepts([{"name": "tree", "arguments": {"kids": [{"kids": [], "x": 1}]}}])
 
 
 @pytest.mark.parametrize("comma", [",", ", ", " ,\n  "])  # ", ": the grammar's separator

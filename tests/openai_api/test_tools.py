@@ -6,11 +6,13 @@ reach it in a system message.)"""
 
 from __future__ import annotations
 
+import enum
 import json
 from typing import Any
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from tests.live_servers import LiveServer
@@ -55,6 +57,35 @@ def test_required_always_calls_a_tool(client: openai.OpenAI, base_model: str,
         for call in calls:
             assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
             assert _valid(call.function.name, call.function.arguments)
+
+
+class Room(enum.StrEnum):
+    kitchen = "kitchen"
+    hall = "hall"
+
+
+class Lamp(pydantic.BaseModel):
+    room: Room
+
+
+class SetLamp(pydantic.BaseModel):
+    """A pydantic model's schema: $defs and "#/$defs/..." refs."""
+
+    lamp: Lamp
+    on: bool
+
+
+def test_required_takes_pydantic_tools_with_refs(client: openai.OpenAI,
+                                                 base_model: str) -> None:
+    # Bounded arguments (enums, a bool) and one call: the grammar ends the array.
+    reply = client.chat.completions.create(
+        model=base_model, messages=ASK, tools=[openai.pydantic_function_tool(SetLamp)],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "SetLamp"  # type: ignore[union-attr]
+    SetLamp.model_validate_json(call.function.arguments)  # type: ignore[union-attr]
 
 
 def test_a_named_choice_calls_that_tool_streamed_or_not(client: openai.OpenAI,
