@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 from engine.protocol import (
     ChunkStream,
@@ -89,7 +90,7 @@ class HttpEngineClient:
         finished = False
         try:
             try:
-                async for line in response.content:
+                async for line in _lines(response.content):
                     if not line.strip():
                         continue
                     chunk = StreamChunk.from_json(json.loads(line))
@@ -97,7 +98,7 @@ class HttpEngineClient:
                     yield chunk
                     if finished:
                         return
-            except (aiohttp.ClientError, OSError) as exc:
+            except (aiohttp.ClientError, HttpProcessingError, OSError) as exc:
                 raise EngineStreamBroken(f"{self.base_url}: stream broke: {exc}") from exc
             except (ValueError, KeyError, TypeError) as exc:
                 raise EngineStreamBroken(f"{self.base_url}: not a stream chunk: {exc}") from exc
@@ -184,3 +185,26 @@ async def _json_or_text(response: aiohttp.ClientResponse) -> dict[str, Any]:
     if isinstance(body, list):
         return {"items": body}
     return {"error": {"message": text[:500], "type": "server_error"}}
+
+
+MAX_LINE_BYTES = 1 << 30
+"""The longest stream line taken from an engine (a line past it breaks the stream): far
+above any chunk (a 128k-token prompt's prompt_logprobs at k=20 is about 100 MB)."""
+
+
+async def _lines(content: aiohttp.StreamReader) -> AsyncGenerator[bytes, None]:
+    """The body's lines, however long: aiohttp's own line reader refuses lines over 512 KiB,
+    and one chunk (a long prompt's prompt_logprobs) can be megabytes."""
+    pending = bytearray()
+    searched = 0  # bytes of pending known to hold no newline: each byte is scanned once
+    async for data in content.iter_any():
+        pending += data
+        while (end := pending.find(b"\n", searched)) >= 0:
+            yield bytes(pending[:end])
+            del pending[:end + 1]
+            searched = 0
+        searched = len(pending)
+        if searched > MAX_LINE_BYTES:
+            raise ValueError(f"a stream line over {MAX_LINE_BYTES} bytes")
+    if pending:
+        yield bytes(pending)
