@@ -349,7 +349,14 @@ class EngineClient(Protocol):
         """End a request and free its blocks; False when the engine does not know it."""
         ...
 
-    async def state(self, cursor: int = 0) -> EngineState: ...
+    async def state(self, cursor: int = 0) -> EngineState:
+        """Answered between steps (what it reports is consistent): a long step delays it."""
+        ...
+
+    async def alive(self) -> bool:
+        """Whether the engine answers at all, without waiting for its step to end: a busy
+        engine whose state call timed out is alive, a frozen or cut-off one is not."""
+        ...
 
     async def load_adapter(self, name: str, path: str) -> LoadedAdapter:
         """Validate and register a PEFT directory (replacing an idle adapter of that name

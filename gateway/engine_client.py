@@ -121,6 +121,18 @@ class HttpEngineClient:
                 return bool(body.get("aborted"))
         return False
 
+    async def alive(self) -> bool:
+        """GET /health, answered by the engine server's event loop whatever the engine
+        thread is doing: 200 within the connect timeout (the step may take longer)."""
+        try:
+            async with self._control_http.get(
+                    self.base_url + "/health", headers=self._headers,
+                    timeout=aiohttp.ClientTimeout(total=2 * self._timeouts.connect)
+            ) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
     async def state(self, cursor: int = 0) -> EngineState:
         payload = await self._send("GET", "/state", params={"cursor": cursor},
                                    rejected_is_unavailable=True)

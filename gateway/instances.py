@@ -74,6 +74,9 @@ class Instance:
     silent_since: float | None = None
     """Loop time the first of the state calls in a row that timed out began (None: the
     last one answered or failed otherwise)."""
+    busy: bool = False
+    """Its last state call timed out while /health answered: a step longer than the poll
+    timeout, not a frozen engine (it keeps its requests and its last state)."""
     _ended: set[asyncio.Timeout] = field(default_factory=set, repr=False)
     """Scopes end_waits ended (their TimeoutError means "ejected", not a deadline)."""
 
@@ -190,10 +193,15 @@ class InstancePool:
                 log.exception("instance poll failed")
             await asyncio.sleep(interval_s)
 
-    def mark_failed(self, instance: Instance, reason: str) -> None:
-        """A request could not reach the instance: eject it now rather than at next poll."""
+    def mark_failed(self, instance: Instance, failure: Exception) -> None:
+        """A request could not reach the instance: eject it now rather than at next poll,
+        unless the failure was a timeout: a busy engine can be slow to take a connection,
+        and the next poll tells busy from frozen (alive())."""
+        if _frozen(failure):
+            log.warning("%s did not answer in time: %s", instance.instance_id, failure)
+            return
         if instance.healthy:
-            log.warning("ejecting %s: %s", instance.instance_id, reason)
+            log.warning("ejecting %s: %s", instance.instance_id, failure)
         instance.healthy = False
         instance.consecutive_failures = max(instance.consecutive_failures, self.eject_after)
         self._forget(instance)
@@ -204,6 +212,15 @@ class InstancePool:
             cursor = self.index.cursor(instance.instance_id) if self.index else 0
             state = await instance.client.state(cursor)
         except EngineUnavailable as exc:
+            if _frozen(exc) and await instance.client.alive():
+                # Busy, not frozen: a step longer than the poll timeout (a long prefill,
+                # prompt logprobs on a loaded host). Its streams move; its last state stands.
+                if not instance.busy:
+                    log.info("%s is busy: its state call timed out, /health answers",
+                             instance.instance_id)
+                instance.busy = True
+                instance.silent_since = None
+                return
             if not _frozen(exc):
                 instance.silent_since = None
             elif instance.silent_since is None:
@@ -220,6 +237,7 @@ class InstancePool:
                 instance.end_waits(instance.silent_since)
             return
         instance.silent_since = None
+        instance.busy = False
         was_healthy = instance.healthy
         self._apply_state(instance, state)
         if not was_healthy:
@@ -292,7 +310,7 @@ class InstancePool:
                           name, path, exc)
 
 
-def _frozen(failure: EngineUnavailable) -> bool:
+def _frozen(failure: Exception) -> bool:
     """The state call timed out: the engine (or its host) stopped answering, frozen (stopped,
     swapping, wedged) or cut off, so its streams will not move either; control calls have
     their own connections (HttpEngineClient), so this is never a wait for one behind

@@ -76,6 +76,9 @@ class LocalEngine:
     async def state(self, cursor: int = 0) -> EngineState:
         return await self._live().state(cursor)
 
+    async def alive(self) -> bool:
+        return self._engine.is_alive()
+
     async def load_adapter(self, name: str, path: str) -> LoadedAdapter:
         return await self._live().load_adapter(name, path)
 

@@ -258,7 +258,7 @@ class Gateway:
                 instance.in_flight -= 1
                 # A frozen engine may run it when it wakes: nobody would read it.
                 self._later(instance.client.abort(job.request_id))
-                self.pool.mark_failed(instance, str(exc))
+                self.pool.mark_failed(instance, exc)
                 self.metrics.retries.labels(type(exc).__name__).inc()
                 log.warning("retrying %s elsewhere: %s", job.request_id, exc)
             except BaseException as exc:
@@ -306,7 +306,7 @@ class Gateway:
             except StopAsyncIteration:
                 return
             except (EngineUnavailable, EngineStreamBroken) as exc:
-                self.pool.mark_failed(instance, str(exc))
+                self.pool.mark_failed(instance, exc)
                 if tokens_sent:  # the detail (engine URL) is logged, not sent
                     log.warning("%s broke mid-response on %s: %s", job.request_id,
                                 instance.instance_id, exc)

@@ -1,16 +1,19 @@
-"""The gateway's engine client (gateway/engine_client.py) against the live engine: a chunk
-of megabytes (a long prompt's prompt_logprobs, one NDJSON line) arrives whole."""
+"""The gateway's engine client (gateway/engine_client.py) and poller (gateway/instances.py)
+against the live engine: a chunk of megabytes (a long prompt's prompt_logprobs, one NDJSON
+line) arrives whole; an engine slower than the poll timeout is busy, not frozen."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import socket
 
 import aiohttp
 
 from engine.protocol import GenerateRequest, StreamChunk
 from engine.sampling_params import SamplingParams
-from gateway.engine_client import HttpEngineClient
+from gateway.engine_client import ClientTimeouts, HttpEngineClient
+from gateway.instances import Instance, InstancePool
 from tests.engine_server.helpers import CONTEXT
 from tests.live_servers import LiveServer
 
@@ -37,3 +40,30 @@ def test_a_chunk_of_megabytes_arrives_whole(engine: LiveServer) -> None:
     assert chunks[-1].finished and chunks[-1].error is None
     scored = [c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None]
     assert len(scored) == 1 and len(scored[0]) == len(prompt)
+
+
+def test_an_engine_slower_than_the_poll_timeout_is_busy_not_frozen(engine: LiveServer) -> None:
+    """A state call that times out while /health answers (a step longer than the poll
+    timeout) keeps the instance; a server that takes connections and answers nothing is
+    ejected."""
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the backlog), never answers
+    silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+
+    async def scenario() -> tuple[Instance, Instance]:
+        async with aiohttp.ClientSession() as session:
+            pool = InstancePool([engine.url, silent_url], session, eject_after=2)
+            busy, frozen = pool.instances[engine.url], pool.instances[silent_url]
+            await pool.poll()
+            assert busy.healthy
+            hurried = ClientTimeouts(connect=0.2, control=0.001)  # no state call makes it
+            for instance in (busy, frozen):
+                instance.client = HttpEngineClient(instance.instance_id, session, hurried)
+            frozen.healthy = True  # as if it had answered before it froze
+            for _ in range(3):
+                await pool.poll()
+            return busy, frozen
+
+    with silent:
+        busy, frozen = asyncio.run(scenario())
+    assert (busy.healthy, busy.busy, busy.consecutive_failures) == (True, True, 0)
+    assert (frozen.healthy, frozen.busy) == (False, False)
