@@ -29,12 +29,17 @@ class Unsupported:
     """A field we do not implement: the values that leave a request unchanged, and why."""
 
     neutral: tuple[Any, ...]
-    """Values accepted (None, and empty lists and maps, are always accepted too)."""
+    """Values accepted (None, and empty lists and maps unless empty_asks, are always
+    accepted too)."""
     reason: str
     """Completes "NAME is not supported: ..."."""
+    empty_asks: bool = False
+    """An empty list or map asks for the feature (web_search_options: {} turns web search
+    on in OpenAI's API): refused like any other value."""
 
     def allows(self, value: Any) -> bool:
-        if value is None or (isinstance(value, list | dict) and not value):
+        if value is None or (isinstance(value, list | dict) and not value
+                             and not self.empty_asks):
             return True
         return any(_same(value, n) for n in self.neutral)
 
@@ -92,7 +97,7 @@ CHAT: Mapping[str, Unsupported] = {
     "prediction": _off(reason="no predicted outputs"),
     "reasoning_effort": _off(reason="the model does not reason in a separate channel"),
     "verbosity": _off("medium", reason="not implemented"),
-    "web_search_options": _off(reason="no web search"),
+    "web_search_options": Unsupported((), "no web search", empty_asks=True),
     "moderation": _off(reason="no moderation"),
     "prompt_cache_key": _off(reason="the router places requests by their prompts' cached "
                                     "prefixes; cache_salt keeps tenants' caches apart"),

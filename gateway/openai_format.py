@@ -216,8 +216,13 @@ class ResponseFormatter:
             token = self._token(token_id)
             tokens.append(token)
             token_logprobs.append(None if step is None else step.get(token_id))
-            tops.append(None if step is None else
-                        {self._token(t): lp for t, lp in self._alternatives(step)})
+            if step is None:
+                tops.append(None)
+            else:  # the chosen token always among them, as OpenAI: up to logprobs + 1
+                top = {self._token(t): lp for t, lp in self._alternatives(step)}
+                if token_id in step:
+                    top.setdefault(token, step[token_id])
+                tops.append(top)
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,

@@ -100,6 +100,13 @@ def test_an_unsupported_field_is_refused_naming_it(endpoint: str, name: str) -> 
         model.model_validate({**BASE[endpoint], name: neutral})
 
 
+def test_an_empty_object_that_asks_for_a_feature_is_refused() -> None:
+    # In OpenAI's API web_search_options: {} turns web search on (all its keys optional).
+    with pytest.raises(ValidationError, match="web_search_options is not supported"):
+        ChatCompletionRequest.model_validate({**BASE["chat"], "web_search_options": {}})
+    ChatCompletionRequest.model_validate({**BASE["chat"], "metadata": {}})  # neutral there
+
+
 def test_a_bool_is_not_a_number() -> None:
     with pytest.raises(ValidationError):  # True == 1 in Python, not in the API
         CompletionRequest.model_validate({**BASE["completions"], "n": True})

@@ -273,6 +273,21 @@ def test_completion_logprobs_are_shaped_like_openai(client: openai.OpenAI,
     assert [t for lp in streamed for t in lp.text_offset or []] == offsets
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(client: openai.OpenAI,
+                                                         base_model: str) -> None:
+    """As OpenAI: "always the logprob of the sampled token, so up to logprobs+1 elements"
+    (a client may look each token up in its own entry)."""
+    done = client.completions.create(model=base_model, prompt="hello world", max_tokens=16,
+                                     temperature=2.0, seed=3, logprobs=1, extra_body=NO_EOS)
+    logprobs = done.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.top_logprobs
+    outside = 0
+    for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True):
+        assert token in top and 1 <= len(top) <= 2
+        outside += len(top) == 2
+    assert outside  # at temperature 2 some sampled tokens are not the most likely
+
+
 def test_chat_logprobs_are_shaped_like_openai(client: openai.OpenAI, base_model: str) -> None:
     request: dict[str, Any] = {"model": base_model, "messages": MESSAGES,
                                "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True,
