@@ -104,6 +104,22 @@ class ChatMessage(BaseModel):
     tool_call_id: Annotated[Text, Field(max_length=256)] | None = None
     """A tool message's answer to this call."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refusals_as_text(cls, data: Any) -> Any:
+        """An assistant turn's refusal (OpenAI's ``refusal`` field, or a ``refusal`` content
+        part: what a client sends back of an earlier answer) is what it said: its text."""
+        if not isinstance(data, dict) or data.get("role") != "assistant":
+            return data
+        content, refusal = data.get("content"), data.get("refusal")
+        if isinstance(content, list):
+            content = [{"type": "text", "text": part.get("refusal")}
+                       if isinstance(part, dict) and part.get("type") == "refusal" else part
+                       for part in content]
+        if refusal is not None and not content:
+            content = refusal
+        return {**data, "content": content}
+
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, value: Any) -> Any:

@@ -175,6 +175,20 @@ def test_a_returned_assistant_message_can_be_sent_back_whole() -> None:
         {"role": "user", "content": "And of Spain?"}]})
 
 
+def test_an_assistant_refusal_in_the_history_is_what_it_said() -> None:
+    """OpenAI's refusal field, or a refusal content part, of an earlier answer: its text."""
+    for assistant in ({"role": "assistant", "content": None, "refusal": "I can't help."},
+                      {"role": "assistant", "content": [
+                          {"type": "refusal", "refusal": "I can't help."}]}):
+        request = ChatCompletionRequest.model_validate({**BASE["chat"], "messages": [
+            {"role": "user", "content": "Help?"}, assistant]})
+        assert request.template_messages()[1] == {"role": "assistant",
+                                                  "content": "I can't help."}
+    with pytest.raises(ValidationError, match="type 'refusal' are not supported"):
+        ChatCompletionRequest.model_validate({**BASE["chat"], "messages": [
+            {"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]})
+
+
 @pytest.mark.parametrize("endpoint, name", [("chat", "guided_decoding_backend"),
                                             ("chat", "functions"),
                                             ("completions", "suffix"),
