@@ -30,7 +30,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -48,6 +48,7 @@ from gateway.tenancy import AdapterRecord, ApiKey, Tenant
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", Tenant, ApiKey, AdapterRecord)
+T = TypeVar("T")
 Builder = Callable[[dict[str, Any]], tuple[R, list[str]]]
 """A record from its JSON fields, and the names of the fields it does not know."""
 WATCH_ATTEMPTS = 20
@@ -225,31 +226,26 @@ class RedisStore:
 
     async def delete_tenant(self, tenant_id: str) -> list[str]:
         tables = self._k("keys"), self._k("adapters")
-        async with self._redis.pipeline(transaction=True) as pipe:
-            for _ in range(WATCH_ATTEMPTS):
-                try:
-                    # Optimistic: if a key or adapter is written meanwhile, start over.
-                    await self._call(pipe.watch(*tables))
-                    keys = await self._call(pipe.hgetall(tables[0]))
-                    adapters = await self._call(pipe.hgetall(tables[1]))
-                    owned_keys = [h for h, v in keys.items()
-                                  if _field(v, "tenant_id") == tenant_id]
-                    owned, unshared = _tenant_adapters(adapters, tenant_id)
-                    pipe.multi()
-                    pipe.hdel(self._k("tenants"), tenant_id)
-                    if owned_keys:
-                        pipe.hdel(tables[0], *owned_keys)
-                    if owned:
-                        pipe.hdel(tables[1], *owned)
-                    for name, value in unshared.items():
-                        pipe.hset(tables[1], name, value)
-                    pipe.incr(self._k("version"))
-                    await self._call(pipe.execute())
-                    return owned
-                except WatchError:
-                    continue
-        raise StoreUnavailable(f"redis at {self.url}: tenant {tenant_id!r} could not be "
-                               f"deleted: its keys and adapters kept changing")
+
+        async def change(pipe: Any) -> list[str]:
+            keys = await self._call(pipe.hgetall(tables[0]))
+            adapters = await self._call(pipe.hgetall(tables[1]))
+            owned_keys = [h for h, v in keys.items() if _field(v, "tenant_id") == tenant_id]
+            owned, unshared = _tenant_adapters(adapters, tenant_id)
+            pipe.multi()
+            pipe.hdel(self._k("tenants"), tenant_id)
+            if owned_keys:
+                pipe.hdel(tables[0], *owned_keys)
+            if owned:
+                pipe.hdel(tables[1], *owned)
+            for name, value in unshared.items():
+                pipe.hset(tables[1], name, value)
+            pipe.incr(self._k("version"))
+            await self._call(pipe.execute())
+            return owned
+
+        return await self._watching(tables, change, f"tenant {tenant_id!r} could not be "
+                                    f"deleted: its keys and adapters kept changing")
 
     async def put_key(self, key: ApiKey) -> None:
         await self._write("set", "keys", key.key_hash, json.dumps(asdict(key)))
@@ -260,29 +256,37 @@ class RedisStore:
     async def swap_adapter(self, name: str, expected: AdapterRecord | None,
                            new: AdapterRecord | None) -> bool:
         table = self._k("adapters")
+
+        async def change(pipe: Any) -> bool:
+            raw = await self._call(pipe.hget(table, name))
+            current = None if raw is None else self._parse("adapters", name, raw, _adapter)
+            if current != expected:
+                await self._call(pipe.reset())
+                return False
+            pipe.multi()
+            if new is None:
+                pipe.hdel(table, name)
+            else:
+                pipe.hset(table, name, json.dumps(asdict(new)))
+            pipe.incr(self._k("version"))
+            await self._call(pipe.execute())
+            return True
+
+        return await self._watching((table,), change, f"adapter {name!r} could not be "
+                                    f"written: its table kept changing")
+
+    async def _watching(self, keys: tuple[str, ...],
+                        change: Callable[[Any], Awaitable[T]], failure: str) -> T:
+        """change(pipe) as one optimistic transaction: WATCH keys, read, MULTI, write,
+        EXEC; started over (WATCH_ATTEMPTS at most) while another write to them races it."""
         async with self._redis.pipeline(transaction=True) as pipe:
             for _ in range(WATCH_ATTEMPTS):
                 try:
-                    # Optimistic: a write of the table between WATCH and EXEC starts over.
-                    await self._call(pipe.watch(table))
-                    raw = await self._call(pipe.hget(table, name))
-                    current = (None if raw is None
-                               else self._parse("adapters", name, raw, _adapter))
-                    if current != expected:
-                        await self._call(pipe.reset())
-                        return False
-                    pipe.multi()
-                    if new is None:
-                        pipe.hdel(table, name)
-                    else:
-                        pipe.hset(table, name, json.dumps(asdict(new)))
-                    pipe.incr(self._k("version"))
-                    await self._call(pipe.execute())
-                    return True
+                    await self._call(pipe.watch(*keys))
+                    return await change(pipe)
                 except WatchError:
                     continue
-        raise StoreUnavailable(f"redis at {self.url}: adapter {name!r} could not be "
-                               f"written: its table kept changing")
+        raise StoreUnavailable(f"redis at {self.url}: {failure}")
 
     async def delete_adapter(self, name: str) -> None:
         await self._write("del", "adapters", name)
