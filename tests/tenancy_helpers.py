@@ -3,10 +3,12 @@ admin and client calls they make."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import redis
 
 from tests.live_http import metric
 from tests.live_servers import LiveServer
@@ -75,3 +77,27 @@ def engine_holds(setup: Setup, name: str) -> bool:
 def engine_hits(setup: Setup) -> float:
     text = httpx.get(setup.engine.url + "/metrics", timeout=10.0).text
     return metric(text, "loragate_prefix_cache_hit_tokens_total")
+
+
+def answer_to_headers(url: str, path: str, key: str, announced: int) -> bytes:
+    """What the gateway answers a POST whose headers announce ``announced`` bytes of body
+    while only one is sent, read until it closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30.0) as conn:
+        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                     f"application/json\r\nAuthorization: Bearer {key}\r\n"
+                     f"Content-Length: {announced}\r\n\r\n{{".encode())
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    return answer
+
+
+def tokens_counted(setup: Setup, tenant: str) -> int:
+    """The tenant's tokens in its TPM window, as the shared Redis holds them."""
+    counter = redis.Redis.from_url(setup.redis.url)
+    return sum(int(v) for v in counter.hvals(f"lg:rl:{tenant}:tok"))
+
+
+def below(value: int, limit: int) -> int | None:
+    return value if value < limit else None

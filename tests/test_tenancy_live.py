@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from engine.demo_model import make_demo_model, make_peft_adapter
 from engine.demo_shapes import DemoModelSpec
@@ -28,6 +26,8 @@ from tests.tenancy_helpers import (
     ADMIN,
     Setup,
     admin,
+    answer_to_headers,
+    below,
     complete,
     engine_hits,
     engine_holds,
@@ -35,6 +35,7 @@ from tests.tenancy_helpers import (
     models,
     new_tenant,
     sees_adapter,
+    tokens_counted,
 )
 
 LONG_PROMPT = list(range(10, 10 + 160))  # 10 full blocks of 16
@@ -255,14 +256,7 @@ def test_rpm_is_exact_across_two_gateways(setup: Setup) -> None:
 def test_an_unknown_key_is_refused_before_the_body_is_read(setup: Setup, path: str) -> None:
     """An anonymous client must not make the gateway read and parse megabytes of JSON: the
     401 comes while the announced body has not even been sent."""
-    host, port = setup.gateways[0].url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30.0) as conn:
-        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
-                     f"application/json\r\nAuthorization: Bearer nope\r\n"
-                     f"Content-Length: {4 << 20}\r\n\r\n{{".encode())
-        answer = b""
-        while chunk := conn.recv(65536):  # until the gateway closes: it read no body
-            answer += chunk
+    answer = answer_to_headers(setup.gateways[0].url, path, "nope", 4 << 20)
     assert answer.startswith(b"HTTP/1.1 401"), answer
     assert b"invalid_api_key" in answer
 
@@ -296,13 +290,8 @@ def test_an_abandoned_whole_response_is_charged_what_the_engine_generated(
                    timeout=httpx.Timeout(30.0, read=0.6),
                    json={"model": base, "prompt": "hello", "max_tokens": 1000,
                          "temperature": 0, "ignore_eos": True})
-    counter = redis.Redis.from_url(setup.redis.url)
-
-    def charged() -> int | None:  # once the reservation (prompt + 1000) was settled
-        total = sum(int(v) for v in counter.hvals("lg:rl:theta:tok"))
-        return total if total < 1000 else None
-
-    tokens = poll(charged, "the abandoned request to be settled")
+    tokens = poll(lambda: below(tokens_counted(setup, "theta"), 1000),  # once settled
+                  "the abandoned request to be settled")
     assert 10 < tokens < 1000  # the prompt and what was generated in 0.6 s, not nothing
 
 
