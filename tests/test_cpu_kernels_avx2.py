@@ -23,8 +23,12 @@ SUITES = ["tests/test_cascade_spans.py", "tests/test_paged_decode.py",
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 target")
 def test_the_avx2_build_matches_the_oracles() -> None:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if " avx2 " not in flags.replace("\n", " ") + " ":
+    words = set(flags.split())
+    if "avx2" not in words:
         pytest.skip("this machine cannot run AVX2 code")
+    if "avx512f" not in words:
+        # -march=native is an AVX2 target here: the suites below already ran on it.
+        pytest.skip("this machine's own build is the AVX2 build, tested by those suites")
     env = {**os.environ, MARCH_ENV: "haswell", "CI": "true"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           *SUITES], cwd=ROOT, env=env, capture_output=True, text=True,
