@@ -97,7 +97,7 @@ class AsyncEngine:
         try:
             admitted = await self._make_off_loop(
                 list(request.prompt_token_ids), request.params, request.request_id,
-                request.priority, request.adapter, request.cache_salt)
+                request.priority, request.adapter, request.cache_salt, request.tenant)
             if self.draining:  # began while it was prepared
                 raise EngineUnavailable("engine is draining", code="draining")
             stream = await self._admit(admitted)
@@ -186,6 +186,7 @@ class AsyncEngine:
         priority: int = 0,
         lora: str | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield outputs of one request as tokens arrive; the last has finished=True.
 
@@ -193,7 +194,7 @@ class AsyncEngine:
         iterator early (client gone, task cancelled) aborts the request.
         """
         request = await self._make_off_loop(prompt, params or SamplingParams(), request_id,
-                                            priority, lora, cache_salt)
+                                            priority, lora, cache_salt, tenant)
         stream = await self._admit(request)
         async with contextlib.aclosing(self._outputs(request.request_id, stream)) as outputs:
             async for out in outputs:
@@ -252,21 +253,23 @@ class AsyncEngine:
 
     async def _make_off_loop(self, prompt: str | list[int], params: SamplingParams,
                              request_id: str | None, priority: int, lora: str | None,
-                             cache_salt: str | None) -> Request:
+                             cache_salt: str | None, tenant: str | None = None) -> Request:
         """_make, on the preparing thread when it may take long (a grammar to compile, text
         to tokenize: xgrammar and the fast tokenizers release the GIL meanwhile; on the event
         loop they would stall every other request of this process), else here at once: a
-        request whose grammar is cached does not queue behind another's compile."""
+        request whose grammar is cached does not queue behind another's compile. On the
+        thread, in ``tenant``'s turn (PreparingThread)."""
         # Arrived now: a wait for the preparing thread counts in its queue time and TTFT.
         make = functools.partial(self._make, prompt, params, request_id, priority, lora,
                                  cache_salt, time.monotonic())
         if not self.engine.requests.takes_long(prompt, params):
             return make()
-        return await self._preparing.run(make)
+        return await self._preparing.run(make, tenant)
 
-    async def tokenize_off_loop(self, text: str) -> list[int]:
-        """tokenize() on the preparing thread (a long text takes a while)."""
-        return await self._preparing.run(functools.partial(self.tokenize, text))
+    async def tokenize_off_loop(self, text: str, tenant: str | None = None) -> list[int]:
+        """tokenize() on the preparing thread, in ``tenant``'s turn (a long text takes a
+        while)."""
+        return await self._preparing.run(functools.partial(self.tokenize, text), tenant)
 
     async def _admit(self, request: Request) -> OutputStream:
         """Register the request's output queue and add it on the engine thread; ValueError

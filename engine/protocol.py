@@ -111,7 +111,10 @@ class EngineStreamBroken(EngineError):
 @dataclass(frozen=True)
 class GenerateRequest:
     """One generation: token ids in, chunks out. ``deadline`` (unix time, seconds) is when
-    the engine stops working on it: it is aborted and its stream ends with a timeout."""
+    the engine stops working on it: it is aborted and its stream ends with a timeout.
+    ``tenant`` is whom the engine is fair to in work done before admission (compiling a
+    grammar, spelling bad words): each tenant's such work queues behind its own, not
+    another's; None for the operator."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -120,6 +123,7 @@ class GenerateRequest:
     cache_salt: str | None = None
     priority: int = 0
     deadline: float | None = None
+    tenant: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         params = {f.name: getattr(self.params, f.name) for f in fields(SamplingParams)
@@ -130,7 +134,7 @@ class GenerateRequest:
                            "stop_token_ids": list(self.params.stop_token_ids),
                            "structured": None if structured is None else structured.to_json()},
                 "lora": self.adapter, "cache_salt": self.cache_salt,
-                "priority": self.priority, "deadline": self.deadline}
+                "priority": self.priority, "deadline": self.deadline, "tenant": self.tenant}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GenerateRequest:
@@ -143,7 +147,8 @@ class GenerateRequest:
                    prompt_token_ids=list(data["prompt_token_ids"]),
                    params=SamplingParams(**data.get("params", {})),
                    adapter=data.get("lora"), cache_salt=data.get("cache_salt"),
-                   priority=int(data.get("priority", 0)), deadline=deadline)
+                   priority=int(data.get("priority", 0)), deadline=deadline,
+                   tenant=data.get("tenant"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -217,7 +217,8 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
         new_request_id(), prompt_ids, params, adapter,
         gateway.cache_salt(req.principal, body.cache_salt),
         gateway.priority(req.principal, body.priority),
-        deadline=time.time() + gateway.config.request_timeout_s)
+        deadline=time.time() + gateway.config.request_timeout_s,
+        tenant=req.principal.tenant_id)
     return Job(request, req.endpoint, claim)
 
 

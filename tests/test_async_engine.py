@@ -165,3 +165,36 @@ def test_a_request_still_being_prepared_at_shutdown_is_an_engine_error(
     with pytest.raises(EngineDeadError):  # and one arriving after it
         asyncio.run(engine.open(GenerateRequest(
             "late", [5, 6, 7], SamplingParams(max_tokens=2, bad_words=("no",)))))
+
+
+def test_requests_are_prepared_in_their_tenants_turn(async_engine: AsyncEngine) -> None:
+    # Bad words are spelled on the preparing thread: each request queues in its tenant's
+    # line there (GenerateRequest.tenant), and all are then served.
+    release = threading.Event()
+    slow = SamplingParams(max_tokens=2, bad_words=("no",), ignore_eos=True)
+
+    async def scenario() -> list[int]:
+        started = threading.Event()
+
+        def block() -> bool:
+            started.set()
+            return release.wait(30)
+
+        busy = asyncio.ensure_future(async_engine._preparing.run(block, "flood"))
+        assert await asyncio.to_thread(started.wait, 30)
+        opened = [asyncio.ensure_future(async_engine.open(GenerateRequest(
+            f"r{k}", [5, 6, 7], slow, tenant=tenant)))
+            for k, tenant in enumerate(["flood", "flood", "flood", "quiet", None])]
+        await asyncio.sleep(0)
+        assert async_engine._preparing.queued() == {"flood": 3, "quiet": 1, None: 1}
+        release.set()
+        await busy
+        counts = []
+        for stream in await asyncio.gather(*opened):
+            counts.append(sum([len(chunk.delta_token_ids) async for chunk in stream]))
+        return counts
+
+    try:
+        assert asyncio.run(scenario()) == [2] * 5
+    finally:
+        release.set()

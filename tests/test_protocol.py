@@ -30,7 +30,7 @@ def test_generate_request_round_trips() -> None:
     request = GenerateRequest("r1", [5, 6, 7], SamplingParams(
         max_tokens=9, temperature=0.5, top_k=4, seed=2**63, stop=("x", "yz"),
         stop_token_ids=(3,), logprobs=2), adapter="a0", cache_salt="7:tenant",
-        priority=-3, deadline=1.7e9)
+        priority=-3, deadline=1.7e9, tenant="acme")
     assert GenerateRequest.from_json(_wire(request.to_json())) == request
 
 

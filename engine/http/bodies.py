@@ -60,6 +60,8 @@ class GenerateBody(BaseModel):
     priority: Int = 0
     deadline: Float | None = None
     """Unix time after which the engine stops working on the request."""
+    tenant: str | None = Field(default=None, max_length=256)
+    """Whom the engine's preparing thread is fair to (GenerateRequest.tenant)."""
     stream: StrictBool = True
 
 

@@ -95,8 +95,8 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
             raise ApiError(400, "give exactly one of prompt and prompt_token_ids",
                            param="prompt")
         try:
-            ids = (await engine.tokenize_off_loop(body.prompt) if body.prompt is not None
-                   else list(body.prompt_token_ids or []))
+            ids = (await engine.tokenize_off_loop(body.prompt, body.tenant)
+                   if body.prompt is not None else list(body.prompt_token_ids or []))
             request = GenerateRequest.from_json({
                 **body.model_dump(), "prompt_token_ids": ids,
                 "request_id": body.request_id or engine.new_request_id()})
