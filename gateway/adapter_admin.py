@@ -13,7 +13,8 @@ can never answer for a new adapter registered under the same name. DELETE marks 
 - an engine still runs requests on it: without force, 409 and the record is as it was;
   with force=true, 202 ``pending_delete``: the record stays hidden and the gateway retries
   the unload every poll interval until the running requests end (a later DELETE retries
-  too). Running requests are never cut short.
+  too, and so does every gateway when it starts: PendingDeletes.resume). Running requests
+  are never cut short.
 
 An engine that cannot be reached keeps what it had; the digest check stops it from serving
 those weights for a later adapter of the same name.
@@ -219,7 +220,7 @@ async def remove_upload_dir(gw: Gateway, record: AdapterRecord, uploads: Path) -
 
 async def finish_delete(gw: Gateway, name: str, uploads: Path) -> None:
     """Background: unload a pending-delete adapter once its requests end, then drop it.
-    Gives up (leaving it pending, for a later DELETE) after the gateway's request timeout:
+    Gives up (leaving it pending, for a later DELETE or start) after the request timeout:
     by then every request the gateways routed to it has ended."""
     deadline = time.monotonic() + gw.config.request_timeout_s + 60
     while time.monotonic() < deadline:
@@ -259,15 +260,34 @@ async def hide_owned(store: StateStore, tenant_id: str) -> list[str]:
     return sorted(hidden)
 
 
-def start_finishing(tasks: dict[str, asyncio.Task[None]], gw: Gateway, name: str,
-                    uploads: Path) -> None:
-    """One finish_delete task per name (a repeated DELETE does not start another)."""
-    if name in tasks and not tasks[name].done():
-        return
-    task = asyncio.get_running_loop().create_task(finish_delete(gw, name, uploads))
-    tasks[name] = task
-    task.add_done_callback(lambda _: tasks.pop(name, None) if tasks.get(name) is task
-                           else None)
+class PendingDeletes:
+    """This gateway process's background unloads of pending-delete adapters (finish_delete),
+    one task per name: a repeated DELETE does not start another."""
+
+    def __init__(self, uploads: Path) -> None:
+        self.uploads = uploads
+        """Where uploaded adapters live: an upload goes with its last record."""
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, gw: Gateway, name: str) -> None:
+        if name in self._tasks and not self._tasks[name].done():
+            return
+        task = asyncio.get_running_loop().create_task(finish_delete(gw, name, self.uploads))
+        self._tasks[name] = task
+        task.add_done_callback(lambda _: self._tasks.pop(name, None)
+                               if self._tasks.get(name) is task else None)
+
+    def resume(self, gw: Gateway) -> list[str]:
+        """At startup: finish every delete the store has pending (this process's before a
+        restart, or a replica's that stopped or gave up); returns their names. Replicas
+        resuming one name at once both unload it, and both drop it: harmless."""
+        names = sorted(name for name, record in gw.view.snapshot.adapters.items()
+                       if record.deleting)
+        for name in names:
+            self.start(gw, name)
+        if names:
+            log.info("finishing pending adapter deletes: %s", ", ".join(names))
+        return names
 
 
 def adapter_status(gw: Gateway, record: AdapterRecord) -> dict[str, Any]:

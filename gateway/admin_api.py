@@ -102,15 +102,14 @@ class PlacementBody(BaseModel):
     pinned: bool = True
 
 
-def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRouter:
-    """Admin routes; uploads are stored under adapter_dir (default MODEL/uploaded-adapters)."""
+def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> APIRouter:
+    """Admin routes; uploads are stored under ``pending.uploads``."""
     shape = ModelShape.from_hf_config(load_hf_config(model_dir))
-    uploads = Path(adapter_dir or Path(model_dir) / "uploaded-adapters").resolve()
+    uploads = pending.uploads
     uploading: set[str] = set()  # names whose upload is being received or unpacked
-    finishing: dict[str, asyncio.Task[None]] = {}  # pending deletes, by name
 
     router = APIRouter(prefix="/admin", tags=["admin"])
-    router.include_router(build_tenant_router(uploads, finishing))
+    router.include_router(build_tenant_router(pending))
 
     # ---------------------------------------------------------------- adapters
     @router.post("/adapters", status_code=201)
@@ -227,7 +226,7 @@ def build_admin_router(model_dir: str, adapter_dir: str | None = None) -> APIRou
                 await gw.view.refresh()
             raise ApiError(409, f"adapter {name!r} is in use on {held}; retry when idle or "
                            f"pass force=true", code="adapter_in_use")
-        lifecycle.start_finishing(finishing, gw, name, uploads)
+        pending.start(gw, name)
         return JSONResponse({"name": name, "status": "pending_delete", "held_by": held,
                              "unloaded": unloaded}, status_code=202)
 

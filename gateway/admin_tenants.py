@@ -13,11 +13,9 @@ of the old one's adapters and hits none of its cached prefixes.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from dataclasses import asdict
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter
@@ -54,12 +52,11 @@ class TenantPatch(BaseModel):
     shared_salt: Text | None = None
 
 
-def build_tenant_router(uploads: Path, finishing: dict[str, asyncio.Task[None]]
-                        ) -> APIRouter:
-    """Tenant and key routes; ``uploads``: where uploaded adapters live (a deleted tenant's
-    uploads are removed); ``finishing``: the pending adapter deletes, by name (shared with
-    the adapter routes)."""
+def build_tenant_router(pending: lifecycle.PendingDeletes) -> APIRouter:
+    """Tenant and key routes; ``pending``: the pending adapter deletes (shared with the
+    adapter routes): a deleted tenant's adapters, and their uploads, go through it."""
     router = APIRouter()  # included under /admin by gateway/admin_api.py
+    uploads = pending.uploads
 
     @router.post("/tenants", status_code=201)
     async def create_tenant(body: TenantBody, gw: AdminGateway) -> dict[str, Any]:
@@ -100,20 +97,20 @@ def build_tenant_router(uploads: Path, finishing: dict[str, asyncio.Task[None]]
         # cache salt: it inherits nothing.
         dropped = await gw.view.store.delete_tenant(tenant_id)  # owned yet not hidden: gone
         await gw.view.refresh()
-        unloaded, pending = {}, []
+        unloaded, still_held = {}, []
         for name in hidden:
             tombstone = gw.view.snapshot.adapters.get(name)
             if tombstone is None or not tombstone.deleting:
                 continue  # a DELETE of the adapter finished meanwhile
             unloaded[name], held = await lifecycle.unload_everywhere(gw, name)
             if held:  # in use: unloaded (and its upload removed) when its requests end
-                pending.append(name)
-                lifecycle.start_finishing(finishing, gw, name, uploads)
+                still_held.append(name)
+                pending.start(gw, name)
             else:
                 await lifecycle.drop(gw, tombstone, uploads)
         return {"tenant_id": tenant_id, "status": "deleted",
                 "adapters_deleted": sorted(hidden + dropped), "unloaded": unloaded,
-                "adapters_pending_delete": pending}
+                "adapters_pending_delete": still_held}
 
     # -------------------------------------------------------------------- keys
     @router.post("/tenants/{tenant_id}/keys", status_code=201)

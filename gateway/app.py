@@ -33,6 +33,7 @@ from engine.http.errors import ERROR_CODE_KEY, ApiError, install_error_handlers
 from engine.models.loader import load_hf_config
 from engine.models.shape import ModelShape
 from gateway.access_log import AccessLog
+from gateway.adapter_admin import PendingDeletes
 from gateway.adapter_resolver import AdapterResolver
 from gateway.admin_api import build_admin_router
 from gateway.auth import StateView, require_admin
@@ -102,6 +103,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     name = base_model or config.served_model_name or tokenizer_dir.rstrip("/").split("/")[-1]
 
     store = open_store(config)
+    pending_deletes = PendingDeletes(config.upload_dir(tokenizer_dir))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -139,6 +141,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
             app.state.gateway = gateway
             log_auth_mode(config.admin_key, view)
             await pool.poll()
+            pending_deletes.resume(gateway)
             tasks = [asyncio.create_task(pool.run(config.poll_interval_s), name="poll"),
                      asyncio.create_task(view.run(), name="state refresh")]
             if watch_adapter_dir is not None:
@@ -176,7 +179,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         return ApiError(503, "state store unavailable; retry later", code="store_unavailable",
                         headers={"Retry-After": str(config.retry_after_s)}).response()
     app.include_router(build_router(lambda: app.state.gateway, tokenizer))
-    app.include_router(build_admin_router(tokenizer_dir, config.adapter_upload_dir))
+    app.include_router(build_admin_router(tokenizer_dir, pending_deletes))
 
     def open_mode() -> bool:
         """No admin key and no tenant (before startup completes: assume none yet)."""

@@ -78,9 +78,9 @@ def _serve(args: argparse.Namespace) -> int:
         gateway_config = dataclasses.replace(gateway_config,
                                              engine_token=engine_cli.engine_token(args))
     # What local engines may load through their API: the roots given, the adapter directory
-    # and the admin API's upload directory (as gateway/admin_api.py build_admin_router sets it).
+    # and the admin API's upload directory.
     roots = [*(args.adapter_root or roots_from_env()), *filter(None, [adapter_dir]),
-             gateway_config.adapter_upload_dir or str(Path(model) / "uploaded-adapters"),
+             str(gateway_config.upload_dir(model)),
              *gateway_config.adapter_resolver_roots]
     if args.instances < 0 or (args.instances == 0 and not args.engine
                               and not gateway_config.redis_url):

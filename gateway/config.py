@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from engine.http.auth import check_token
@@ -146,3 +147,7 @@ class GatewayConfig:
             if not host or "*" in pattern or any(c in host for c in " /@[]"):
                 raise ValueError(f"allowed_hosts: {host!r} is not a host name, '*.domain' "
                                  f"or '*'")
+
+    def upload_dir(self, model_dir: str) -> Path:
+        """Where the admin API unpacks uploaded adapters for the model in ``model_dir``."""
+        return Path(self.adapter_upload_dir or Path(model_dir) / "uploaded-adapters").resolve()

@@ -5,6 +5,8 @@ progress, and /docs that needs no network."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import re
 import shutil
@@ -20,6 +22,8 @@ import httpx
 import pytest
 
 from gateway.serve import EngineProcess, free_port, wait_ready
+from gateway.sqlite_store import SqliteStore
+from tests.live_http import poll
 from tests.live_servers import LiveServer, start_engine, start_gateway
 from tests.test_parent_watch import alive
 
@@ -90,6 +94,40 @@ def test_tenants_keys_and_adapters_survive_a_restart_without_redis(
         assert "acme-bot" in [m["id"] for m in models["data"]]
     finally:
         second.stop()
+
+
+def test_a_pending_delete_is_finished_by_the_gateway_that_restarts(
+        tiny_model_dir: Path, tiny_adapters: dict[str, Path], engine: LiveServer,
+        tmp_path: Path) -> None:
+    # A gateway that died mid-delete leaves the record hidden ("deleting") and the adapter
+    # loaded on the engine: the next gateway on the same state unloads it and frees the name.
+    state = tmp_path / "state.db"
+    first = gateway(tiny_model_dir, engine, tmp_path, "--state-path", str(state))
+    try:
+        make_tenant(first.url, "gamma", tiny_adapters["a0"])
+    finally:
+        assert first.stop() == 0
+
+    async def mark_deleting() -> None:
+        store = SqliteStore(str(state))
+        try:
+            record = (await store.snapshot()).adapters["gamma-bot"]
+            assert await store.swap_adapter("gamma-bot", record,
+                                            dataclasses.replace(record, deleting=True))
+        finally:
+            await store.close()
+
+    asyncio.run(mark_deleting())
+    assert "gamma-bot" in [a["name"] for a in httpx.get(engine.url + "/adapters").json()]
+    second = gateway(tiny_model_dir, engine, tmp_path, "--state-path", str(state))
+    try:
+        poll(lambda: httpx.get(second.url + "/admin/adapters/gamma-bot", headers=AUTH,
+                               timeout=30.0).status_code == 404,
+             "the restarted gateway to finish the pending delete")
+        assert "gamma-bot" not in [a["name"] for a in
+                                   httpx.get(engine.url + "/adapters").json()]
+    finally:
+        assert second.stop() == 0
 
 
 def test_access_log_has_a_line_per_request_and_shutdown_says_what_drains(
