@@ -294,7 +294,11 @@ class LLMEngine:
         self.metrics.generation_tokens += 1
         if request.request_id in logprobs:
             request.output_logprobs.append(logprobs[request.request_id])
-        tracked.detokenizer.add_tokens(request.output_token_ids[tracked.num_tokens_reported:])
+        new_ids = request.output_token_ids[tracked.num_tokens_reported:]
+        if (request.ended_by_stop_token
+                and not request.sampling_params.include_stop_str_in_output):
+            new_ids = new_ids[:-1]  # the stop token's text is not output
+        tracked.detokenizer.add_tokens(new_ids)
         if tracked.detokenizer.stopped and request.status is not RequestStatus.FINISHED:
             self.scheduler.finish(request.request_id, "stop")
         return self._output(tracked, finished_here=request.status is RequestStatus.FINISHED)

@@ -96,6 +96,17 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
+    @property
+    def ended_by_stop_token(self) -> bool:
+        """It finished on a stop token (an end-of-sequence id unless ignore_eos, or one of
+        stop_token_ids), whose text is then not output unless include_stop_str_in_output
+        (as in vLLM; its id stays in the output ids)."""
+        if self.finish_reason != "stop" or not self.output_token_ids:
+            return False
+        last, params = self.output_token_ids[-1], self.sampling_params
+        return last in params.stop_token_ids or (not params.ignore_eos
+                                                 and last in self.eos_token_ids)
+
     def check_token_stop(self) -> str | None:
         """Finish reason implied by the last token and the length limit (not stop strings)."""
         last = self.output_token_ids[-1]

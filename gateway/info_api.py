@@ -150,7 +150,7 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
         context = gateway.context_length()
         async with counted(gateway, principal):
             if body.prompt is not None:
-                PromptEncoder.check_chars(len(body.prompt), context, "prompt")
+                prompts.check_chars(len(body.prompt), context, "prompt")
                 ids = await prompts.encode_prompt(body.prompt, body.add_special_tokens
                                                   is not False)
             else:
@@ -160,7 +160,7 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
                     error = exc.errors()[0]
                     raise ApiError(400, error["msg"],
                                    param=".".join(map(str, error["loc"])) or None) from None
-                PromptEncoder.check_chars(chat.prompt_chars(), context, "messages")
+                prompts.check_chars(chat.prompt_chars(), context, "messages")
                 ids = await prompts.encode_chat_request(chat)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": context, "tokens": ids}
         if body.return_token_strs:

@@ -68,7 +68,7 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                     ids = prompt
                 else:
                     if not truncating:  # else longer is fine: it will be cut
-                        PromptEncoder.check_chars(len(prompt), context, "prompt")
+                        prompts_encoder.check_chars(len(prompt), context, "prompt")
                     ids = await prompts_encoder.encode_prompt(prompt, body.add_special_tokens)
                 if truncating:
                     ids = ids[-(body.truncate_prompt_tokens or 0):]
@@ -94,7 +94,7 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                                principal: Caller) -> Response:
         async def encode(context: int) -> list[PromptEcho]:
             if body.truncate_prompt_tokens is None:
-                PromptEncoder.check_chars(body.prompt_chars(), context, "messages")
+                prompts_encoder.check_chars(body.prompt_chars(), context, "messages")
             ids = await prompts_encoder.encode_chat_request(body)
             if body.truncate_prompt_tokens is not None:
                 ids = ids[-body.truncate_prompt_tokens:]

@@ -168,7 +168,8 @@ class ChatCompletionRequest(SamplingFields):
     """Render the last (assistant) message open-ended, so the model continues it."""
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
     """Extra variables for the model's chat template (e.g. enable_thinking)."""
-    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tools: Annotated[list[ToolDefinition], Field(min_length=1, max_length=MAX_TOOLS)] | None \
+        = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     """False: at most one call per answer (enforced when tool_choice is required)."""
@@ -183,16 +184,17 @@ class ChatCompletionRequest(SamplingFields):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise InvalidField("tool_choice", f"tool_choice names {choice.function.name!r}, "
                                f"which is not among the tools")
-        if choice == "required" and not names:
-            raise InvalidField("tool_choice", "tool_choice 'required' needs tools")
+        if choice is not None and not names:  # as OpenAI: a choice among no tools is a mistake
+            raise InvalidField("tool_choice", "tool_choice is only allowed when tools are "
+                               "given")
         try:
             constraint = self.tool_plan().constraint()
         except ValueError as exc:  # the tools' schemas, as one grammar, are too large
             raise InvalidField("tools", str(exc)) from None
         if constraint is not None and self.structured_output() is not None:
-            raise ValueError("a constrained tool call (tool_choice required or named, or a "
-                             "strict function) cannot be combined with another structured "
-                             "output constraint")
+            raise InvalidField("tool_choice", "a constrained tool call (tool_choice required "
+                               "or named, or a strict function) cannot be combined with "
+                               "another structured output constraint")
         return self
 
     def structured_constraint(self) -> StructuredOutput | None:
@@ -202,14 +204,17 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _template_options(self) -> ChatCompletionRequest:
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("continue_final_message=true needs add_generation_prompt=false: "
-                             "the last message is continued, not answered")
+            raise InvalidField("continue_final_message", "continue_final_message=true needs "
+                               "add_generation_prompt=false: the last message is continued, "
+                               "not answered")
         if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message=true needs an assistant message last")
+            raise InvalidField("continue_final_message", "continue_final_message=true needs "
+                               "an assistant message last")
         reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
-                             f"they are request fields or the server's own")
+            raise InvalidField("chat_template_kwargs", f"chat_template_kwargs may not set "
+                               f"{', '.join(reserved)}: they are request fields or the "
+                               f"server's own")
         return self
 
     def template_options(self) -> dict[str, Any]:

@@ -369,8 +369,12 @@ class ResponseFormatter:
                 if (not first and not text and not calls and finish is None
                         and logprobs is None and not (self.return_token_ids and new_ids)):
                     return []  # all of it is held back (a call may be starting)
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
-                {"content": text}
+            # Beside calls, and in a forced call (it never holds text), no text is a null
+            # content, as OpenAI streams it.
+            forced = self.tools is not None and self.tools.mode in ("required", "named")
+            content = None if (calls or forced) and not text else text
+            delta: dict[str, Any] = {"role": "assistant", "content": content} if first else \
+                {"content": content}
             if calls:
                 delta["tool_calls"] = calls
                 finish = _finish(finish, calls)

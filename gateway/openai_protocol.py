@@ -10,9 +10,9 @@ items must not become a huge error body).
 Fields of OpenAI's and vLLM's schemas that we do not implement (gateway/openai_fields.py)
 are accepted only at their neutral value (n=1, no tools, ...):
 anything else is a 400 naming the field, never a silent difference. Fields in neither place
-are ignored, as OpenAI-compatible servers do, so clients that send vendor extensions keep
-working. Our own extras: cache_salt, priority, top_k, ignore_eos; vLLM's sampling extras as vLLM
-names them (repetition_penalty, min_p, min_tokens, stop_token_ids, bad_words, ...).
+are a 400 too ("Unrecognized request argument supplied", as OpenAI answers). Our own
+extras: cache_salt, priority, top_k, ignore_eos; vLLM's sampling extras as vLLM names them
+(repetition_penalty, min_p, min_tokens, stop_token_ids, bad_words, ...).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pydantic import (
 
 from engine.generation_defaults import SamplingDefaults
 from engine.http.json_numbers import Float, Int
+from engine.invalid_field import InvalidField
 from engine.sampling_params import MIN_REPETITION_PENALTY
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
@@ -221,8 +222,8 @@ class SamplingFields(StrictRequest):
     def _one_constraint(self) -> SamplingFields:
         given = [name for name, spec in self._constraints() if spec is not None]
         if len(given) > 1:
-            raise ValueError(f"one structured output constraint per request, got "
-                             f"{', '.join(given)}")
+            raise InvalidField(given[-1], f"one structured output constraint per request, "
+                                          f"got {', '.join(given)}")
         return self
 
     def _constraints(self) -> list[tuple[str, StructuredOutput | None]]:
@@ -332,11 +333,13 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _sample_counts(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of < self.n:
-            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+            raise InvalidField("best_of", f"best_of ({self.best_of}) must be at least n "
+                                          f"({self.n})")
         if self.best_of is not None and self.best_of > self.n and self.stream:
-            raise ValueError("best_of > n is not available with stream=true")
+            raise InvalidField("best_of", "best_of > n is not available with stream=true")
         if len(self.prompt) * self.samples_per_prompt > MAX_BATCH_PROMPTS:
-            raise ValueError(f"prompts x max(n, best_of) may be at most {MAX_BATCH_PROMPTS}")
+            raise InvalidField("best_of" if self.best_of else "n", f"prompts x max(n, "
+                               f"best_of) may be at most {MAX_BATCH_PROMPTS}")
         return self
 
     @property

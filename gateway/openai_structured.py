@@ -59,7 +59,8 @@ class ResponseFormat(BaseModel):
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is given with type json_schema, and only then")
+            raise InvalidField("json_schema", "json_schema is given with type json_schema, "
+                               "and only then")
         return self
 
     def constraint(self) -> StructuredOutput | None:

@@ -29,12 +29,9 @@ from engine.http.errors import ApiError
 from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.tool_calls import template_takes_tools
 
-CHARS_PER_TOKEN = 16
-"""A generous bound on characters per token (BPE tokens of real text average about 4): a
-prompt with more than context x this many characters cannot fit, so it is refused without
-being tokenized."""
 MIN_PROMPT_CHARS = 32768
-"""Floor of the character cap, so small contexts still take unusually dense text."""
+"""Floor of the character cap (max_chars), so small contexts still take unusually dense
+text."""
 INLINE_CHARS = 4096
 """Prompts up to this many characters are tokenized on the event loop (tens of
 microseconds: cheaper than a thread hop, and never queued behind a big prompt)."""
@@ -56,6 +53,10 @@ class PromptEncoder:
         self._pool = concurrent.futures.ThreadPoolExecutor(workers,
                                                            thread_name_prefix="tokenize")
         self._slots = asyncio.Semaphore(workers)
+        self.longest_token = max(map(len, tokenizer.get_vocab()), default=1)
+        """Characters in the vocabulary's longest entry: no token covers more characters of
+        a text (byte-level vocabularies spell a byte as one character, and every character
+        of a text is at least one byte)."""
         self._controls = _control_tokens(tokenizer)
         self._controls_re = re.compile(_trie_pattern(self._controls) or "(?!)")
         self._newline = self._encode("\n")
@@ -64,20 +65,19 @@ class PromptEncoder:
         self._as_text = {token: self._piece(token, split=True) for token in self._controls}
         self._encode("")  # leaves split_special_tokens off again
 
-    @staticmethod
-    def max_chars(context: int) -> int:
-        """The longest prompt, in characters, a context of `context` tokens may take."""
-        return max(MIN_PROMPT_CHARS, context * CHARS_PER_TOKEN)
+    def max_chars(self, context: int) -> int:
+        """The most characters of text that `context` tokens can hold: a longer prompt
+        cannot fit, so it is refused without being tokenized."""
+        return max(MIN_PROMPT_CHARS, context * self.longest_token)
 
-    @classmethod
-    def check_chars(cls, chars: int, context: int, param: str) -> None:
+    def check_chars(self, chars: int, context: int, param: str) -> None:
         """400 context_length_exceeded when `chars` characters cannot fit the context."""
-        limit = cls.max_chars(context)
+        limit = self.max_chars(context)
         if chars > limit:
             raise ApiError(400, f"This model's maximum context length is {context} tokens; "
-                           f"the {param} has {chars} characters, more than the "
-                           f"{limit} such a context can take", code="context_length_exceeded",
-                           param=param)
+                           f"{param} holds {chars} characters, more than {context} tokens "
+                           f"can spell (at most {self.longest_token} characters each)",
+                           code="context_length_exceeded", param=param)
 
     # ----------------------------------------------------------------------- async API
     async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -171,8 +171,21 @@ def test_stop_token_ids_and_eos(engine: LLMEngine) -> None:
     first = free.index(stop_at)
     engine.add_request("stopped", [11, 12, 13], SamplingParams(
         max_tokens=10, temperature=0, stop_token_ids=(stop_at,), ignore_eos=True))
-    out = _drain(engine)["stopped"]
+    streamed = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed += out.delta_text
     assert out.finish_reason == "stop" and out.token_ids == free[:first + 1]
+    # As in vLLM: the stop token's id is output, its text only when asked for.
+    assert out.text == streamed == engine.tokenizer.decode(free[:first],
+                                                           skip_special_tokens=True)
+    engine.add_request("kept", [11, 12, 13], SamplingParams(
+        max_tokens=10, temperature=0, stop_token_ids=(stop_at,), ignore_eos=True,
+        include_stop_str_in_output=True))
+    kept = _drain(engine)["kept"]
+    assert kept.token_ids == free[:first + 1]
+    assert kept.text == engine.tokenizer.decode(free[:first + 1], skip_special_tokens=True)
+    assert kept.text != out.text
 
     eos_engine_ids = sorted(engine.eos_token_ids)
     assert engine.tokenizer.eos_token_id in eos_engine_ids

@@ -89,7 +89,7 @@ def test_a_forced_call_cut_at_max_tokens_keeps_what_it_completed(tiny_model_dir:
     streamed.start([PromptEcho([1, 2, 3])])
     deltas = [e["choices"][0] for chunk in chunks()
               for e in streamed.stream_events(chunk, usage="none")]
-    assert [d["delta"].get("content") for d in deltas] == ["", ""]  # nothing of the call
+    assert [d["delta"].get("content") for d in deltas] == [None, None]  # nothing of the call
     assert deltas[-1]["finish_reason"] == "length"
     [call] = deltas[-1]["delta"]["tool_calls"]
     assert call["function"] == {"name": "add", "arguments": '{"a": 1}'}

@@ -63,10 +63,29 @@ NOT_AN_OBJECT_MESSAGE = ("the request body must be a JSON object, sent with Cont
                          "application/json")
 
 
+TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+"""Loc parts pydantic adds for the members of a union (with any part that is not a plain
+lower-case name: "list[int]", "constrained-str", a model's class name): not fields."""
+
+
+def _is_tag(part: str) -> bool:
+    if part in TYPE_TAGS or not part.replace("_", "a").isalnum():
+        return True
+    return not part.islower() and not part.isdigit()
+
+
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
-    problems = []
+    problems: list[str] = []
     locs: list[tuple[str, ...]] = []
-    for err in exc.errors():
+    errors = exc.errors()
+    # A union fails once per member: where a member took the value's type and refused its
+    # content, the other members' "not my type" errors only hide that one.
+    valued = {_shown(e.get("loc", ())) for e in errors
+              if not str(e.get("type", "")).endswith("_type")}
+    for err in errors:
+        shown = _shown(err.get("loc", ()))
+        if str(err.get("type", "")).endswith("_type") and shown in valued:
+            continue
         if err.get("type") == "json_invalid":  # loc is ("body", character offset): no param
             detail = (err.get("ctx") or {}).get("error", "JSON decode error")
             at = err.get("loc", ())[-1]
@@ -80,8 +99,22 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             problems.append(NOT_AN_OBJECT_MESSAGE)
             continue
         locs.append(loc)
-        problems.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+        message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        problem = f"{shown}: {message}" if shown and about is None else message
+        if problem not in problems:
+            problems.append(problem)
     return "; ".join(problems) or "invalid request body", _param(locs)
+
+
+def _shown(loc: tuple[Any, ...]) -> str:
+    """A field's path as a client wrote it: messages[0].content (no union member tags)."""
+    shown = ""
+    for part in loc:
+        if isinstance(part, int) or str(part).isdigit():
+            shown += f"[{part}]"
+        elif part != "body" and not _is_tag(str(part)):
+            shown += f".{part}" if shown else str(part)
+    return shown
 
 
 def _param(locs: list[tuple[str, ...]]) -> str | None:
@@ -97,7 +130,7 @@ def _param(locs: list[tuple[str, ...]]) -> str | None:
             while shared < min(len(path), len(loc)) and path[shared] == loc[shared]:
                 shared += 1
             path = path[:shared]
-    names = [part for part in path if not part.isdigit()]
+    names = [part for part in path if not part.isdigit() and not _is_tag(part)]
     return names[-1] if names else None
 
 

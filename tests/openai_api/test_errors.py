@@ -109,6 +109,32 @@ def test_invalid_requests_are_400(client: openai.OpenAI, gateway: LiveServer,
     assert_healthy(gateway, client, base_model)
 
 
+@pytest.mark.parametrize(("endpoint", "changes", "message", "param"), [
+    ("completions", {"n": 3, "best_of": 2}, "best_of (2) must be at least n (3)", "best_of"),
+    ("completions", {"stop": ""}, "stop: String should have at least 1 character", "stop"),
+    ("chat", {"messages": [{"role": "bot", "content": "x"}]},
+     "messages[0].role: Input should be 'system', 'developer', 'user', 'assistant' or "
+     "'tool'", "role"),
+    ("chat", {"messages": [{"role": "user", "content": "x", "name": 5}]},
+     "messages[0].name: Input should be a valid string", "name"),
+    ("chat", {"continue_final_message": True},
+     "continue_final_message=true needs add_generation_prompt=false: the last message is "
+     "continued, not answered", "continue_final_message"),
+], ids=["best-of-below-n", "empty-stop", "bad-role", "name-not-text", "continue-and-add"])
+def test_validation_messages_say_where_without_library_noise(
+        gateway: LiveServer, base_model: str, endpoint: str, changes: dict[str, Any],
+        message: str, param: str) -> None:
+    # A path as the client wrote it; no pydantic wording ("Value error,", "body:", the
+    # members of a union a value failed to be).
+    request: dict[str, Any] = {"model": base_model, "max_tokens": 4, **(
+        {"prompt": "hi"} if endpoint == "completions" else {"messages": MESSAGES}), **changes}
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    response = httpx.post(gateway.url + path, json=request, timeout=30.0)
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": message, "type": "invalid_request_error",
+                                         "param": param, "code": None}
+
+
 NOT_AN_OBJECT = ("the request body must be a JSON object, sent with Content-Type: "
                  "application/json")
 

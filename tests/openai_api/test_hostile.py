@@ -213,7 +213,8 @@ def test_hostile_values_are_400_naming_the_field_and_spare_other_streams(
 
 def test_a_prompt_over_the_character_cap_is_refused_before_tokenizing(
         gateway: LiveServer, base_model: str) -> None:
-    """1024 tokens x 16 characters, floored at 32768: 2 MB is refused by its length alone."""
+    """1024 tokens x 17 characters (the tiny vocabulary's longest entry), floored at 32768:
+    2 MB is refused by its length alone."""
     cases: list[tuple[str, dict[str, Any], str]] = [
             ("completions", {"prompt": BIG_TEXT}, "prompt"),
             ("chat", {"messages": [{"role": "user", "content": BIG_TEXT[:10]},
@@ -223,8 +224,9 @@ def test_a_prompt_over_the_character_cap_is_refused_before_tokenizing(
         assert response.status_code == 400
         chars = len(BIG_TEXT) + (10 if endpoint == "chat" else 0)
         assert response.json()["error"] == {
-            "message": f"This model's maximum context length is {CONTEXT} tokens; the {param} "
-                       f"has {chars} characters, more than the 32768 such a context can take",
+            "message": f"This model's maximum context length is {CONTEXT} tokens; {param} "
+                       f"holds {chars} characters, more than {CONTEXT} tokens can spell (at "
+                       f"most 17 characters each)",
             "type": "invalid_request_error", "param": param,
             "code": "context_length_exceeded"}
 

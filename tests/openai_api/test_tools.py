@@ -132,6 +132,9 @@ def test_a_history_with_calls_and_results_is_served(client: openai.OpenAI,
 @pytest.mark.parametrize("body", [
     {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
     {"tool_choice": "required"},
+    {"tool_choice": "auto"},                                     # a choice among no tools
+    {"tool_choice": "none"},
+    {"tools": []},                                               # as OpenAI: at least one
     {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
     {"tools": TOOLS + TOOLS[:1]},                                # a name twice
     {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from transformers import AutoTokenizer
 
 from engine.default_model import DEFAULT_MODEL_NAME
 from engine.request import RequestOutput
@@ -50,5 +52,14 @@ def test_serve_without_model_answers_like_the_engine(
                 messages=[{"role": "user", "content": "Name the capital of France as JSON."}])
             city = parsed.choices[0].message.parsed
             assert isinstance(city, City) and parsed.choices[0].finish_reason == "stop"
+        # Dense text (a markdown rule: 64 '#' a token) that fits the context is counted,
+        # not refused for its length: 200,000 characters, about 3,100 of its 8,192 tokens.
+        rule = "#" * 200_000
+        counted = httpx.post(server.url + "/tokenize", timeout=60.0,
+                             json={"prompt": rule, "add_special_tokens": False})
+        assert counted.status_code == 200, counted.text
+        want = AutoTokenizer.from_pretrained(smollm2_dir)(rule, add_special_tokens=False)
+        assert counted.json()["tokens"] == want["input_ids"]
+        assert counted.json()["count"] < counted.json()["max_model_len"]
     finally:
         assert server.stop() == 0, server.log()[-3000:]
