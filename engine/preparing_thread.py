@@ -70,8 +70,11 @@ class PreparingThread:
         with self._changed:
             return {tenant: len(queue) for tenant, queue in self._queues.items()}
 
-    def shutdown(self) -> None:
-        """Refuse new work and cancel what is queued (what runs finishes)."""
+    def shutdown(self, timeout: float = 30) -> None:
+        """Refuse new work, cancel what is queued and wait for what runs to finish (up to
+        ``timeout`` seconds). Joined, not left to die with the interpreter: a daemon thread
+        still unwinding at exit may abort the process ("terminate called without an active
+        exception")."""
         with self._changed:
             self._closed = True
             for queue in self._queues.values():
@@ -80,6 +83,8 @@ class PreparingThread:
             self._queues.clear()
             self._turns.clear()
             self._changed.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def _next(self) -> _Item | None:
         """The next item in tenant turn order; None once shut down."""

@@ -1,6 +1,7 @@
 """Caller: the FastAPI dependency that authenticates a request to the OpenAI-style routes.
 
-It runs before the body is validated, so a missing or wrong key is a 401 before any 400."""
+It runs before the body is validated (on the generation and tokenizer routes, before the body
+is even read: gateway/admission.py), so a missing or wrong key is a 401 before any 400."""
 
 from __future__ import annotations
 
@@ -11,10 +12,18 @@ from fastapi import Depends, Request
 from gateway.auth import Principal
 from gateway.service import Gateway
 
+_PRINCIPAL = "loragate.principal"
+"""The request scope's key for its caller, once known."""
+
 
 async def authenticate(request: Request) -> Principal:
-    gateway: Gateway = request.app.state.gateway
-    return await gateway.authenticate(request)
+    """The request's caller, looked up once per request (AdmittedRoute looks it up before
+    the route's dependencies run)."""
+    principal = request.scope.get(_PRINCIPAL)
+    if not isinstance(principal, Principal):
+        gateway: Gateway = request.app.state.gateway
+        principal = request.scope[_PRINCIPAL] = await gateway.authenticate(request)
+    return principal
 
 
 Caller = Annotated[Principal, Depends(authenticate)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter
@@ -29,14 +29,17 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.http.errors import ApiError
 from gateway import openai_fields
-from gateway.auth import Principal
+from gateway.admission import Admitted, AdmittedRoute
 from gateway.caller import Caller
+from gateway.job import Claim
 from gateway.openai_chat_protocol import (
+    MAX_MESSAGES,
     MAX_TOOLS,
     ChatCompletionRequest,
     ChatMessage,
     NamedToolChoice,
     ToolDefinition,
+    check_message_counts,
 )
 from gateway.openai_fields import StrictRequest, Unsupported
 from gateway.openai_protocol import MAX_MODEL_NAME, token_ids
@@ -56,7 +59,8 @@ class TokenizeRequest(StrictRequest):
     model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)] | None = None
     """None: the base model (its tokenizer is every adapter's), as vLLM takes it."""
     prompt: Text | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None \
+        = None
     add_special_tokens: StrictBool | None = None
     """A prompt: as /v1/completions takes it (default True); messages: False only, as the
     chat endpoint (the template places the special tokens)."""
@@ -68,6 +72,12 @@ class TokenizeRequest(StrictRequest):
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.TOKENIZE
+
+    @model_validator(mode="before")
+    @classmethod
+    def _messages_bounded(cls, data: Any) -> Any:
+        check_message_counts(data)
+        return data
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -110,12 +120,12 @@ class DetokenizeRequest(StrictRequest):
         return token_ids(value, "tokens")
 
 
-@contextlib.asynccontextmanager
-async def counted(gateway: Gateway, principal: Principal) -> AsyncIterator[None]:
+@contextlib.contextmanager
+def counted(gateway: Gateway, claim: Claim) -> Iterator[None]:
     """A tokenizer call counts as a request against its tenant's limits (RPM, concurrency,
     a revoked key; never tokens): tokenizing is CPU work on the gateway, and a tenant over
-    its limits must not be able to keep it busy here."""
-    claim = await gateway.admit(principal)
+    its limits must not be able to keep it busy here. Admitted before its body is parsed
+    (AdmittedRoute); its claim ends with the call."""
     try:
         yield
     finally:
@@ -133,6 +143,7 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
                       ) -> APIRouter:
     """The routes above, over the API router's prompt encoder."""
     router = APIRouter()
+    tokenizer_calls = APIRouter(route_class=AdmittedRoute)  # admitted before the body
     tokenizer: PreTrainedTokenizerBase = prompts.tokenizer
 
     @router.get("/v1/models")
@@ -142,13 +153,14 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
         names = [gateway.base_model, *gateway.adapter_names(principal)]
         return {"object": "list", "data": [model_card(gateway, n, created) for n in names]}
 
-    @router.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, principal: Caller) -> dict[str, Any]:
+    @tokenizer_calls.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, principal: Caller, claim: Admitted
+                       ) -> dict[str, Any]:
         gateway = get_gateway()
-        model = body.model or gateway.base_model
-        gateway.resolve_model(model, principal)  # 404 for a model it cannot see
-        context = gateway.context_length()
-        async with counted(gateway, principal):
+        with counted(gateway, claim):
+            model = body.model or gateway.base_model
+            gateway.resolve_model(model, principal)  # 404 for a model it cannot see
+            context = gateway.context_length()
             if body.prompt is not None:
                 prompts.check_chars(len(body.prompt), context, "prompt")
                 ids = await prompts.encode_prompt(body.prompt, body.add_special_tokens
@@ -167,19 +179,20 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
             out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
         return out
 
-    @router.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, principal: Caller) -> dict[str, str]:
+    @tokenizer_calls.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, principal: Caller, claim: Admitted
+                         ) -> dict[str, str]:
         gateway = get_gateway()
-        gateway.resolve_model(body.model or gateway.base_model, principal)
-        context = gateway.context_length()
-        if len(body.tokens) > context:  # no request holds more: nothing to decode
-            raise ApiError(400, f"tokens holds {len(body.tokens)} ids, more than the "
-                           f"model's context ({context})", param="tokens")
-        vocab = len(tokenizer)
-        if body.tokens and max(body.tokens) >= vocab:
-            raise ApiError(400, f"token id {max(body.tokens)} is outside the vocabulary "
-                           f"(size {vocab})", param="tokens")
-        async with counted(gateway, principal):
+        with counted(gateway, claim):
+            gateway.resolve_model(body.model or gateway.base_model, principal)
+            context = gateway.context_length()
+            if len(body.tokens) > context:  # no request holds more: nothing to decode
+                raise ApiError(400, f"tokens holds {len(body.tokens)} ids, more than the "
+                               f"model's context ({context})", param="tokens")
+            vocab = len(tokenizer)
+            if body.tokens and max(body.tokens) >= vocab:
+                raise ApiError(400, f"token id {max(body.tokens)} is outside the vocabulary "
+                               f"(size {vocab})", param="tokens")
             # Decoding is CPU work: off the event loop.
             text = await asyncio.to_thread(tokenizer.decode, body.tokens)
         return {"prompt": str(text)}
@@ -201,4 +214,5 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
         gateway.resolve_model(model_id, principal)  # 404 for a model it cannot see
         return model_card(gateway, model_id, int(time.time()))
 
+    router.include_router(tokenizer_calls)
     return router

@@ -7,9 +7,10 @@ carries the usage so far instead of null). Errors found before the first byte (b
 model, prompt too long, no capacity) are HTTP errors in OpenAI's schema; an engine failure
 after the stream started is an ``error`` event followed by ``[DONE]``.
 
-A generation's cheap checks come first, the expensive work after them: the key, the body
-(every field bounded: openai_protocol), admission against the tenant's limits (from here on
-every request counts against its RPM, whatever becomes of it), the prompt's length in
+A generation's cheap checks come first, the expensive work after them: the key and admission
+against the tenant's limits before the body is even read (gateway/admission.py; from here on
+every request counts against its RPM, whatever becomes of it), the body (every field
+bounded: openai_protocol), the prompt's length in
 characters, tokenizing off the event loop (prompts), its length in tokens, the tenant's
 token reservation, then dispatch (service).
 """
@@ -31,6 +32,7 @@ from engine.protocol import ChunkStream, GenerateRequest
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 from gateway.access_log import AccessRecord, record_of
+from gateway.admission import Admitted, AdmittedRoute
 from gateway.auth import Principal
 from gateway.batch_stream import BatchStream
 from gateway.caller import Caller
@@ -51,15 +53,15 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                  ) -> APIRouter:
     """Routes over the gateway the app builds at startup (hence the getter). The router owns
     the prompt encoder and its tokenizer threads (gateway/prompts.py)."""
-    router = APIRouter()
+    router = APIRouter(route_class=AdmittedRoute)  # the generation routes admit first
     prompts_encoder = PromptEncoder(tokenizer)
     token_bytes = TokenBytes(tokenizer)  # one cache for every request's logprob bytes
 
     router.include_router(build_info_router(get_gateway, prompts_encoder))
 
     @router.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request,
-                          principal: Caller) -> Response:
+    async def completions(body: CompletionRequest, request: Request, principal: Caller,
+                          claim: Admitted) -> Response:
         async def encode(context: int) -> list[PromptEcho]:
             truncating = body.truncate_prompt_tokens is not None
             prompts = []
@@ -83,7 +85,7 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                                 token_bytes, echo=body.echo,
                                 prompt_logprobs=body.prompt_logprobs,
                                 drop_output=body.max_tokens == 0, keep=body.n)
-        call = _Call(body, request, principal, "completions",
+        call = _Call(body, request, principal, claim, "completions",
                      body.max_tokens or (1 if body.max_tokens == 0 else None), "max_tokens",
                      body.engine_logprobs(), body.engine_prompt_logprobs(),
                      body.structured_output())
@@ -91,7 +93,7 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request,
-                               principal: Caller) -> Response:
+                               principal: Caller, claim: Admitted) -> Response:
         async def encode(context: int) -> list[PromptEcho]:
             if body.truncate_prompt_tokens is None:
                 prompts_encoder.check_chars(body.prompt_chars(), context, "messages")
@@ -105,8 +107,8 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                                 body.return_tokens_as_token_ids, token_bytes,
                                 prompt_logprobs=body.prompt_logprobs, tools=body.tool_plan())
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        call = _Call(body, request, principal, "chat", body.requested_max_tokens(), param, top,
-                     body.prompt_logprobs, body.structured_constraint())
+        call = _Call(body, request, principal, claim, "chat", body.requested_max_tokens(),
+                     param, top, body.prompt_logprobs, body.structured_constraint())
         return await _serve(get_gateway(), call, encode, fmt)
 
     return router
@@ -119,6 +121,8 @@ class _Call:
     body: SamplingFields
     http: Request
     principal: Principal
+    claim: Claim
+    """Taken by AdmittedRoute before the body was parsed."""
     endpoint: Endpoint
     max_tokens: int | None
     max_tokens_param: str
@@ -130,8 +134,8 @@ class _Call:
 async def _serve(gateway: Gateway, req: _Call,
                  encode: Callable[[int], Awaitable[list[PromptEcho]]], fmt: ResponseFormatter
                  ) -> Response:
-    """Admit, then the expensive work (tokenizing), then dispatch. The claim taken at
-    admission is settled exactly once whatever happens: here for anything raised before a
+    """The expensive work (tokenizing), then dispatch. The claim taken at admission
+    (AdmittedRoute) is settled exactly once whatever happens: here for anything raised before a
     response exists, else by the response (see _respond). A batch of prompts is one
     admission, one claim and one response: a job (engine request) per prompt."""
     jobs: list[Job] = []
@@ -148,7 +152,7 @@ async def _serve(gateway: Gateway, req: _Call,
                     len(job.request.prompt_token_ids) for job in jobs)
                 record.first_token_at = jobs[0].first_token_at
         access.finish = fill
-    claim = await gateway.admit(req.principal)
+    claim = req.claim
     label = "none"  # the adapter, once the model resolved
     try:
         adapter = await gateway.resolve_or_load(req.body.model, req.principal)

@@ -1,8 +1,8 @@
 """A tenant's rate-limit claims end with every request, however it ends: a bad request never
 leaks a concurrency slot (which would lock the tenant out), and every request refused after
-admission (too long, unknown model) still counts against its RPM, because admission comes
-before the expensive work. Live engine + gateway (tiny model, 1024-token context) with
-tenants created through the admin API.
+admission (a bad body, too long, unknown model) still counts against its RPM, because
+admission comes before the body is even parsed. Live engine + gateway (tiny model,
+1024-token context) with tenants created through the admin API.
 """
 
 from __future__ import annotations
@@ -84,24 +84,51 @@ def test_bad_requests_release_their_slot_and_count_against_rpm(
     model = _model(gateway)
     completion = {"model": model, "prompt": "hello", "max_tokens": 2}
     chat = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
-    # (path, body, status, counted against RPM: refused after admission)
-    bad: list[tuple[str, dict[str, Any], int, bool]] = [
-        ("/v1/completions", {**completion, "prompt": BLOCK_WITH_A_HUGE_ID}, 400, False),
-        ("/v1/completions", {**completion, "prompt": "\ud800"}, 400, False),
+    bad: list[tuple[str, dict[str, Any], int]] = [
+        ("/v1/completions", {**completion, "prompt": BLOCK_WITH_A_HUGE_ID}, 400),
+        ("/v1/completions", {**completion, "prompt": "\ud800"}, 400),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "\ud800"}]},
-         400, False),
-        ("/v1/completions", {**completion, "prompt": "x" * 40_000}, 400, True),
-        ("/v1/completions", {**completion, "prompt": [7] * CONTEXT}, 400, True),
-        ("/v1/chat/completions", {**chat, "max_tokens": CONTEXT}, 400, True),
-        ("/v1/completions", {**completion, "model": "nope"}, 404, True),
+         400),
+        ("/v1/completions", {**completion, "temperature": 5}, 400),
+        ("/v1/completions", {**completion, "prompt": "x" * 40_000}, 400),
+        ("/v1/completions", {**completion, "prompt": [7] * CONTEXT}, 400),
+        ("/v1/chat/completions", {**chat, "max_tokens": CONTEXT}, 400),
+        ("/v1/completions", {**completion, "model": "nope"}, 404),
     ]
-    counted = sum(c for *_, c in bad)
     _fresh_window()
-    key = _tenant(gateway, "solo", max_concurrency=1, rpm=counted + 2)
-    statuses = [_post(gateway, key, path, body).status_code for path, body, *_ in bad]
-    assert statuses == [status for _, _, status, _ in bad]
+    key = _tenant(gateway, "solo", max_concurrency=1, rpm=len(bad) + 2)
+    statuses = [_post(gateway, key, path, body).status_code for path, body, _ in bad]
+    assert statuses == [status for *_, status in bad]
     # One slot, never leaked: both good requests pass; then the RPM the bad ones used is gone.
     good = [_post(gateway, key, "/v1/completions", completion) for _ in range(3)]
     assert [r.status_code for r in good] == [200, 200, 429], good[-1].text
     assert good[-1].json()["error"]["code"] == "rpm_exceeded"
     wait_engines_idle(engine.url)
+
+
+def test_a_key_over_its_limit_is_refused_before_its_body_is_parsed(
+        servers: tuple[LiveServer, LiveServer]) -> None:
+    """A flood of large invalid bodies cannot cost the gateway their parsing once its key is
+    over its RPM: the 429 comes before the body, whatever the body."""
+    _, gateway = servers
+    _fresh_window()
+    key = _tenant(gateway, "flooder", rpm=1)
+    assert _post(gateway, key, "/v1/completions", {"temperature": 5}).status_code == 400
+    refused = httpx.post(gateway.url + "/v1/chat/completions", content=b"{not json" * 10_000,
+                         timeout=60.0, headers={"Authorization": f"Bearer {key}",
+                                                "content-type": "application/json"})
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "rpm_exceeded"
+
+
+def test_too_many_message_parts_are_refused_before_any_is_validated(
+        servers: tuple[LiveServer, LiveServer]) -> None:
+    _, gateway = servers
+    part = {"type": "text", "text": ""}
+    messages = [{"role": "user", "content": [part] * 60}] * 4096  # 7.5 MB of empty parts
+    response = _post(gateway, ADMIN, "/v1/chat/completions",
+                     {"model": _model(gateway), "messages": messages})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages"
+    assert "245760 content parts and tool calls in all, more than 8192" in error["message"]

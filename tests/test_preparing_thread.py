@@ -104,8 +104,9 @@ def test_shutdown_fails_queued_work_as_an_engine_error_and_refuses_more() -> Non
         busy = await _blocked(preparing, release, None)
         queued = asyncio.ensure_future(preparing.run(lambda: "never", "a"))
         await asyncio.sleep(0)
-        preparing.shutdown()
-        release.set()
+        threading.Timer(0.2, release.set).start()
+        preparing.shutdown()  # returns once the running work has
+        assert release.is_set()
         return await busy, (await asyncio.gather(queued, return_exceptions=True))[0]
 
     try:

@@ -128,7 +128,7 @@ TOO_LONG = [7] * (CONTEXT - 4)
      "prompt"),
     ({"prompt": ""}, "prompt is empty", None),
     ({"prompt": "hi", "params": {"max_tokens": "x"}},
-     "params.max_tokens: Value error, must be a number, not a string", "max_tokens"),
+     "params.max_tokens: must be a number, not a string", "max_tokens"),
     ({"prompt": 5}, "prompt: Input should be a valid string", "prompt"),
     ({"prompt_token_ids": "5 6"}, "prompt_token_ids: Input should be a valid list",
      "prompt_token_ids"),

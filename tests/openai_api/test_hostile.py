@@ -85,7 +85,7 @@ HOSTILE: list[tuple[str, dict[str, Any], str | None]] = [
     ("chat", {"temperature": NAN}, "temperature"),
     ("chat", {"top_p": -INF}, "top_p"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}] * 5000}, "messages"),
-    ("chat", {"messages": [{"role": "user", "content": [1] * 100_000}]}, "content"),
+    ("chat", {"messages": [{"role": "user", "content": [1] * 100_000}]}, "messages"),
     ("chat", {"messages": [{"role": "user", "content": BIG_TEXT}]}, "messages"),
     ("chat", {"tools": [1] * 100_000}, "tools"),
     ("chat", {"messages": [{"role": "user", "content": "hi " + LONE_SURROGATE}]}, "content"),
