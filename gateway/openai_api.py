@@ -64,16 +64,18 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                           claim: Admitted) -> Response:
         async def encode(context: int) -> list[PromptEcho]:
             truncating = body.truncate_prompt_tokens is not None
+            # More than the context cannot run: what a longer truncation keeps is refused.
+            keep = None if body.truncate_prompt_tokens is None else \
+                min(body.truncate_prompt_tokens, context)
             prompts = []
             for prompt in body.prompt:
                 if not isinstance(prompt, str):  # ids, bounded by the context in _job
-                    ids = prompt
+                    ids = prompt if keep is None else prompt[-keep:]
                 else:
                     if not truncating:  # else longer is fine: it will be cut
                         prompts_encoder.check_chars(len(prompt), context, "prompt")
-                    ids = await prompts_encoder.encode_prompt(prompt, body.add_special_tokens)
-                if truncating:
-                    ids = ids[-(body.truncate_prompt_tokens or 0):]
+                    ids = await prompts_encoder.encode_prompt(prompt, body.add_special_tokens,
+                                                              keep)
                 # The echo is the text as sent, or what the engine runs when that differs.
                 text = "" if not body.echo else prompt if isinstance(prompt, str) and \
                     not truncating else str(tokenizer.decode(ids))
@@ -97,10 +99,9 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
         async def encode(context: int) -> list[PromptEcho]:
             if body.truncate_prompt_tokens is None:
                 prompts_encoder.check_chars(body.prompt_chars(), context, "messages")
-            ids = await prompts_encoder.encode_chat_request(body)
-            if body.truncate_prompt_tokens is not None:
-                ids = ids[-body.truncate_prompt_tokens:]
-            return [PromptEcho(ids)]
+            keep = None if body.truncate_prompt_tokens is None else \
+                min(body.truncate_prompt_tokens, context)  # as for completions
+            return [PromptEcho(await prompts_encoder.encode_chat_request(body, keep))]
 
         top = (body.top_logprobs or 0) if body.logprobs else None
         fmt = ResponseFormatter("chat", body.model, tokenizer, top, body.return_token_ids,
@@ -264,17 +265,15 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
 
 
 def _used_tokens(jobs: list[Job], fmt: ResponseFormatter, k: int) -> tuple[int, int]:
-    """(prompt, completion) tokens the engines computed for a request: what the formatter
-    counted, or, for a whole response the client left before its end, the prompt of each
-    of its prompts that produced a token and every token held so far (TPM charges what the
-    engines did, streamed or not). ``k``: sequences per prompt (n, best_of)."""
-    prompt, completion = fmt.prompt_tokens, fmt.completion_tokens
-    held = sum(job.held_tokens for job in jobs)
-    if held > completion:
-        started = {i // k for i, job in enumerate(jobs) if job.first_token_at is not None}
-        prompt = max(prompt, sum(len(jobs[g * k].request.prompt_token_ids) for g in started))
-        completion = held
-    return prompt, completion
+    """(prompt, completion) tokens a served request is charged (TPM, usage): every prompt
+    an engine took, whether or not a token came back (a client that leaves before its first
+    token had its prefill run, or about to), and the tokens generated: what the formatter
+    counted, or, for a whole response the client left before its end, every token held so
+    far. ``k``: sequences per prompt (n, best_of)."""
+    taken = {i // k for i, job in enumerate(jobs) if job.instance_id is not None}
+    prompt = max(fmt.prompt_tokens,
+                 sum(len(jobs[g * k].request.prompt_token_ids) for g in taken))
+    return prompt, max(fmt.completion_tokens, sum(job.held_tokens for job in jobs))
 
 
 def _route_headers(job: Job, config: GatewayConfig) -> dict[str, str]:

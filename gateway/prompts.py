@@ -37,6 +37,9 @@ INLINE_CHARS = 4096
 microseconds: cheaper than a thread hop, and never queued behind a big prompt)."""
 INLINE_MESSAGES = 16
 """Conversations of more messages go to the pool whatever their size (a template loop each)."""
+TAIL_MARGIN_TOKENS = 256
+"""Tokens more than a truncated prompt keeps, tokenized from its end (tail_chars): a cut
+changes only the tokens of the word or symbol run it falls in, which these absorb."""
 WORKERS = 4
 """Tokenizer threads per gateway: enough to keep a few big prompts moving at once, few enough
 that a flood of them cannot take every core from the engines on the same host."""
@@ -79,38 +82,57 @@ class PromptEncoder:
                            f"can spell (at most {self.longest_token} characters each)",
                            code="context_length_exceeded", param=param)
 
+    def tail_chars(self, keep_tokens: int) -> int:
+        """Characters from a text's end that hold more than its last ``keep_tokens`` tokens
+        and a margin (TAIL_MARGIN_TOKENS): a truncated prompt's tokens come from its tail
+        alone, so a client cannot make the gateway tokenize megabytes it will throw away."""
+        return (keep_tokens + TAIL_MARGIN_TOKENS) * self.longest_token
+
     # ----------------------------------------------------------------------- async API
-    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True,
+                            keep_tokens: int | None = None) -> list[int]:
         """A completion prompt's ids, as the client wrote it: the raw prompt is the
         client's own, so control tokens in it are control tokens (it may carry a template).
-        add_special_tokens: the tokenizer's own (e.g. a BOS) around it."""
-        return await self._run(len(text), self._prompt_ids if add_special_tokens
-                               else self._encode, text)
+        add_special_tokens: the tokenizer's own (e.g. a BOS) around it. keep_tokens: only
+        the last ones are wanted (truncate_prompt_tokens): the text's tail is tokenized, and
+        its last keep_tokens ids are the whole text's."""
+        if keep_tokens is not None:
+            text = text[-self.tail_chars(keep_tokens):]
+        ids = await self._run(len(text), self._prompt_ids if add_special_tokens
+                              else self._encode, text)
+        return ids if keep_tokens is None else ids[-keep_tokens:]
 
     async def encode_chat(self, messages: list[dict[str, Any]],
-                          options: dict[str, Any] | None = None) -> list[int]:
+                          options: dict[str, Any] | None = None,
+                          keep_tokens: int | None = None) -> list[int]:
         """The conversation rendered by the model's chat template; control-token text inside
         a message is encoded as plain text. options: apply_chat_template's keyword arguments
         (add_generation_prompt, continue_final_message, template variables; by default the
-        assistant's turn is opened). 400 (param messages) if the template fails."""
+        assistant's turn is opened). keep_tokens: as encode_prompt's, of the rendered text.
+        400 (param messages) if the template fails."""
         # Many small messages still cost a template loop each: keep those off the loop too.
         cost = sum(len(m["content"]) for m in messages) if len(messages) <= INLINE_MESSAGES \
             else INLINE_CHARS + 1
         try:
-            return await self._run(cost, functools.partial(
-                self._chat_ids, options=options or {"add_generation_prompt": True}), messages)
+            ids = await self._run(cost, functools.partial(
+                self._chat_ids, options=options or {"add_generation_prompt": True},
+                tail=None if keep_tokens is None else self.tail_chars(keep_tokens)), messages)
+            return ids if keep_tokens is None else ids[-keep_tokens:]
         except (jinja2.TemplateError, ValueError) as exc:
             raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
 
-    async def encode_chat_request(self, chat: ChatCompletionRequest) -> list[int]:
+    async def encode_chat_request(self, chat: ChatCompletionRequest,
+                                  keep_tokens: int | None = None) -> list[int]:
         """The ids a chat request sends: its messages and tools under the model's template
-        (tools a template does not take go in a system message: gateway/tool_calls.py)."""
+        (tools a template does not take go in a system message: gateway/tool_calls.py).
+        keep_tokens: as encode_chat's."""
         in_template = template_takes_tools(self.tokenizer.chat_template)
         options = chat.template_options()
         tools = chat.template_tools()
         if tools is not None and in_template:
             options["tools"] = tools
-        return await self.encode_chat(chat.template_messages(in_template), options)
+        return await self.encode_chat(chat.template_messages(in_template), options,
+                                      keep_tokens)
 
     async def _run(self, cost: int, fn: Callable[[_TEXT], list[int]], arg: _TEXT
                    ) -> list[int]:
@@ -153,7 +175,10 @@ class PromptEncoder:
             return ids[len(self._newline):]
         return [int(t) for t in self.tokenizer(text, **kwargs)["input_ids"]]
 
-    def _chat_ids(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
+    def _chat_ids(self, messages: list[dict[str, Any]], options: dict[str, Any],
+                  tail: int | None = None) -> list[int]:
+        """The ids of the rendered conversation, or of its last ``tail`` characters (a cut
+        inside a marker moves past it)."""
         if self.tokenizer.chat_template is None:
             raise ValueError("the model's tokenizer has no chat template")
         # Control tokens typed inside a message are swapped for a marker no client can
@@ -186,9 +211,15 @@ class PromptEncoder:
         if "tools" in options:
             options = {**options, "tools": swap_json(options["tools"])}
         rendered = str(self.tokenizer.apply_chat_template(safe, tokenize=False, **options))
+        marker = re.compile(re.escape(mark) + r"(\d+)\ue000")
+        if tail is not None and len(rendered) > tail:
+            cut = len(rendered) - tail
+            straddling = next((m for m in marker.finditer(rendered, max(0, cut - len(mark) - 8))
+                               if m.start() < cut < m.end()), None)
+            rendered = rendered[cut if straddling is None else straddling.end():]
         if not marked:
             return self._encode(rendered)
-        pieces = re.split(re.escape(mark) + r"(\d+)\ue000", rendered)
+        pieces = marker.split(rendered)
         ids = self._encode(pieces[0])
         for i, piece in enumerate(pieces[1:], start=1):
             if i % 2:  # a marker: the control token it replaced, as plain text
