@@ -232,18 +232,8 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
     """Dispatch; errors before the engines took every job propagate to _serve (the streams
     already opened are closed, aborting their requests). From then on the response settles
     the claim as served: a whole response here, a stream when it ends (ClosingStream)."""
-    opened: list[ChunkStream] = []
     k = req.body.samples_per_prompt
-    try:
-        for i, job in enumerate(jobs):
-            job.whole = not req.body.stream
-            # A prompt's sequences go where its first went: they share its cached blocks.
-            job.prefer = jobs[i - i % k].instance_id if i % k else None
-            opened.append(await next_or_disconnect(req.http, gateway.open(job)))
-    except BaseException:
-        await BatchStream(opened).aclose()
-        raise
-    streams = BatchStream(opened)
+    streams = await _open_all(gateway, jobs, req)
     job = jobs[0]
 
     def settle() -> None:
@@ -262,6 +252,35 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
                                     job.instance_id or "none").inc()
     # After collect: a whole response retried elsewhere names the instance that served it.
     return JSONResponse(result, headers=_route_headers(job, gateway.config))
+
+
+async def _open_all(gateway: Gateway, jobs: list[Job], req: _Call) -> BatchStream:
+    """Every job's stream, opened at once: each prompt's first sequence, then its others,
+    which go where their first went (they share its cached blocks). Any failure (or the
+    client leaving) cancels the opens under way, closes the streams opened (aborting their
+    requests) and propagates."""
+    k = req.body.samples_per_prompt
+    opened: dict[int, ChunkStream] = {}
+
+    async def open_one(i: int) -> None:
+        job = jobs[i]
+        job.whole = not req.body.stream
+        job.prefer = jobs[i - i % k].instance_id if i % k else None
+        opened[i] = await gateway.open(job)
+
+    try:
+        for wave in (range(0, len(jobs), k), [i for i in range(len(jobs)) if i % k]):
+            tasks = [asyncio.ensure_future(open_one(i)) for i in wave]
+            try:
+                await next_or_disconnect(req.http, asyncio.gather(*tasks))
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+    except BaseException:
+        await BatchStream(list(opened.values())).aclose()
+        raise
+    return BatchStream([opened[i] for i in range(len(jobs))])
 
 
 def _used_tokens(jobs: list[Job], fmt: ResponseFormatter, k: int) -> tuple[int, int]:
