@@ -8,9 +8,12 @@ gateway's memory without bound, before any route (or key check) runs. This proto
 
 - arms a timer when a connection opens, and again at the first byte of each later request;
   the request line and headers must be complete before it fires, else 408 and close;
-- counts the bytes of an unfinished header block: past max_header_bytes, 431 and close.
+- counts the bytes of a request's line and headers, both as they arrive (a header block that
+  never ends) and as the parser reads them (a block that came in one read): past
+  max_header_bytes, 431 and close.
 
-Both answers carry an OpenAI-style error body. Request bodies are bounded where the route is
+These answers, and the 400 for a request that is not valid HTTP, carry an OpenAI-style error
+body. Request bodies are bounded where the route is
 known, in gateway/guard.py (size limit and read deadline).
 """
 
@@ -28,6 +31,11 @@ from uvicorn.server import ServerState
 from engine.http.errors import error_body
 
 
+class _HeadersTooLarge(Exception):
+    """Raised from a parser callback: httptools stops parsing, and uvicorn answers the
+    parser error (send_400_response, which answers 431 instead)."""
+
+
 class GuardedHttpProtocol(HttpToolsProtocol):
     """HttpToolsProtocol with a header deadline and a header size cap (class attributes:
     ``guarded_protocol`` makes a subclass with the configured values)."""
@@ -43,6 +51,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """Between a connection's opening (or a request's first byte) and the end of that
         request's headers."""
         self._header_bytes = 0
+        self._parsed_header_bytes = 0
+        self._headers_too_large = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -60,15 +70,40 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # previous body: an overcount of at most one read, on a rare path).
         self._header_bytes += len(data)
         if self._header_bytes > self.max_header_bytes:
-            self._reject(431, f"request headers over {self.max_header_bytes} bytes",
-                         "headers_too_large")
+            self._reject_large_headers()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._awaiting_headers = True
-        self._header_bytes = 0
+        self._header_bytes = self._parsed_header_bytes = 0
         if self._header_timer is None:
             self._arm_header_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_parsed(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_parsed(len(name) + len(value) + 4)  # ": " and CRLF
+        super().on_header(name, value)
+
+    def _count_parsed(self, size: int) -> None:
+        self._parsed_header_bytes += size
+        if self._parsed_header_bytes > self.max_header_bytes:
+            self._headers_too_large = True
+            raise _HeadersTooLarge
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a parser error (plain text there): JSON, and 431 when the
+        parser stopped at the header cap."""
+        if self._headers_too_large:
+            self._reject_large_headers()
+        else:
+            self._reject(400, msg, "invalid_http_request")
+
+    def _reject_large_headers(self) -> None:
+        self._reject(431, f"request headers over {self.max_header_bytes} bytes",
+                     "headers_too_large")
 
     def on_headers_complete(self) -> None:
         self._awaiting_headers = False

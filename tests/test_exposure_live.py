@@ -214,6 +214,24 @@ def test_an_endless_header_gets_431_and_the_connection_closed(setup: Setup) -> N
     assert complete(setup.open.url).status_code == 200
 
 
+def test_a_large_header_block_in_one_read_gets_431(setup: Setup) -> None:
+    """The cap holds for a header block that arrives whole (it is counted as parsed), not
+    only for one that keeps coming."""
+    sock = connect(setup.open)
+    sock.sendall(request_head(setup.open, "GET", "/v1/models", *(
+        f"X-Pad-{i}: {'a' * 1000}" for i in range(70))))
+    assert parse_answer(drip_until_closed(sock, b""))[0] == 431
+    assert complete(setup.open.url).status_code == 200
+
+
+def test_a_request_that_is_not_http_gets_an_openai_style_400(setup: Setup) -> None:
+    sock = connect(setup.open)
+    sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n")
+    assert parse_answer(drip_until_closed(sock, b"")) == (400, {
+        "message": "Invalid HTTP request received.", "type": "invalid_request_error",
+        "param": None, "code": "invalid_http_request"})
+
+
 def test_an_early_answer_closes_a_connection_whose_body_is_still_coming(setup: Setup
                                                                         ) -> None:
     """The route answers (401) without reading the body: the connection closes instead of
