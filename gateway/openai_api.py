@@ -76,10 +76,11 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                         prompts_encoder.check_chars(len(prompt), context, "prompt")
                     ids = await prompts_encoder.encode_prompt(prompt, body.add_special_tokens,
                                                               keep)
+                echo = _fitting(ids, context, "prompt")
                 # The echo is the text as sent, or what the engine runs when that differs.
-                text = "" if not body.echo else prompt if isinstance(prompt, str) and \
+                echo.text = "" if not body.echo else prompt if isinstance(prompt, str) and \
                     not truncating else str(tokenizer.decode(ids))
-                prompts.append(PromptEcho(ids, text))
+                prompts.append(echo)
             return prompts
 
         fmt = ResponseFormatter("completions", body.model, tokenizer, body.logprobs,
@@ -101,7 +102,8 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                 prompts_encoder.check_chars(body.prompt_chars(), context, "messages")
             keep = None if body.truncate_prompt_tokens is None else \
                 min(body.truncate_prompt_tokens, context)  # as for completions
-            return [PromptEcho(await prompts_encoder.encode_chat_request(body, keep))]
+            return [_fitting(await prompts_encoder.encode_chat_request(body, keep), context,
+                             "messages")]
 
         top = (body.top_logprobs or 0) if body.logprobs else None
         fmt = ResponseFormatter("chat", body.model, tokenizer, top, body.return_token_ids,
@@ -161,7 +163,7 @@ async def _serve(gateway: Gateway, req: _Call,
         if access is not None:
             access.adapter = label
         context = gateway.context_length()
-        prompts = await encode(context)
+        prompts = await encode(context)  # each checked to fit as it is tokenized
         k = req.body.samples_per_prompt
         jobs.extend(_job(gateway, claim, req, adapter, prompt.token_ids, context, sample)
                     for prompt in prompts for sample in range(k))
@@ -187,18 +189,23 @@ def _outcome(exc: BaseException) -> Outcome:
     return "refused" if isinstance(exc, asyncio.CancelledError) else "failed"
 
 
-def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
-         prompt_ids: list[int], context: int, sample: int = 0) -> Job:
-    """The engine request of one sequence: ``sample`` numbers the sequences of one prompt
-    (n, best_of); a seeded request's j-th sequence draws with seed + j."""
-    body = req.body
-    param = "messages" if req.endpoint == "chat" else "prompt"
+def _fitting(prompt_ids: list[int], context: int, param: str) -> PromptEcho:
+    """A prompt's ids, if some room is left for the completion in the context: checked as
+    soon as each prompt is tokenized, so a batch stops at its first prompt too long."""
     if not prompt_ids:
         raise ApiError(400, "prompt is empty after tokenization", param=param)
     if len(prompt_ids) >= context:
         raise ApiError(400, f"This model's maximum context length is {context} tokens; the "
                        f"prompt has {len(prompt_ids)} tokens", code="context_length_exceeded",
                        param=param)
+    return PromptEcho(prompt_ids)
+
+
+def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
+         prompt_ids: list[int], context: int, sample: int = 0) -> Job:
+    """The engine request of one sequence: ``sample`` numbers the sequences of one prompt
+    (n, best_of); a seeded request's j-th sequence draws with seed + j."""
+    body = req.body
     max_tokens = req.max_tokens
     if max_tokens is None:  # chat default: whatever the context (or KV capacity) leaves
         room = gateway.max_request_tokens() or context
