@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from lora.peft_targets import module_targeter
 from lora.targets import SUPPORTED_MODULES, LoraTargets
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
@@ -151,6 +152,7 @@ def _load(name: str, path: Path, targets: LoraTargets, max_rank: int) -> LoraAda
         raise ValueError(f"{where}: adapter_model.safetensors is corrupt: {exc}") from exc
 
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+    targeted = module_targeter(config, where)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
@@ -163,6 +165,12 @@ def _load(name: str, path: Path, targets: LoraTargets, max_rank: int) -> LoraAda
         if layer >= targets.num_layers:
             raise ValueError(f"{where}: weight for layer {layer}, the base model has "
                              f"{targets.num_layers} layers")
+        if (layer, module) not in pairs and \
+                not targeted(module_name := f"model.layers.{layer}.{match[2]}.{module}"):
+            raise ValueError(f"{where}: adapter_model.safetensors holds weights for "
+                             f"{module_name}, which adapter_config.json does not target "
+                             f"(target_modules, layers_to_transform, exclude_modules): PEFT "
+                             f"would not use them")
         pairs.setdefault((layer, module), {})[half] = tensor
     if not pairs:
         raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")

@@ -1,0 +1,140 @@
+"""Which modules a PEFT LoRA config targets, decided as PEFT decides it when it builds the
+model (``check_target_module_exists``): ``target_modules`` as a list of names (a module's
+full name, or its end after a dot), as a regular expression the full name must match, or
+"all-linear"; ``layers_to_transform`` (with ``layers_pattern``) for a list; and
+``exclude_modules``.
+
+PEFT loads only the weights of the modules it targets and ignores the others, so an adapter
+whose file holds weights its config does not target would run differently here than under
+PEFT: such an adapter is refused (lora/adapter.py), not served with weights PEFT never uses.
+
+Names are the base model's module names, e.g. ``model.layers.3.self_attn.q_proj``. A
+regular expression comes from the adapter's uploader: it runs under a time limit (the
+``regex`` package's), so a pattern that backtracks without end is refused, not run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+import regex
+
+from lora.targets import SUPPORTED_MODULES
+
+PATTERN_TIMEOUT_S = 0.05
+"""Per match of one module name (tens of characters): far more than any sane pattern needs."""
+MAX_PATTERN_CHARS = 4096
+
+_LAYER_ANY = regex.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
+"""PEFT's reading of a module's layer index without a layers_pattern: the first number
+between dots after some segment."""
+
+
+def module_targeter(config: dict[str, Any], where: str) -> Callable[[str], bool]:
+    """A predicate on module names: does ``config`` (adapter_config.json) target it?
+    ValueError naming ``where`` for a config PEFT would not take (wrong types, a bad or slow
+    regular expression)."""
+    targets = config.get("target_modules")
+    # LoraConfig's own rules, so that a config PEFT refuses is refused here too.
+    if isinstance(targets, str) and (config.get("layers_to_transform") is not None or
+                                     config.get("layers_pattern") is not None):
+        raise ValueError(f"{where}: layers_to_transform and layers_pattern cannot be used "
+                         f"when target_modules is a string (a pattern, or all-linear)")
+    if config.get("layers_pattern") and config.get("layers_to_transform") is None:
+        raise ValueError(f"{where}: layers_pattern needs layers_to_transform")
+    if targets is None:
+        # PEFT then picks the model type's defaults: no file weight can be checked against
+        # them here, and the weights present are what PEFT's defaults were trained into.
+        return lambda _: True
+    excluded = _names_or_pattern(config.get("exclude_modules"), "exclude_modules", where)
+    if targets == "all-linear":
+        targets = list(SUPPORTED_MODULES)
+    chosen = _names_or_pattern(targets, "target_modules", where)
+    layers = _layer_indexes(config.get("layers_to_transform"), where)
+    patterns = _layer_patterns(config.get("layers_pattern"), where)
+
+    def targeted(name: str) -> bool:
+        if excluded is not None and _matches(excluded, name, where):
+            return False
+        if chosen is None or not _matches(chosen, name, where):
+            return False
+        # PEFT applies layers_to_transform only to names matched by their end, not to a
+        # module listed by its full name (a pattern never comes with layers: see above).
+        if isinstance(chosen, regex.Pattern) or layers is None or name in chosen:
+            return True
+        index = _layer_of(name, patterns)
+        return index is not None and index in layers
+
+    return targeted
+
+
+_NamesOrPattern: TypeAlias = "frozenset[str] | regex.Pattern[str]"
+
+
+def _names_or_pattern(value: Any, key: str, where: str) -> _NamesOrPattern | None:
+    if value is None or value == [] or value == "":
+        return None
+    if isinstance(value, str):
+        if len(value) > MAX_PATTERN_CHARS:
+            raise ValueError(f"{where}: {key} is a pattern of {len(value)} characters, over "
+                             f"{MAX_PATTERN_CHARS}")
+        try:
+            return regex.compile(value)
+        except regex.error as exc:
+            raise ValueError(f"{where}: {key} {value[:100]!r} is not a regular expression: "
+                             f"{exc}") from None
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return frozenset(value)
+    raise ValueError(f"{where}: {key} must be a list of module names or a regular "
+                     f"expression, got {str(value)[:100]}")
+
+
+def _matches(chosen: _NamesOrPattern, name: str, where: str) -> bool:
+    if isinstance(chosen, frozenset):
+        return name in chosen or any(name.endswith("." + target) for target in chosen)
+    try:
+        return chosen.fullmatch(name, timeout=PATTERN_TIMEOUT_S) is not None
+    except TimeoutError:
+        raise ValueError(f"{where}: matching the pattern {chosen.pattern[:100]!r} against "
+                         f"{name!r} took over {PATTERN_TIMEOUT_S:g} s") from None
+
+
+def _layer_indexes(value: Any, where: str) -> frozenset[int] | None:
+    def is_index(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if value is None or value == []:
+        return None
+    if is_index(value):
+        return frozenset([value])
+    if isinstance(value, list) and all(is_index(v) for v in value):
+        return frozenset(value)
+    raise ValueError(f"{where}: layers_to_transform must be a layer index or a list of them, "
+                     f"got {str(value)[:100]}")
+
+
+def _layer_patterns(value: Any, where: str) -> list[regex.Pattern[str]]:
+    """PEFT's layer-index expressions for the layers_pattern names (none: any segment)."""
+    if value is None or value == "" or value == []:
+        return [_LAYER_ANY]
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"{where}: layers_pattern must be a name or a list of names, got "
+                         f"{str(value)[:100]}")
+    # PEFT puts the name into its expression unescaped: so does this, under the time limit.
+    try:
+        return [regex.compile(rf"(?:^|.*?\.){name}\.(?P<idx>\d+)\.") for name in names]
+    except regex.error as exc:
+        raise ValueError(f"{where}: layers_pattern {value!r} is not usable: {exc}") from None
+
+
+def _layer_of(name: str, patterns: list[regex.Pattern[str]]) -> int | None:
+    for pattern in patterns:
+        try:
+            found = pattern.match(name, timeout=PATTERN_TIMEOUT_S)
+        except TimeoutError:
+            return None
+        if found is not None:
+            return int(found["idx"])
+    return None
