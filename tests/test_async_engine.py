@@ -151,8 +151,8 @@ def test_a_request_still_being_prepared_at_shutdown_is_an_engine_error(
                                   SamplingParams(max_tokens=2, bad_words=("no",)))
         opening = asyncio.create_task(engine.open(request))  # queued behind `busy`
         await asyncio.sleep(0.1)
-        engine.shutdown()
-        release.set()
+        threading.Timer(0.2, release.set).start()
+        engine.shutdown()  # returns once `busy` has: what runs finishes
         await busy
         return (await asyncio.gather(opening, return_exceptions=True))[0]
 
