@@ -1,12 +1,15 @@
 """Hostile clients against a live gateway, each beside a victim that must not notice.
 
-Part of benchmarks/reliability.py (`--parts adversarial` runs it alone). Three attacks:
+Part of benchmarks/reliability.py (`--parts adversarial` runs it alone). Four attacks:
 
 1. hang-ups under load: two clients keep the engines in long prefills while --hangups
    streaming requests are reset (TCP RST) 20-600 ms after they were sent;
 2. hostile parameters: out-of-range seeds, top_k, token ids, NaN, lone surrogates, huge
    lists, while a victim streams on the same engines;
-3. a 2 MB prompt (completions and chat) while a victim streams.
+3. a 2 MB prompt (completions and chat) while a victim streams;
+4. chat bodies of nearly 8 MB made of tiny content parts (4096 messages x 60 empty parts)
+   ending in an invalid field, sent back to back while a victim streams: what validating
+   them costs the event loop every other request shares.
 
 Counted: engines alive and ready afterwards, the busy clients' and victims' streams clean
 (every token, no error event), the victims' longest gap between two streamed events, the
@@ -144,11 +147,31 @@ async def big_prompt(url: str, model: str, megabytes: float = 2.0) -> dict[str, 
                 "victim": await victim}
 
 
+async def many_parts(url: str, model: str, bodies: int = 8) -> dict[str, Any]:
+    part = {"type": "text", "text": ""}
+    body = json.dumps({"model": model, "temperature": 5,
+                       "messages": [{"role": "user", "content": [part] * 60}] * 4096}).encode()
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        victim = asyncio.create_task(_victim(client, model, 128))
+        await asyncio.sleep(0.5)  # the victim is streaming
+        statuses: list[int] = []
+        answers: list[float] = []
+        for _ in range(bodies):
+            started = time.monotonic()
+            response = await client.post("/v1/chat/completions", content=body,
+                                         headers={"Content-Type": "application/json"})
+            answers.append(time.monotonic() - started)
+            statuses.append(response.status_code)
+        return {"body_bytes": len(body), "statuses": statuses,
+                "attacker_answered_max_s": max(answers), "victim": await victim}
+
+
 def run(url: str, model: str, hangup_count: int) -> dict[str, Any]:
-    """All three attacks in turn; what to check is in the module docstring."""
+    """All four attacks in turn; what to check is in the module docstring."""
     report = {"hangups": asyncio.run(hangups(url, model, hangup_count)),
               "hostile_parameters": asyncio.run(hostile_parameters(url, model)),
-              "big_prompt": asyncio.run(big_prompt(url, model))}
+              "big_prompt": asyncio.run(big_prompt(url, model)),
+              "many_parts": asyncio.run(many_parts(url, model))}
     codes = Counter(report["hostile_parameters"]["statuses"].values())
     report["hostile_parameters"]["status_counts"] = {str(k): v for k, v in codes.items()}
     return report
