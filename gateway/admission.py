@@ -20,6 +20,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request, Response
 from fastapi.routing import APIRoute
 
+from gateway.access_log import record_of
 from gateway.caller import authenticate
 from gateway.job import Claim
 from gateway.service import Gateway
@@ -37,7 +38,11 @@ class AdmittedRoute(APIRoute):
 
         async def admit_then_handle(request: Request) -> Response:
             gateway: Gateway = request.app.state.gateway
-            claim = await gateway.admit(await authenticate(request))
+            principal = await authenticate(request)
+            access = record_of(request)
+            if access is not None:  # a refusal's access line names its tenant too
+                access.tenant = principal.tenant_id
+            claim = await gateway.admit(principal)
             request.scope[_CLAIM] = claim
             try:
                 return await handle(request)

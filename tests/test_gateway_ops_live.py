@@ -140,12 +140,16 @@ def test_access_log_has_a_line_per_request_and_shutdown_says_what_drains(
         streamed = complete(server.url, key, "beta-bot", stream=True)
         assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
         assert complete(server.url, "lg-wrong", "beta-bot").status_code == 401
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": 5}, timeout=30.0,
+                          headers={"Authorization": f"Bearer {key}"}).status_code == 400
     finally:
         assert server.stop() == 0
     log = server.log()
     line = (r"loragate\.access: POST /v1/completions 200 tenant=beta adapter=beta-bot "
             r"prompt_tokens=\d+ completion_tokens=4 ttft_ms=\d+\.\d duration_ms=\d+\.\d\n")
     assert len(re.findall(line, log)) == 2, log[-3000:]  # the whole one and the stream
+    assert re.search(r"loragate\.access: POST /v1/completions 400 tenant=beta adapter=- ",
+                     log)  # refused for its body: after the key was known
     assert re.search(r"loragate\.access: POST /v1/completions 401 tenant=- adapter=- "
                      r"prompt_tokens=- completion_tokens=- ttft_ms=- duration_ms=", log)
     assert re.search(r"shutting down: the gateway drains \(no new requests; 0 in flight, "
