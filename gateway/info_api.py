@@ -172,8 +172,7 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
                     error = exc.errors()[0]
                     raise ApiError(400, error["msg"],
                                    param=".".join(map(str, error["loc"])) or None) from None
-                prompts.check_chars(chat.prompt_chars(), context, "messages")
-                ids = await prompts.encode_chat_request(chat)
+                ids = await prompts.encode_chat_request(chat, context)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": context, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)

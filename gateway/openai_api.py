@@ -98,12 +98,10 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                principal: Caller, claim: Admitted) -> Response:
         async def encode(context: int) -> list[PromptEcho]:
-            if body.truncate_prompt_tokens is None:
-                prompts_encoder.check_chars(body.prompt_chars(), context, "messages")
             keep = None if body.truncate_prompt_tokens is None else \
                 min(body.truncate_prompt_tokens, context)  # as for completions
-            return [_fitting(await prompts_encoder.encode_chat_request(body, keep), context,
-                             "messages")]
+            return [_fitting(await prompts_encoder.encode_chat_request(body, context, keep),
+                             context, "messages")]
 
         top = (body.top_logprobs or 0) if body.logprobs else None
         fmt = ResponseFormatter("chat", body.model, tokenizer, top, body.return_token_ids,

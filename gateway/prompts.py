@@ -104,35 +104,45 @@ class PromptEncoder:
 
     async def encode_chat(self, messages: list[dict[str, Any]],
                           options: dict[str, Any] | None = None,
-                          keep_tokens: int | None = None) -> list[int]:
+                          keep_tokens: int | None = None,
+                          context: int | None = None) -> list[int]:
         """The conversation rendered by the model's chat template; control-token text inside
         a message is encoded as plain text. options: apply_chat_template's keyword arguments
         (add_generation_prompt, continue_final_message, template variables; by default the
         assistant's turn is opened). keep_tokens: as encode_prompt's, of the rendered text.
-        400 (param messages) if the template fails."""
-        # Many small messages still cost a template loop each: keep those off the loop too.
-        cost = sum(len(m["content"]) for m in messages) if len(messages) <= INLINE_MESSAGES \
-            else INLINE_CHARS + 1
+        context: a rendered text too long for it is refused before it is tokenized (what
+        the template adds to the contents, tools and calls included, counts). 400 (param
+        messages) if the template fails."""
+        # Many small messages still cost a template loop each, and tools or calls rendered
+        # as JSON may be large: keep those off the loop too.
+        inline = len(messages) <= INLINE_MESSAGES and "tools" not in (options or {}) and \
+            not any("tool_calls" in m for m in messages)
+        cost = sum(len(m["content"]) for m in messages) if inline else INLINE_CHARS + 1
         try:
             ids = await self._run(cost, functools.partial(
                 self._chat_ids, options=options or {"add_generation_prompt": True},
-                tail=None if keep_tokens is None else self.tail_chars(keep_tokens)), messages)
+                tail=None if keep_tokens is None else self.tail_chars(keep_tokens),
+                context=context if keep_tokens is None else None), messages)
             return ids if keep_tokens is None else ids[-keep_tokens:]
         except (jinja2.TemplateError, ValueError) as exc:
             raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
 
-    async def encode_chat_request(self, chat: ChatCompletionRequest,
+    async def encode_chat_request(self, chat: ChatCompletionRequest, context: int,
                                   keep_tokens: int | None = None) -> list[int]:
         """The ids a chat request sends: its messages and tools under the model's template
         (tools a template does not take go in a system message: gateway/tool_calls.py).
-        keep_tokens: as encode_chat's."""
+        Refused (context_length_exceeded) without tokenizing when its contents, or then its
+        rendered text, are longer than ``context`` tokens can spell, unless truncated to
+        ``keep_tokens`` (as encode_chat's)."""
+        if keep_tokens is None:
+            self.check_chars(chat.prompt_chars(), context, "messages")
         in_template = template_takes_tools(self.tokenizer.chat_template)
         options = chat.template_options()
         tools = chat.template_tools()
         if tools is not None and in_template:
             options["tools"] = tools
         return await self.encode_chat(chat.template_messages(in_template), options,
-                                      keep_tokens)
+                                      keep_tokens, context)
 
     async def _run(self, cost: int, fn: Callable[[_TEXT], list[int]], arg: _TEXT
                    ) -> list[int]:
@@ -176,9 +186,10 @@ class PromptEncoder:
         return [int(t) for t in self.tokenizer(text, **kwargs)["input_ids"]]
 
     def _chat_ids(self, messages: list[dict[str, Any]], options: dict[str, Any],
-                  tail: int | None = None) -> list[int]:
+                  tail: int | None = None, context: int | None = None) -> list[int]:
         """The ids of the rendered conversation, or of its last ``tail`` characters (a cut
-        inside a marker moves past it)."""
+        inside a marker moves past it); ApiError when the rendered text is too long for
+        ``context``."""
         if self.tokenizer.chat_template is None:
             raise ValueError("the model's tokenizer has no chat template")
         # Control tokens typed inside a message are swapped for a marker no client can
@@ -211,6 +222,11 @@ class PromptEncoder:
         if "tools" in options:
             options = {**options, "tools": swap_json(options["tools"])}
         rendered = str(self.tokenizer.apply_chat_template(safe, tokenize=False, **options))
+        if context is not None:
+            # A marker (~23 characters) may be longer than the text it stands for: a few
+            # characters over per marker, far within the cap's slack (it takes every token
+            # to be as long as the longest).
+            self.check_chars(len(rendered), context, "messages")
         marker = re.compile(re.escape(mark) + r"(\d+)\ue000")
         if tail is not None and len(rendered) > tail:
             cut = len(rendered) - tail

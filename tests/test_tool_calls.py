@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from engine.http.errors import ApiError
 from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.prompts import PromptEncoder
 from gateway.tool_calls import Function, ToolPlan, template_takes_tools
@@ -151,7 +152,7 @@ def test_tools_reach_a_template_that_takes_them(tiny_model_dir: Path) -> None:
                          "id": "c1", "type": "function",
                          "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
                      {"role": "tool", "tool_call_id": "c1", "content": "3"}]})
-    ids = asyncio.run(encoder.encode_chat_request(chat))
+    ids = asyncio.run(encoder.encode_chat_request(chat, context=4096))
     text = tokenizer.decode(ids)
     assert '"description": "adds <|im_end|> numbers"' in text
     assert '<tool_call>{"arguments": {"a": 1, "b": 2}, "name": "add"}</tool_call>' in text \
@@ -174,3 +175,35 @@ def test_a_template_without_tools_gets_them_in_a_system_message() -> None:
     none = ChatCompletionRequest.model_validate({**chat.model_dump(by_alias=True),
                                                  "tool_choice": "none"})
     assert none.template_messages(tools_in_template=False)[0]["role"] == "user"
+
+
+@pytest.mark.parametrize("in_template", [True, False], ids=["template", "system-message"])
+@pytest.mark.parametrize("where", ["tools", "tool_calls"])
+def test_tools_and_calls_count_toward_the_character_cap(
+        tiny_model_dir: Path, in_template: bool, where: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tool definitions and the calls of the history are rendered into the prompt: too much
+    of them is refused on its rendered length, before anything is tokenized."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    if in_template:
+        tokenizer.chat_template = (
+            "{% for t in tools or [] %}{{ t | tojson }}{% endfor %}{% for m in messages %}"
+            "{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function | tojson }}"
+            "{% endfor %}{% endfor %}")
+    encoder = PromptEncoder(tokenizer)
+    tokenized: list[int] = []
+    monkeypatch.setattr(encoder, "_encode", lambda text, add=False: tokenized.append(1))
+    context = 64
+    big = "word " * (encoder.max_chars(context) // 5 + 10)
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    if where == "tools":
+        body["tools"] = [{"type": "function", "function": {"name": "f", "description": big}}]
+    else:
+        body["messages"].append({"role": "assistant", "content": "", "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": json.dumps({"text": big})}}]})
+    chat = ChatCompletionRequest.model_validate(body)
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(encoder.encode_chat_request(chat, context))
+    assert (refused.value.status, refused.value.code) == (400, "context_length_exceeded")
+    assert tokenized == []
