@@ -102,6 +102,10 @@ class PlacementBody(BaseModel):
     pinned: bool = True
 
 
+VLLM_ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+"""vLLM's runtime adapter endpoints: under /v1/, yet for the admin key only."""
+
+
 def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> APIRouter:
     """Admin routes; uploads are stored under ``pending.uploads``."""
     shape = ModelShape.from_hf_config(load_hf_config(model_dir))
@@ -261,14 +265,14 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
     # delete (which waits for the engines as DELETE /admin/adapters/{name} does).
     compat = APIRouter(tags=["admin"])
 
-    @compat.post("/v1/load_lora_adapter")
+    @compat.post(VLLM_ADMIN_PATHS[0])
     async def vllm_load(body: VllmLoadBody, gw: AdminGateway) -> PlainTextResponse:
         await register_adapter(AdapterBody(name=body.lora_name, path=body.lora_path,
                                            public=True), gw)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
                                  f"successfully.")
 
-    @compat.post("/v1/unload_lora_adapter")
+    @compat.post(VLLM_ADMIN_PATHS[1])
     async def vllm_unload(body: VllmUnloadBody, gw: AdminGateway) -> PlainTextResponse:
         response = await delete_adapter(body.lora_name, gw, force=False)
         pending = response.status_code == 202

@@ -35,7 +35,7 @@ from engine.models.shape import ModelShape
 from gateway.access_log import AccessLog
 from gateway.adapter_admin import PendingDeletes
 from gateway.adapter_resolver import AdapterResolver
-from gateway.admin_api import build_admin_router
+from gateway.admin_api import VLLM_ADMIN_PATHS, build_admin_router
 from gateway.auth import StateView, require_admin
 from gateway.config import GatewayConfig
 from gateway.demo_adapters import watch
@@ -193,7 +193,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         gateway: Gateway | None = getattr(app.state, "gateway", None)
         path = scope["path"]
         try:
-            if path.startswith("/admin/"):
+            if path.startswith("/admin/") or path in VLLM_ADMIN_PATHS:
                 require_admin(Request(scope), config.admin_key)
             elif gateway is not None and (path.startswith("/v1/") or path in KEYED_PATHS):
                 await gateway.authenticate(Request(scope))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -209,6 +210,13 @@ def test_vllm_runtime_adapter_endpoints_register_and_remove(setup: Setup) -> Non
     refused = httpx.post(setup.gateway.url + "/v1/load_lora_adapter", json=body, timeout=60,
                          headers={"Authorization": f"Bearer {setup.keys['ta']}"})
     assert refused.status_code in (401, 403)
+    # A tenant's key is refused before the body is read, as on /admin/ (the body never comes).
+    host, port = setup.gateway.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /v1/load_lora_adapter HTTP/1.1\r\nHost: {host}\r\n"
+                     f"Authorization: Bearer {setup.keys['ta']}\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: 8000000\r\n\r\n{{".encode())
+        assert sock.recv(4096).startswith(b"HTTP/1.1 401 ")
     loaded = admin(setup, "POST", "/v1/load_lora_adapter", json=body)
     assert loaded.status_code == 200, loaded.text
     assert loaded.text == "Success: LoRA adapter 'vllm-style' added successfully."
