@@ -109,9 +109,7 @@ async def sse(gateway: Gateway, jobs: list[Job], streams: BatchStream, fmt: Resp
     except (asyncio.CancelledError, GeneratorExit):
         status = "499"
         raise
-    finally:
-        gateway.settle(job.claim, fmt.prompt_tokens + fmt.completion_tokens, "served",
-                       job.adapter)
+    finally:  # the claim is settled by the response (ClosingStream), which closes this
         gateway.metrics.requests.labels(job.endpoint, status, job.adapter or "base",
                                         job.instance_id or "none").inc()
 

@@ -30,7 +30,8 @@ BLOCK_WITH_A_HUGE_ID = [5] * 15 + [2**32]
 def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[tuple[LiveServer, LiveServer]]:
     root = tmp_path_factory.mktemp("claims")
-    engine = start_engine(tiny_model_dir, root, "--num-kv-blocks", "128")
+    # One request runs at a time: a second one waits, accepted, for its first token.
+    engine = start_engine(tiny_model_dir, root, "--num-kv-blocks", "128", "--max-num-seqs", "1")
     gateway = start_gateway(tiny_model_dir, [engine.url], root, "--admin-key", ADMIN,
                             "--state-refresh-s", "0.1")
     with running(engine, gateway):
@@ -132,3 +133,30 @@ def test_too_many_message_parts_are_refused_before_any_is_validated(
     error = response.json()["error"]
     assert error["param"] == "messages"
     assert "245760 content parts and tool calls in all, more than 8192" in error["message"]
+
+
+def test_a_stream_left_before_its_first_token_is_charged_its_prompt(
+        servers: tuple[LiveServer, LiveServer]) -> None:
+    """Its prompt was taken by the engine (and would have been prefilled): TPM charges it,
+    so a client cannot have prompts computed for free by leaving once the headers come."""
+    engine, gateway = servers
+    model = _model(gateway)
+    _fresh_window()
+    key = _tenant(gateway, "leaver", tpm=1500)
+    prompt = [7] * 600
+    with httpx.stream("POST", gateway.url + "/v1/completions", timeout=60.0, json={
+            "model": model, "prompt": [5] * 8, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}, headers={"Authorization": f"Bearer {ADMIN}"}) as busy:
+        assert busy.status_code == 200  # holds the engine's only running seat
+        next(busy.iter_lines())
+        with httpx.stream("POST", gateway.url + "/v1/completions", timeout=60.0, json={
+                "model": model, "prompt": prompt, "max_tokens": 4, "stream": True},
+                headers={"Authorization": f"Bearer {key}"}) as left:
+            assert left.status_code == 200  # accepted, waiting: the client leaves now
+    wait_engines_idle(engine.url)  # the left stream was aborted: its claim is settled
+    time.sleep(0.5)  # and the charge recorded (the limiter's release runs in the background)
+    # 600 charged of 1500: a request needing 1000 more no longer fits this minute.
+    refused = _post(gateway, key, "/v1/completions", {"model": model, "prompt": prompt,
+                                                       "max_tokens": 400})
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "tpm_exceeded"
