@@ -39,7 +39,8 @@ INLINE_MESSAGES = 16
 """Conversations of more messages go to the pool whatever their size (a template loop each)."""
 TAIL_MARGIN_TOKENS = 256
 """Tokens more than a truncated prompt keeps, tokenized from its end (tail_chars): a cut
-changes only the tokens of the word or symbol run it falls in, which these absorb."""
+changes only the tokens of the word or symbol run it falls in, which these absorb (checked:
+PromptEncoder._kept_ids)."""
 WORKERS = 4
 """Tokenizer threads per gateway: enough to keep a few big prompts moving at once, few enough
 that a flood of them cannot take every core from the engines on the same host."""
@@ -60,6 +61,10 @@ class PromptEncoder:
         """Characters in the vocabulary's longest entry: no token covers more characters of
         a text (byte-level vocabularies spell a byte as one character, and every character
         of a text is at least one byte)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        # A normalizer may move characters about: no tail is then provably the same.
+        self._pre_tokenizer = backend.pre_tokenizer if backend is not None and \
+            backend.normalizer is None else None
         self._controls = _control_tokens(tokenizer)
         self._controls_re = re.compile(_trie_pattern(self._controls) or "(?!)")
         self._newline = self._encode("\n")
@@ -97,10 +102,10 @@ class PromptEncoder:
         the last ones are wanted (truncate_prompt_tokens): the text's tail is tokenized, and
         its last keep_tokens ids are the whole text's."""
         if keep_tokens is not None:
-            text = text[-self.tail_chars(keep_tokens):]
-        ids = await self._run(len(text), self._prompt_ids if add_special_tokens
-                              else self._encode, text)
-        return ids if keep_tokens is None else ids[-keep_tokens:]
+            return await self._run(len(text), functools.partial(
+                self._kept_ids, keep=keep_tokens, add_special_tokens=add_special_tokens), text)
+        return await self._run(len(text), self._prompt_ids if add_special_tokens
+                               else self._encode, text)
 
     async def encode_chat(self, messages: list[dict[str, Any]],
                           options: dict[str, Any] | None = None,
@@ -118,14 +123,10 @@ class PromptEncoder:
         inline = len(messages) <= INLINE_MESSAGES and "tools" not in (options or {}) and \
             not any("tool_calls" in m for m in messages)
         cost = sum(len(m["content"]) for m in messages) if inline else INLINE_CHARS + 1
-        try:
-            ids = await self._run(cost, functools.partial(
-                self._chat_ids, options=options or {"add_generation_prompt": True},
-                tail=None if keep_tokens is None else self.tail_chars(keep_tokens),
-                context=context if keep_tokens is None else None), messages)
-            return ids if keep_tokens is None else ids[-keep_tokens:]
-        except (jinja2.TemplateError, ValueError) as exc:
-            raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
+        return await self._rendered(cost, functools.partial(
+            self._chat_ids, options=options or {"add_generation_prompt": True},
+            keep=keep_tokens, context=context if keep_tokens is None else None),
+            messages, keep_tokens)
 
     async def encode_chat_request(self, chat: ChatCompletionRequest, context: int,
                                   keep_tokens: int | None = None) -> list[int]:
@@ -133,16 +134,26 @@ class PromptEncoder:
         (tools a template does not take go in a system message: gateway/tool_calls.py).
         Refused (context_length_exceeded) without tokenizing when its contents, or then its
         rendered text, are longer than ``context`` tokens can spell, unless truncated to
-        ``keep_tokens`` (as encode_chat's)."""
+        ``keep_tokens`` (as encode_chat's). Built, rendered and tokenized off the event loop
+        unless small (the calls' arguments are parsed, tools serialized, on the way)."""
         if keep_tokens is None:
             self.check_chars(chat.prompt_chars(), context, "messages")
-        in_template = template_takes_tools(self.tokenizer.chat_template)
-        options = chat.template_options()
-        tools = chat.template_tools()
-        if tools is not None and in_template:
-            options["tools"] = tools
-        return await self.encode_chat(chat.template_messages(in_template), options,
-                                      keep_tokens, context)
+        inline = len(chat.messages) <= INLINE_MESSAGES and not chat.tools and \
+            not any(m.tool_calls for m in chat.messages)
+        cost = chat.prompt_chars() if inline else INLINE_CHARS + 1
+        return await self._rendered(cost, functools.partial(
+            self._chat_request_ids, keep=keep_tokens,
+            context=context if keep_tokens is None else None), chat, keep_tokens)
+
+    async def _rendered(self, cost: int, fn: Callable[[_TEXT], list[int]], arg: _TEXT,
+                        keep: int | None) -> list[int]:
+        """fn(arg) (a chat's ids) as _run runs it: a template's failure is a 400 naming
+        messages; only the last ``keep`` ids when given."""
+        try:
+            ids = await self._run(cost, fn, arg)
+        except (jinja2.TemplateError, ValueError) as exc:
+            raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
+        return ids if keep is None else ids[-keep:]
 
     async def _run(self, cost: int, fn: Callable[[_TEXT], list[int]], arg: _TEXT
                    ) -> list[int]:
@@ -185,11 +196,38 @@ class PromptEncoder:
             return ids[len(self._newline):]
         return [int(t) for t in self.tokenizer(text, **kwargs)["input_ids"]]
 
+    def _chat_request_ids(self, chat: ChatCompletionRequest, keep: int | None,
+                          context: int | None) -> list[int]:
+        in_template = template_takes_tools(self.tokenizer.chat_template)
+        options = chat.template_options()
+        tools = chat.template_tools()
+        if tools is not None and in_template:
+            options["tools"] = tools
+        return self._chat_ids(chat.template_messages(in_template), options, keep, context)
+
+    def _kept_ids(self, text: str, keep: int, add_special_tokens: bool = False) -> list[int]:
+        """The last ``keep`` ids of the text's tokenization: from its tail (tail_chars) when
+        that provably gives the same ids, else from the whole text. Proof: the tokenizer
+        merges within the pieces its pre-tokenizer splits a text into, so a cut changes the
+        piece it falls in, and the splitting is back in step with the whole text's once that
+        piece ends; the kept ids must start after the tail's second piece. A long run that
+        is one piece (a thousand "a"s) fails the check and is tokenized whole."""
+        limit = self.tail_chars(keep)
+        if len(text) > limit and self._pre_tokenizer is not None:
+            tail = text[-limit:]
+            encoded = self.tokenizer(tail, add_special_tokens=add_special_tokens,
+                                     return_offsets_mapping=True)
+            ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+            pieces = self._pre_tokenizer.pre_tokenize_str(tail)
+            if len(ids) > keep and len(pieces) > 2 and pieces[1][1][1] <= offsets[-keep][0]:
+                return [int(t) for t in ids[-keep:]]
+        return self._encode(text, add_special_tokens)[-keep:]
+
     def _chat_ids(self, messages: list[dict[str, Any]], options: dict[str, Any],
-                  tail: int | None = None, context: int | None = None) -> list[int]:
-        """The ids of the rendered conversation, or of its last ``tail`` characters (a cut
-        inside a marker moves past it); ApiError when the rendered text is too long for
-        ``context``."""
+                  keep: int | None = None, context: int | None = None) -> list[int]:
+        """The ids of the rendered conversation, or its last ``keep`` (_kept_ids; whole
+        when control-token text was swapped in); ApiError when the rendered text is too
+        long for ``context``."""
         if self.tokenizer.chat_template is None:
             raise ValueError("the model's tokenizer has no chat template")
         # Control tokens typed inside a message are swapped for a marker no client can
@@ -227,15 +265,9 @@ class PromptEncoder:
             # characters over per marker, far within the cap's slack (it takes every token
             # to be as long as the longest).
             self.check_chars(len(rendered), context, "messages")
-        marker = re.compile(re.escape(mark) + r"(\d+)\ue000")
-        if tail is not None and len(rendered) > tail:
-            cut = len(rendered) - tail
-            straddling = next((m for m in marker.finditer(rendered, max(0, cut - len(mark) - 8))
-                               if m.start() < cut < m.end()), None)
-            rendered = rendered[cut if straddling is None else straddling.end():]
         if not marked:
-            return self._encode(rendered)
-        pieces = marker.split(rendered)
+            return self._encode(rendered) if keep is None else self._kept_ids(rendered, keep)
+        pieces = re.split(re.escape(mark) + r"(\d+)\ue000", rendered)
         ids = self._encode(pieces[0])
         for i, piece in enumerate(pieces[1:], start=1):
             if i % 2:  # a marker: the control token it replaced, as plain text

@@ -1,7 +1,7 @@
-"""Truncated prompts are tokenized from their tail only (a client cannot make the gateway
-tokenize megabytes it throws away), and the ids kept are those of the whole text: a
-completion prompt, a chat conversation, and a chat whose content holds control-token text
-(the marked path), wherever the cut falls."""
+"""Truncated prompts are tokenized from their tail only when that provably gives the same ids
+(a client cannot make the gateway tokenize megabytes of ordinary text it throws away), and
+the ids kept are always those of the whole text: a completion prompt, runs no cut can split
+safely, a chat conversation, and a chat whose content holds control-token text."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from gateway.prompts import TAIL_MARGIN_TOKENS, PromptEncoder
+from gateway.prompts import PromptEncoder
 
 KEEP = 40
 
@@ -45,19 +45,32 @@ def test_a_truncated_prompt_keeps_the_whole_texts_last_ids(
         tokenizer(short)["input_ids"][-KEEP:]
 
 
-def test_only_the_tail_is_tokenized(tokenizer: PreTrainedTokenizerBase,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("text", ["a" * 40_001, "=" * 40_001, "\n" * 40_001,
+                                  "ab" * 20_000 + "a", "x " * 20_000],
+                         ids=["letters", "symbols", "newlines", "pairs", "words"])
+def test_runs_longer_than_the_margin_keep_the_whole_texts_ids(
+        tokenizer: PreTrainedTokenizerBase, text: str) -> None:
+    """A run that is one piece of the pre-tokenizer merges differently from wherever it is
+    cut: such a text is tokenized whole, and the ids kept are still the whole text's."""
     encoder = PromptEncoder(tokenizer)
-    seen: list[int] = []
-    encode = encoder._encode
+    whole = tokenizer(text)["input_ids"]
+    assert asyncio.run(encoder.encode_prompt(text, keep_tokens=KEEP)) == whole[-KEEP:]
 
-    def counting(text: str, add_special_tokens: bool = False) -> list[int]:
-        seen.append(len(text))
-        return encode(text, add_special_tokens)
 
-    monkeypatch.setattr(encoder, "_encode", counting)
-    asyncio.run(encoder.encode_prompt("x " * 1_000_000, keep_tokens=KEEP))
-    assert seen == [(KEEP + TAIL_MARGIN_TOKENS) * encoder.longest_token]
+def test_only_the_tail_of_ordinary_text_is_tokenized(tokenizer: PreTrainedTokenizerBase,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    encoder = PromptEncoder(tokenizer)
+    lengths: list[int] = []
+    call = tokenizer.__class__.__call__
+
+    def counting(self: PreTrainedTokenizerBase, text: str, **kwargs: object) -> object:
+        lengths.append(len(text))
+        return call(self, text, **kwargs)
+
+    monkeypatch.setattr(tokenizer.__class__, "__call__", counting)
+    text = _prose(encoder.tail_chars(KEEP) * 20)
+    asyncio.run(encoder.encode_prompt(text, keep_tokens=KEEP))
+    assert lengths == [encoder.tail_chars(KEEP)]
 
 
 def test_a_truncated_chat_keeps_the_whole_conversations_last_ids(
@@ -71,20 +84,3 @@ def test_a_truncated_chat_keeps_the_whole_conversations_last_ids(
         messages = [{"role": "user", "content": content}]
         whole = asyncio.run(encoder.encode_chat(messages))
         assert asyncio.run(encoder.encode_chat(messages, keep_tokens=KEEP)) == whole[-KEEP:]
-
-
-def test_a_cut_inside_a_marker_moves_past_it(tokenizer: PreTrainedTokenizerBase) -> None:
-    """Control-token text in a message becomes a marker while the conversation renders; a
-    tail that starts inside one must not leave marker text behind."""
-    encoder = PromptEncoder(tokenizer)
-    control = str(tokenizer.eos_token)
-    messages = [{"role": "user", "content": "ab " * 20 + control + " cd" * 20}]
-    options = {"add_generation_prompt": True}
-    whole = str(tokenizer.decode(encoder._chat_ids(messages, options),
-                                 skip_special_tokens=False))
-    assert control in whole  # as plain text
-    for tail in range(1, 200):
-        text = str(tokenizer.decode(encoder._chat_ids(messages, options, tail=tail),
-                                    skip_special_tokens=False))
-        assert "\ue000" not in text
-        assert whole.endswith(text), (tail, text)
