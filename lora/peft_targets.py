@@ -9,12 +9,13 @@ whose file holds weights its config does not target would run differently here t
 PEFT: such an adapter is refused (lora/adapter.py), not served with weights PEFT never uses.
 
 Names are the base model's module names, e.g. ``model.layers.3.self_attn.q_proj``. A
-regular expression comes from the adapter's uploader: it runs under a time limit (the
-``regex`` package's), so a pattern that backtracks without end is refused, not run.
+regular expression comes from the adapter's uploader: its matches run under one time limit
+for the whole adapter (the ``regex`` package's timeouts), so a slow pattern is refused.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -22,8 +23,9 @@ import regex
 
 from lora.targets import SUPPORTED_MODULES
 
-PATTERN_TIMEOUT_S = 0.05
-"""Per match of one module name (tens of characters): far more than any sane pattern needs."""
+PATTERN_TIMEOUT_S = 0.5
+"""All the matches of one adapter's patterns together (a few hundred module names of tens of
+characters): far more than any sane pattern needs."""
 MAX_PATTERN_CHARS = 4096
 
 _LAYER_ANY = regex.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
@@ -54,16 +56,18 @@ def module_targeter(config: dict[str, Any], where: str) -> Callable[[str], bool]
     layers = _layer_indexes(config.get("layers_to_transform"), where)
     patterns = _layer_patterns(config.get("layers_pattern"), where)
 
+    deadline = time.monotonic() + PATTERN_TIMEOUT_S
+
     def targeted(name: str) -> bool:
-        if excluded is not None and _matches(excluded, name, where):
+        if excluded is not None and _matches(excluded, name, where, deadline):
             return False
-        if chosen is None or not _matches(chosen, name, where):
+        if chosen is None or not _matches(chosen, name, where, deadline):
             return False
         # PEFT applies layers_to_transform only to names matched by their end, not to a
         # module listed by its full name (a pattern never comes with layers: see above).
         if isinstance(chosen, regex.Pattern) or layers is None or name in chosen:
             return True
-        index = _layer_of(name, patterns)
+        index = _layer_of(name, patterns, deadline)
         return index is not None and index in layers
 
     return targeted
@@ -90,14 +94,19 @@ def _names_or_pattern(value: Any, key: str, where: str) -> _NamesOrPattern | Non
                      f"expression, got {str(value)[:100]}")
 
 
-def _matches(chosen: _NamesOrPattern, name: str, where: str) -> bool:
+def _matches(chosen: _NamesOrPattern, name: str, where: str, deadline: float) -> bool:
     if isinstance(chosen, frozenset):
         return name in chosen or any(name.endswith("." + target) for target in chosen)
     try:
-        return chosen.fullmatch(name, timeout=PATTERN_TIMEOUT_S) is not None
+        return chosen.fullmatch(name, timeout=_left(deadline)) is not None
     except TimeoutError:
         raise ValueError(f"{where}: matching the pattern {chosen.pattern[:100]!r} against "
-                         f"{name!r} took over {PATTERN_TIMEOUT_S:g} s") from None
+                         f"the module names took over {PATTERN_TIMEOUT_S:g} s") from None
+
+
+def _left(deadline: float) -> float:
+    """Seconds left before ``deadline`` (a timeout of 0 would mean none: at least 1 ms)."""
+    return max(deadline - time.monotonic(), 0.001)
 
 
 def _layer_indexes(value: Any, where: str) -> frozenset[int] | None:
@@ -129,10 +138,10 @@ def _layer_patterns(value: Any, where: str) -> list[regex.Pattern[str]]:
         raise ValueError(f"{where}: layers_pattern {value!r} is not usable: {exc}") from None
 
 
-def _layer_of(name: str, patterns: list[regex.Pattern[str]]) -> int | None:
+def _layer_of(name: str, patterns: list[regex.Pattern[str]], deadline: float) -> int | None:
     for pattern in patterns:
         try:
-            found = pattern.match(name, timeout=PATTERN_TIMEOUT_S)
+            found = pattern.match(name, timeout=_left(deadline))
         except TimeoutError:
             return None
         if found is not None:
