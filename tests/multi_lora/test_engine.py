@@ -172,8 +172,8 @@ def test_adapter_file_changed_after_registration_fails_its_requests(
     path = Path(shutil.copytree(adapters["ad0"], tmp_path / "moving"))
     engine = _engine(tiny_model_dir, {"moving": path}, max_cpu_loras=1)
     engine.load_lora("filler", str(adapters["ad1"]))  # pushes "moving" out of the CPU tier
-    shutil.copy(adapters["ad4"] / "adapter_model.safetensors",
-                path / "adapter_model.safetensors")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):  # another adapter
+        shutil.copy(adapters["ad4"] / name, path / name)
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2), lora="moving")
     assert engine.step() == []  # starts the background disk load; the request waits
     assert engine.lora is not None
