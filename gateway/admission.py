@@ -1,6 +1,6 @@
-"""AdmittedRoute: the route class of the generation endpoints, which authenticates the key and
-admits the request against its tenant's limits (RPM, concurrency, a revoked key) before the
-body is read, parsed or validated.
+"""AdmittedRoute: the route class of the generation and tokenizer endpoints, which
+authenticates the key and admits the request against its tenant's limits (RPM, concurrency,
+a revoked key) before the body is read, parsed or validated.
 
 Why before the body: parsing and validating a large body costs the event loop tens of
 milliseconds (a JSON body of 8 MB: ~0.1 s to parse), paid by every request of the process.
@@ -8,8 +8,8 @@ Admitted first, a key over its limits is a 429 that costs nothing, and a body re
 invalid still counts against its tenant's RPM, like any request refused later.
 
 The claim admission takes is settled exactly once (Gateway.settle does nothing the second
-time): by the route's own handling when the route ran (openai_api), else here, as refused,
-when the body never reached it (a 400 for the body, a client that left mid-upload).
+time): by the route's own handling when the route ran (openai_api, info_api), else here, as
+refused, when the body never reached it (a 400 for the body, a client that left mid-upload).
 """
 
 from __future__ import annotations
