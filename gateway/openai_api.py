@@ -63,13 +63,11 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
     async def completions(body: CompletionRequest, request: Request, principal: Caller,
                           claim: Admitted) -> Response:
         async def encode(context: int) -> list[PromptEcho]:
-            truncating = body.truncate_prompt_tokens is not None
-            # More than the context cannot run: what a longer truncation keeps is refused.
-            keep = None if body.truncate_prompt_tokens is None else \
-                min(body.truncate_prompt_tokens, context)
+            keep = _kept_tokens(body, context)
+            truncating = keep is not None
             prompts = []
             for prompt in body.prompt:
-                if not isinstance(prompt, str):  # ids, bounded by the context in _job
+                if not isinstance(prompt, str):  # ids, bounded by the context in _fitting
                     ids = prompt if keep is None else prompt[-keep:]
                 else:
                     if not truncating:  # else longer is fine: it will be cut
@@ -98,10 +96,9 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                principal: Caller, claim: Admitted) -> Response:
         async def encode(context: int) -> list[PromptEcho]:
-            keep = None if body.truncate_prompt_tokens is None else \
-                min(body.truncate_prompt_tokens, context)  # as for completions
-            return [_fitting(await prompts_encoder.encode_chat_request(body, context, keep),
-                             context, "messages")]
+            ids = await prompts_encoder.encode_chat_request(body, context,
+                                                            _kept_tokens(body, context))
+            return [_fitting(ids, context, "messages")]
 
         top = (body.top_logprobs or 0) if body.logprobs else None
         fmt = ResponseFormatter("chat", body.model, tokenizer, top, body.return_token_ids,
@@ -185,6 +182,13 @@ def _outcome(exc: BaseException) -> Outcome:
     if isinstance(exc, ApiError):
         return "failed" if exc.status >= 500 or exc.code == "overloaded" else "refused"
     return "refused" if isinstance(exc, asyncio.CancelledError) else "failed"
+
+
+def _kept_tokens(body: CompletionRequest | ChatCompletionRequest, context: int) -> int | None:
+    """How many of a prompt's last tokens truncate_prompt_tokens keeps (None: all). More
+    than the context cannot run: a longer truncation keeps the context's worth, refused."""
+    keep = body.truncate_prompt_tokens
+    return None if keep is None else min(keep, context)
 
 
 def _fitting(prompt_ids: list[int], context: int, param: str) -> PromptEcho:

@@ -107,53 +107,28 @@ class PromptEncoder:
         return await self._run(len(text), self._prompt_ids if add_special_tokens
                                else self._encode, text)
 
-    async def encode_chat(self, messages: list[dict[str, Any]],
-                          options: dict[str, Any] | None = None,
-                          keep_tokens: int | None = None,
-                          context: int | None = None) -> list[int]:
-        """The conversation rendered by the model's chat template; control-token text inside
-        a message is encoded as plain text. options: apply_chat_template's keyword arguments
-        (add_generation_prompt, continue_final_message, template variables; by default the
-        assistant's turn is opened). keep_tokens: as encode_prompt's, of the rendered text.
-        context: a rendered text too long for it is refused before it is tokenized (what
-        the template adds to the contents, tools and calls included, counts). 400 (param
-        messages) if the template fails."""
-        # Many small messages still cost a template loop each, and tools or calls rendered
-        # as JSON may be large: keep those off the loop too.
-        inline = len(messages) <= INLINE_MESSAGES and "tools" not in (options or {}) and \
-            not any("tool_calls" in m for m in messages)
-        cost = sum(len(m["content"]) for m in messages) if inline else INLINE_CHARS + 1
-        return await self._rendered(cost, functools.partial(
-            self._chat_ids, options=options or {"add_generation_prompt": True},
-            keep=keep_tokens, context=context if keep_tokens is None else None),
-            messages, keep_tokens)
-
     async def encode_chat_request(self, chat: ChatCompletionRequest, context: int,
                                   keep_tokens: int | None = None) -> list[int]:
-        """The ids a chat request sends: its messages and tools under the model's template
-        (tools a template does not take go in a system message: gateway/tool_calls.py).
-        Refused (context_length_exceeded) without tokenizing when its contents, or then its
-        rendered text, are longer than ``context`` tokens can spell, unless truncated to
-        ``keep_tokens`` (as encode_chat's). Built, rendered and tokenized off the event loop
-        unless small (the calls' arguments are parsed, tools serialized, on the way)."""
+        """The ids a chat request sends: its messages and tools rendered by the model's chat
+        template (tools a template does not take go in a system message:
+        gateway/tool_calls.py); control-token text inside a message is encoded as plain
+        text. Refused (context_length_exceeded) without tokenizing when its contents, or
+        then its rendered text, are longer than ``context`` tokens can spell, unless only
+        its last ``keep_tokens`` are wanted (as encode_prompt's, of the rendered text).
+        Built, rendered and tokenized off the event loop unless small (many messages cost a
+        template loop each; tools and calls are serialized and parsed on the way). 400
+        (param messages) if the template fails."""
         if keep_tokens is None:
             self.check_chars(chat.prompt_chars(), context, "messages")
         inline = len(chat.messages) <= INLINE_MESSAGES and not chat.tools and \
             not any(m.tool_calls for m in chat.messages)
         cost = chat.prompt_chars() if inline else INLINE_CHARS + 1
-        return await self._rendered(cost, functools.partial(
-            self._chat_request_ids, keep=keep_tokens,
-            context=context if keep_tokens is None else None), chat, keep_tokens)
-
-    async def _rendered(self, cost: int, fn: Callable[[_TEXT], list[int]], arg: _TEXT,
-                        keep: int | None) -> list[int]:
-        """fn(arg) (a chat's ids) as _run runs it: a template's failure is a 400 naming
-        messages; only the last ``keep`` ids when given."""
         try:
-            ids = await self._run(cost, fn, arg)
+            return await self._run(cost, functools.partial(
+                self._chat_request_ids, keep=keep_tokens,
+                context=context if keep_tokens is None else None), chat)
         except (jinja2.TemplateError, ValueError) as exc:
             raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
-        return ids if keep is None else ids[-keep:]
 
     async def _run(self, cost: int, fn: Callable[[_TEXT], list[int]], arg: _TEXT
                    ) -> list[int]:
@@ -225,9 +200,9 @@ class PromptEncoder:
 
     def _chat_ids(self, messages: list[dict[str, Any]], options: dict[str, Any],
                   keep: int | None = None, context: int | None = None) -> list[int]:
-        """The ids of the rendered conversation, or its last ``keep`` (_kept_ids; whole
-        when control-token text was swapped in); ApiError when the rendered text is too
-        long for ``context``."""
+        """The ids of the rendered conversation (options: apply_chat_template's keyword
+        arguments), or its last ``keep`` (from its tail by _kept_ids, unless control-token
+        text was swapped in); ApiError when the rendered text is too long for ``context``."""
         if self.tokenizer.chat_template is None:
             raise ValueError("the model's tokenizer has no chat template")
         # Control tokens typed inside a message are swapped for a marker no client can
@@ -274,7 +249,7 @@ class PromptEncoder:
                 ids.extend(self._as_text[self._controls[int(piece)]])
             elif piece:
                 ids.extend(self._piece(piece))
-        return ids
+        return ids if keep is None else ids[-keep:]
 
 
 def _control_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.prompts import PromptEncoder
 
 KEEP = 40
@@ -81,6 +82,8 @@ def test_a_truncated_chat_keeps_the_whole_conversations_last_ids(
     tail = encoder.tail_chars(KEEP)
     for content in (_prose(tail * 3, seed=1),
                     _prose(tail * 3, seed=2) + control + _prose(tail // 2, seed=3)):
-        messages = [{"role": "user", "content": content}]
-        whole = asyncio.run(encoder.encode_chat(messages))
-        assert asyncio.run(encoder.encode_chat(messages, keep_tokens=KEEP)) == whole[-KEEP:]
+        chat = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": content}]})
+        whole = asyncio.run(encoder.encode_chat_request(chat, context=len(content)))
+        assert asyncio.run(encoder.encode_chat_request(chat, len(content), KEEP)) == \
+            whole[-KEEP:]
