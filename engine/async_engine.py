@@ -49,6 +49,15 @@ T = TypeVar("T")
 TIMED_OUT_MESSAGE = "the request passed its deadline"
 
 
+class _AdapterChanged(ValueError):
+    """A request's adapter does not hold the weights its caller meant (GenerateRequest.
+    adapter_digest): refused, never run on others."""
+
+
+def _changed(name: str) -> str:
+    return f"adapter {name!r} does not hold the weights asked for on this engine"
+
+
 class AsyncEngine:
     """Streams outputs of concurrent requests; ``abort()`` frees a request's blocks before
     the next step is scheduled. Every accepted request ends with a finished output or an
@@ -95,13 +104,23 @@ class AsyncEngine:
         if self.draining:
             raise EngineUnavailable("engine is draining", code="draining")
         try:
+            if request.adapter is not None and request.adapter_digest is not None:
+                # Early (a request for weights not here is not prepared for nothing); the
+                # check that holds is the one at admission (_admit).
+                self._check_digest(request.adapter, request.adapter_digest)
             admitted = await self._make_off_loop(
                 list(request.prompt_token_ids), request.params, request.request_id,
                 request.priority, request.adapter, request.cache_salt, request.tenant)
             if self.draining:  # began while it was prepared
                 raise EngineUnavailable("engine is draining", code="draining")
-            stream = await self._admit(admitted)
+            stream = await self._admit(admitted, request.adapter_digest)
+        except _AdapterChanged as exc:
+            raise EngineRejected(str(exc), "adapter_changed") from None
         except ValueError as exc:
+            if request.adapter is not None and request.adapter_digest is not None and \
+                    self._digest_of(request.adapter) != request.adapter_digest:
+                # Unloaded while it was prepared: what the caller must hear is that.
+                raise EngineRejected(_changed(request.adapter), "adapter_changed") from None
             raise EngineRejected(str(exc), None, 400, param=field_of(exc)) from None
         chunks = self._chunks(admitted.request_id, stream, request.deadline)
         return ChunkStream(chunks, lambda: self._drop(admitted.request_id))
@@ -156,10 +175,13 @@ class AsyncEngine:
             raise EngineRejected(str(exc), "adapter_in_use") from None
         return LoadedAdapter(adapter.name, adapter.digest, adapter.rank)
 
-    async def unload_adapter(self, name: str) -> None:
-        """Unregister an adapter: 404 if unknown, 409 while any request uses it."""
+    async def unload_adapter(self, name: str, digest: str | None = None) -> None:
+        """Unregister an adapter: 404 if unknown (or, with ``digest``, holding other
+        weights: those stay), 409 while any request uses it."""
         def remove() -> None:
             self._known_adapter(name)
+            if digest is not None and self._digest_of(name) != digest:
+                raise EngineRejected(f"adapter {name!r} holds other weights", None, 404)
             try:
                 self.engine.remove_lora(name)
             except ValueError as exc:
@@ -271,16 +293,24 @@ class AsyncEngine:
         while)."""
         return await self._preparing.run(functools.partial(self.tokenize, text), tenant)
 
-    async def _admit(self, request: Request) -> OutputStream:
+    async def _admit(self, request: Request, adapter_digest: str | None = None
+                     ) -> OutputStream:
         """Register the request's output queue and add it on the engine thread; ValueError
-        (duplicate id, a refusal by the scheduler) or EngineDeadError if it did not enter."""
+        (duplicate id, a refusal by the scheduler, _AdapterChanged: its adapter does not hold
+        ``adapter_digest`` now) or EngineDeadError if it did not enter."""
         if not self._thread.is_alive():
             raise EngineDeadError("the engine thread is not running")
         request_id = request.request_id
         stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue())
         self._thread.register(request_id, stream)
+
+        def add() -> None:
+            # Checked in the same engine-thread call as the add: no load can come between.
+            if adapter_digest is not None and request.lora_name is not None:
+                self._check_digest(request.lora_name, adapter_digest)
+            self.engine.add(request)
         try:
-            await self.call(lambda: self.engine.add(request))
+            await self.call(add)
         except ValueError:  # refused: it never entered (the id may be another request's)
             self._thread.unregister(request_id)
             raise
@@ -353,6 +383,22 @@ class AsyncEngine:
     def _list_adapters(self) -> list[AdapterInfo]:
         self.last_adapters = self.engine.list_loras()
         return self.last_adapters
+
+    def _digest_of(self, name: str) -> str | None:
+        """The digest of the weights registered under ``name`` (None: none are; any
+        thread)."""
+        if self.engine.lora is None:
+            return None
+        try:
+            return self.engine.lora.identity(name)[1]
+        except ValueError:
+            return None
+
+    def _check_digest(self, name: str, digest: str) -> None:
+        """_AdapterChanged unless ``name`` holds the weights of ``digest`` (any thread: the
+        manager's registry is read under its lock)."""
+        if self._digest_of(name) != digest:
+            raise _AdapterChanged(_changed(name))
 
     def _known_adapter(self, name: str) -> None:
         if name not in {a.name for a in self._list_adapters()}:

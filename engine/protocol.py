@@ -33,6 +33,7 @@ ERROR_STATUS: dict[str, int] = {
     "invalid_request": 400,
     "not_found": 404,
     "adapter_in_use": 409,
+    "adapter_changed": 409,
     "overloaded": 429,
     "engine_error": 500,
     "adapter_load_failed": 500,
@@ -114,7 +115,9 @@ class GenerateRequest:
     the engine stops working on it: it is aborted and its stream ends with a timeout.
     ``tenant`` is whom the engine is fair to in work done before admission (compiling a
     grammar, spelling bad words): each tenant's such work queues behind its own, not
-    another's; None for the operator."""
+    another's; None for the operator. ``adapter_digest``: the weights the caller means by
+    ``adapter``; an engine that holds other weights under that name (or none) refuses the
+    request with code "adapter_changed" rather than run it on them (None: any)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -124,6 +127,7 @@ class GenerateRequest:
     priority: int = 0
     deadline: float | None = None
     tenant: str | None = None
+    adapter_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         params = {f.name: getattr(self.params, f.name) for f in fields(SamplingParams)
@@ -134,7 +138,8 @@ class GenerateRequest:
                            "stop_token_ids": list(self.params.stop_token_ids),
                            "structured": None if structured is None else structured.to_json()},
                 "lora": self.adapter, "cache_salt": self.cache_salt,
-                "priority": self.priority, "deadline": self.deadline, "tenant": self.tenant}
+                "priority": self.priority, "deadline": self.deadline, "tenant": self.tenant,
+                "lora_digest": self.adapter_digest}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GenerateRequest:
@@ -148,7 +153,7 @@ class GenerateRequest:
                    params=SamplingParams(**data.get("params", {})),
                    adapter=data.get("lora"), cache_salt=data.get("cache_salt"),
                    priority=int(data.get("priority", 0)), deadline=deadline,
-                   tenant=data.get("tenant"))
+                   tenant=data.get("tenant"), adapter_digest=data.get("lora_digest"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,6 +373,9 @@ class EngineClient(Protocol):
         with other weights; EngineRejected code "adapter_in_use" while one runs)."""
         ...
 
-    async def unload_adapter(self, name: str) -> None: ...
+    async def unload_adapter(self, name: str, digest: str | None = None) -> None:
+        """Unregister an adapter: 404 if unknown, 409 while a request uses it. With
+        ``digest``, only those weights: another adapter of that name is left alone (404)."""
+        ...
 
     async def pin_adapter(self, name: str, pinned: bool) -> None: ...

@@ -157,7 +157,7 @@ async def load_where_reachable(gw: Gateway, record: AdapterRecord) -> list[Insta
         except EngineUnavailable:
             continue
         except EngineRejected as exc:
-            await unload_from(loaded, record.name)
+            await unload_from(loaded, record)
             if exc.status == 409:
                 raise ApiError(409, f"adapter {record.name!r} cannot be loaded on an engine "
                                f"now: {exc.message}", code=exc.code or "conflict") from None
@@ -167,14 +167,20 @@ async def load_where_reachable(gw: Gateway, record: AdapterRecord) -> list[Insta
     return loaded
 
 
-async def unload_from(instances: list[Instance], name: str) -> None:
-    """Best effort: undo a load that will not be recorded (a gateway's ensure_adapter
-    loads the registered content again wherever this takes away what it needs)."""
+async def unload_from(instances: list[Instance], record: AdapterRecord) -> None:
+    """Best effort: undo a load that will not be recorded. Only the record's weights are
+    unloaded: a registration of that name that won meanwhile may have replaced them (and
+    where this takes away what a recorded adapter needs, the gateway's ensure_adapter
+    loads it again: requests carry the digest they mean)."""
     for instance in instances:
         try:
-            await instance.client.unload_adapter(name)
-        except (EngineRejected, EngineUnavailable) as exc:
-            log.warning("could not unload adapter %s from %s again: %s", name,
+            await instance.client.unload_adapter(record.name, record.digest)
+        except EngineRejected as exc:
+            if exc.status != 404:  # 404: not there now, or other weights: left alone
+                log.warning("could not unload adapter %s from %s again: %s", record.name,
+                            instance.instance_id, exc)
+        except EngineUnavailable as exc:
+            log.warning("could not unload adapter %s from %s again: %s", record.name,
                         instance.instance_id, exc)
 
 

@@ -341,7 +341,7 @@ async def record_adapter(gw: Gateway, record: AdapterRecord) -> JSONResponse:
             await lifecycle.check_name_free(gw, record.name)  # the precise 409
             raise ApiError(409, f"adapter {record.name!r} already exists")
     except Exception:
-        await lifecycle.unload_from(loaded, record.name)
+        await lifecycle.unload_from(loaded, record)
         raise
     await gw.view.refresh()
     return JSONResponse(lifecycle.adapter_status(gw, record), status_code=201)

@@ -146,8 +146,9 @@ class HttpEngineClient:
         return LoadedAdapter.from_json(
             await self._send("POST", "/adapters", {"name": name, "path": path}))
 
-    async def unload_adapter(self, name: str) -> None:
-        await self._send("DELETE", f"/adapters/{name}")
+    async def unload_adapter(self, name: str, digest: str | None = None) -> None:
+        await self._send("DELETE", f"/adapters/{name}",
+                         params=None if digest is None else {"digest": digest})
 
     async def pin_adapter(self, name: str, pinned: bool) -> None:
         await self._send("POST", f"/adapters/{name}/pin", {"pinned": pinned})

@@ -82,8 +82,8 @@ class LocalEngine:
     async def load_adapter(self, name: str, path: str) -> LoadedAdapter:
         return await self._live().load_adapter(name, path)
 
-    async def unload_adapter(self, name: str) -> None:
-        await self._live().unload_adapter(name)
+    async def unload_adapter(self, name: str, digest: str | None = None) -> None:
+        await self._live().unload_adapter(name, digest)
 
     async def pin_adapter(self, name: str, pinned: bool) -> None:
         await self._live().pin_adapter(name, pinned)

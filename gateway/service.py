@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -137,21 +138,22 @@ class Gateway:
         self._later(self.limiter.release(ticket, tokens if outcome == "served" else 0,
                                          outcome != "failed"))
 
-    async def ensure_adapter(self, instance: Instance, adapter: str) -> None:
+    async def ensure_adapter(self, instance: Instance, adapter: str) -> str | None:
         """Make the instance hold the registered content of the adapter before a request
         runs there: registered lazily on first use, and reloaded when the instance holds
         other weights under that name (its digest differs from the record's: an adapter
         deleted and registered again). Never runs a request on other weights: 503 (retry)
         while the engine's old adapter of that name is still in use, 500 if the files
         changed since registration. A record without a digest (command line) is trusted
-        by name. EngineUnavailable passes through (the caller tries another instance)."""
+        by name. EngineUnavailable passes through (the caller tries another instance).
+        Returns the record's digest: the weights a request must run on."""
         record = self.view.snapshot.adapters.get(adapter)
         if record is None or record.deleting:
             raise ApiError(404, f"The model '{adapter}' does not exist",
                            code="model_not_found", param="model")
         state = instance.adapters.get(adapter)
         if state is not None and record.digest in (None, state.digest):
-            return
+            return record.digest
         try:
             info = await instance.client.load_adapter(adapter, record.path)
         except EngineRejected as exc:
@@ -173,6 +175,29 @@ class Gateway:
                       adapter, instance.instance_id, record.path)
             raise ApiError(500, f"adapter {adapter!r} could not be loaded: its files changed "
                            f"since it was registered", code="adapter_load_failed")
+        return record.digest
+
+    async def _open_on(self, instance: Instance, job: Job) -> ChunkStream:
+        """Open the job on the instance, with its adapter's registered weights. What the
+        gateway knows the instance holds may be stale (a registration that lost a race
+        unloads its own weights, which may have replaced these): the engine refuses a
+        request whose weights it does not hold ("adapter_changed"), and the adapter is
+        loaded there again, once."""
+        if job.adapter is None:
+            return await instance.client.open(job.request)
+        for _attempt in range(2):
+            digest = await self.ensure_adapter(instance, job.adapter)
+            try:
+                return await instance.client.open(replace(job.request, adapter_digest=digest))
+            except EngineRejected as exc:
+                if exc.code != "adapter_changed":
+                    raise
+                log.warning("adapter %s on %s: not the registered weights; loading them "
+                            "again (%s)", job.adapter, instance.instance_id, exc.message)
+                instance.adapters.pop(job.adapter, None)
+        raise ApiError(503, f"adapter {job.adapter!r} is being replaced on an engine; retry "
+                       f"shortly", code="adapter_busy",
+                       headers={"Retry-After": str(self.config.retry_after_s)})
 
     def max_model_len(self) -> int:
         lengths = [i.max_model_len for i in self.pool.healthy() if i.max_model_len]
@@ -251,9 +276,7 @@ class Gateway:
             instance.in_flight += 1
             try:
                 async with instance.watched(self._deadline(job)):
-                    if job.adapter is not None:
-                        await self.ensure_adapter(instance, job.adapter)
-                    return instance, await instance.client.open(job.request)
+                    return instance, await self._open_on(instance, job)
             except EngineUnavailable as exc:
                 instance.in_flight -= 1
                 # A frozen engine may run it when it wakes: nobody would read it.

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.adapter_lifecycle_helpers import (
+    ADMIN,
     PROMPT,
     Setup,
     admin,
@@ -34,7 +35,7 @@ from tests.adapter_lifecycle_helpers import (
     upload,
 )
 from tests.live_http import engine_is_idle, poll, wait_engines_idle
-from tests.live_servers import start_engine
+from tests.live_servers import running, start_engine, start_gateway
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,36 @@ def test_racing_registrations_of_one_name_record_one_and_serve_its_weights(
     assert text_of(complete(setup, winner, "race")) == want[winner]
     loser = "tb" if winner == "ta" else "ta"
     assert complete(setup, loser, "race").status_code == 404
+
+
+def test_requests_run_on_the_registered_weights_whatever_the_gateway_last_saw(
+        setup: Setup, tiny_model_dir: Path) -> None:
+    """An engine may hold other weights under a registered name than its gateway last saw
+    (a registration that lost the race for the name loaded its own there, then unloaded
+    them). Requests carry the digest they mean: the engine refuses them, the gateway loads
+    the registered weights again, and the answer is theirs. This gateway polls once a
+    minute, so it sees nothing change in between."""
+    want_old = reference(setup, "ta", "stale-ref-old", setup.old)
+    assert want_old != reference(setup, "ta", "stale-ref-new", setup.new)
+    slow = start_gateway(tiny_model_dir, [setup.engine.url], setup.root, "--admin-key", ADMIN,
+                         "--poll-interval-s", "60")
+    with running(slow):
+        view = Setup(setup.engine, slow, setup.uploads, setup.root, setup.old, setup.new, {})
+        assert admin(view, "POST", "/admin/tenants", json={"tenant_id": "ta"}
+                     ).status_code == 201
+        view.keys["ta"] = admin(view, "POST", "/admin/tenants/ta/keys").json()["key"]
+        assert register(view, "stale", setup.old, owner="ta").status_code == 201
+        assert text_of(complete(view, "ta", "stale")) == want_old
+        replaced = httpx.post(setup.engine.url + "/adapters", timeout=60.0,
+                              json={"name": "stale", "path": str(setup.new)})
+        assert replaced.status_code == 200, replaced.text
+        assert text_of(complete(view, "ta", "stale")) == want_old
+        old_digest = admin(view, "GET", "/admin/adapters/stale").json()["digest"]
+        held = {a["name"]: a["digest"] for a in
+                httpx.get(setup.engine.url + "/adapters", timeout=60.0).json()}
+        assert held["stale"] == old_digest
+        assert admin(view, "DELETE", "/admin/adapters/stale").status_code == 200
+    wait_engines_idle(setup.engine.url)
 
 
 def test_force_delete_of_a_busy_adapter_is_pending_until_its_requests_end(

@@ -62,6 +62,8 @@ class GenerateBody(BaseModel):
     """Unix time after which the engine stops working on the request."""
     tenant: str | None = Field(default=None, max_length=256)
     """Whom the engine's preparing thread is fair to (GenerateRequest.tenant)."""
+    lora_digest: str | None = Field(default=None, max_length=128)
+    """The weights meant by ``lora`` (GenerateRequest.adapter_digest)."""
     stream: StrictBool = True
 
 

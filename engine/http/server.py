@@ -132,8 +132,8 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
         return (await engine.load_adapter(body.name, body.path)).to_json()
 
     @app.delete("/adapters/{name}")
-    async def unload_adapter(name: str) -> dict[str, str]:
-        await engine.unload_adapter(name)
+    async def unload_adapter(name: str, digest: str | None = None) -> dict[str, str]:
+        await engine.unload_adapter(name, digest)
         return {"name": name, "status": "unloaded"}
 
     @app.post("/adapters/{name}/pin")

@@ -154,6 +154,34 @@ def test_same_name_other_content_replaces_only_an_idle_adapter(
     wait_idle(http)
 
 
+def test_requests_and_unloads_naming_weights_touch_only_those_weights(
+        http: httpx.Client, adapters: dict[str, Path]) -> None:
+    """A request's lora_digest is the weights it means: under that name the engine holds
+    other weights (or none), so it is refused with "adapter_changed" and nothing runs. An
+    unload naming weights leaves other weights of that name registered (404)."""
+    digests = {a["name"]: a["digest"] for a in http.get("/adapters").json()}
+    body = {"prompt": "hello world", "params": GREEDY}
+    want = post_generate(http, {**body, "lora": "a1"})["text"]
+    assert http.post("/adapters", json={"name": "held", "path": str(adapters["a1"])}
+                     ).status_code == 200
+    for digest in (digests["a0"], "0" * 32):
+        refused = error_body(http.post("/generate", json={
+            **body, "lora": "held", "lora_digest": digest, "stream": False}), 409)
+        assert (refused["code"], refused["type"]) == ("adapter_changed", "conflict_error")
+    gone = error_body(http.post("/generate", json={
+        **body, "lora": "absent", "lora_digest": digests["a0"], "stream": False}), 409)
+    assert gone["code"] == "adapter_changed"
+    assert post_generate(http, {**body, "lora": "held", "lora_digest": digests["a1"]}
+                         )["text"] == want
+    other = error_body(http.delete("/adapters/held", params={"digest": digests["a0"]}), 404)
+    assert "other weights" in other["message"]
+    assert post_generate(http, {**body, "lora": "held"})["text"] == want
+    assert http.delete("/adapters/held", params={"digest": digests["a1"]}).status_code == 200
+    assert "held" not in {a["name"] for a in http.get("/adapters").json()}
+    assert get_state(http)["num_waiting"] == 0
+    wait_idle(http)
+
+
 def test_a_corrupt_adapter_is_refused_and_the_engine_keeps_serving(
         http: httpx.Client, adapters: dict[str, Path], adapter_root: Path) -> None:
     body = {"prompt": "hello world", "params": GREEDY, "lora": "a0"}
