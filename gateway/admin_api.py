@@ -174,11 +174,13 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
 
     @router.get("/adapters")
     async def list_adapters(gw: AdminGateway) -> list[dict[str, Any]]:
+        await gw.view.fresh()  # usage counts of names registered again start from zero
         snapshot = await gw.view.store.snapshot()
         return [lifecycle.adapter_status(gw, a) for a in snapshot.adapters.values()]
 
     @router.get("/adapters/{name}")
     async def get_adapter(name: str, gw: AdminGateway) -> dict[str, Any]:
+        await gw.view.fresh()
         return lifecycle.adapter_status(gw, await _get_adapter(gw, name))
 
     @router.patch("/adapters/{name}")

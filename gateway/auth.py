@@ -1,10 +1,12 @@
 """Who is calling: API key -> tenant, from a local view of the state store.
 
 StateView keeps the store's Snapshot in memory and reloads it when the store's version moves
-(polled every ``refresh_s``), so authenticating a request reads no store. Revocation still
-takes effect at once: the rate limiter's admit() re-checks the key in the store on every
-request (gateway/ratelimit.py). If the store is down the view keeps serving its last
-snapshot.
+(polled every ``refresh_s``, and checked by every generation or tokenizer request: fresh()),
+so authenticating a request reads no store and a change made through another replica (a
+deleted adapter, a changed owner) holds for every request that starts after the change.
+Revocation takes effect at once too: the rate limiter's admit() re-checks the key in the
+store on every request (gateway/ratelimit.py). If the store is down the view keeps serving
+its last snapshot.
 
 Open mode: while the store holds no tenant and no admin key is configured, requests need no
 key and run as the operator (every adapter visible, no limits, no tenant salt); the admin
@@ -54,11 +56,22 @@ class StateView:
         self.store_available = True
         self._tenants_seen = False
         self._last_on_demand = 0.0
+        self._reload_lock = asyncio.Lock()
+        self._lock = asyncio.Lock()
+        self._asked = 0
+        """fresh() calls so far; each call's number is its ticket."""
+        self._answered = 0
+        """Every ticket up to this one was answered by a version check that began after it."""
         self.listeners: list[Callable[[Snapshot], None]] = []
         """Called with every newly loaded snapshot."""
 
     async def refresh(self) -> None:
-        """Reload the snapshot if the store's version moved; never raises on an outage."""
+        """Reload the snapshot if the store's version moved; never raises on an outage.
+        One at a time: two reloads finishing out of order would put back the older one."""
+        async with self._reload_lock:
+            await self._reload()
+
+    async def _reload(self) -> None:
         try:
             version = await self.store.version()
             if version != self.snapshot.version:
@@ -82,6 +95,21 @@ class StateView:
         self._last_on_demand = now
         await self.refresh()
         return True
+
+    async def fresh(self) -> None:
+        """Make the view at least as new as the store was when this call began: one version
+        read (the snapshot reloaded only when it moved). Concurrent callers share reads: one
+        read at a time answers every caller that arrived before it began, so a burst costs
+        the store two reads, not one per request. While the store is down this returns at
+        once (the poll in run() notices its return)."""
+        self._asked += 1
+        ticket = self._asked
+        async with self._lock:
+            if self._answered >= ticket or not self.store_available:
+                return
+            covered = self._asked
+            await self.refresh()
+            self._answered = covered
 
     async def run(self) -> None:
         while True:

@@ -37,7 +37,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter
 from gateway.route_inputs import candidates, note_prefix_outcome, prefix_chain
 from gateway.router import Router
-from gateway.tenancy import derive_cache_salt
+from gateway.store import Snapshot
+from gateway.tenancy import AdapterRecord, derive_cache_salt
 from lora.adapter_info import AdapterInfo
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,23 @@ class Gateway:
         self.limiter = limiter
         self._background: set[asyncio.Task[Any]] = set()
         self.usage: dict[str, tuple[int, int]] = {}
-        """Per adapter ("base" for none): requests and tokens served by this gateway."""
+        """Per adapter ("base" for none): requests and tokens served by this gateway, under
+        the adapter's current registration (see _forget_replaced_usage)."""
+        self._registrations = {name: _registration(record)
+                               for name, record in view.snapshot.adapters.items()}
+        view.listeners.append(self._forget_replaced_usage)
         self.resolver: Callable[[Gateway, str], Awaitable[bool]] | None = None
         """Loads an unknown model name as an adapter (opt-in; True when it did)."""
+
+    def _forget_replaced_usage(self, snapshot: Snapshot) -> None:
+        """An adapter deleted or registered again (through any replica) starts its usage
+        counts from zero."""
+        registrations = {name: _registration(record)
+                         for name, record in snapshot.adapters.items()}
+        for name, registration in self._registrations.items():
+            if registrations.get(name) != registration:
+                self.usage.pop(name, None)
+        self._registrations = registrations
 
     # ------------------------------------------------------------ who and what
     async def authenticate(self, request: Request) -> Principal:
@@ -117,8 +132,12 @@ class Gateway:
 
     async def admit(self, principal: Principal) -> Claim:
         """Check the tenant's limits (RPM, concurrency, a revoked key) before any expensive
-        work, so even a request refused later counts; 429 / 401 / 503 when refused here."""
-        return Claim(await self.limiter.admit(principal), tier_share(principal))
+        work, so even a request refused later counts; 429 / 401 / 503 when refused here.
+        Meanwhile (the two store reads overlap) the view catches up with the store, so
+        the adapters this request may use are as of its arrival, whichever replica
+        changed them."""
+        ticket, _ = await asyncio.gather(self.limiter.admit(principal), self.view.fresh())
+        return Claim(ticket, tier_share(principal))
 
     def settle(self, claim: Claim, tokens: int, outcome: Outcome,
                adapter: str | None = None) -> None:
@@ -146,36 +165,64 @@ class Gateway:
         while the engine's old adapter of that name is still in use, 500 if the files
         changed since registration. A record without a digest (command line) is trusted
         by name. EngineUnavailable passes through (the caller tries another instance).
-        Returns the record's digest: the weights a request must run on."""
-        record = self.view.snapshot.adapters.get(adapter)
-        if record is None or record.deleting:
-            raise ApiError(404, f"The model '{adapter}' does not exist",
-                           code="model_not_found", param="model")
+        Returns the record's digest: the weights a request must run on.
+
+        The record is read again once a load ends: an adapter deleted (or replaced)
+        through another replica while this one loaded it would otherwise stay on the
+        engine with no record that ever unloads it, and the request would run on it."""
+        record = self._live_record(adapter)
         state = instance.adapters.get(adapter)
         if state is not None and record.digest in (None, state.digest):
             return record.digest
         try:
             info = await instance.client.load_adapter(adapter, record.path)
         except EngineRejected as exc:
+            await self.view.fresh()
+            self._live_record(adapter, record)  # deleted meanwhile: its files may be gone
             # The engine's reason may name paths: logged, not sent to the tenant.
             log.error("instance %s refused adapter %s: %s", instance.instance_id, adapter,
                       exc.message)
             if exc.status == 409:
-                raise ApiError(503, f"adapter {adapter!r} is being replaced on an engine; "
-                               f"retry shortly", code="adapter_busy",
-                               headers={"Retry-After": str(self.config.retry_after_s)}
-                               ) from None
+                raise self._adapter_busy(adapter) from None
             raise ApiError(500, f"adapter {adapter!r} could not be loaded on an engine",
                            code="adapter_load_failed") from None
         digest = info.digest
         instance.adapters[adapter] = AdapterInfo(adapter, record.path, digest, info.rank,
                                                  True, None, False, 0)
+        await self.view.fresh()
+        try:
+            self._live_record(adapter, record)
+        except ApiError:
+            log.warning("adapter %s was deleted or replaced while %s loaded it; unloading "
+                        "it there", adapter, instance.instance_id)
+            instance.adapters.pop(adapter, None)
+            with contextlib.suppress(EngineRejected, EngineUnavailable):
+                await instance.client.unload_adapter(adapter, digest)
+            raise
         if record.digest is not None and digest != record.digest:
             log.error("adapter %s on %s: the files at %s changed since it was registered",
                       adapter, instance.instance_id, record.path)
             raise ApiError(500, f"adapter {adapter!r} could not be loaded: its files changed "
                            f"since it was registered", code="adapter_load_failed")
         return record.digest
+
+    def _live_record(self, adapter: str, expected: AdapterRecord | None = None
+                     ) -> AdapterRecord:
+        """The adapter's record as the view holds it: 404 when it is gone or being deleted,
+        503 (retry) when it is no longer ``expected`` (registered again meanwhile)."""
+        record = self.view.snapshot.adapters.get(adapter)
+        if record is None or record.deleting:
+            raise ApiError(404, f"The model '{adapter}' does not exist",
+                           code="model_not_found", param="model")
+        if expected is not None and (record.path, record.digest) != (expected.path,
+                                                                     expected.digest):
+            raise self._adapter_busy(adapter)
+        return record
+
+    def _adapter_busy(self, adapter: str) -> ApiError:
+        return ApiError(503, f"adapter {adapter!r} is being replaced on an engine; retry "
+                        f"shortly", code="adapter_busy",
+                        headers={"Retry-After": str(self.config.retry_after_s)})
 
     async def _open_on(self, instance: Instance, job: Job) -> ChunkStream:
         """Open the job on the instance, with its adapter's registered weights. What the
@@ -195,9 +242,7 @@ class Gateway:
                 log.warning("adapter %s on %s: not the registered weights; loading them "
                             "again (%s)", job.adapter, instance.instance_id, exc.message)
                 instance.adapters.pop(job.adapter, None)
-        raise ApiError(503, f"adapter {job.adapter!r} is being replaced on an engine; retry "
-                       f"shortly", code="adapter_busy",
-                       headers={"Retry-After": str(self.config.retry_after_s)})
+        raise self._adapter_busy(job.adapter)
 
     def max_model_len(self) -> int:
         lengths = [i.max_model_len for i in self.pool.healthy() if i.max_model_len]
@@ -390,3 +435,9 @@ class Gateway:
 def _cleanup_done(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.warning("background work failed: %r", task.exception())
+
+
+def _registration(record: AdapterRecord) -> tuple[str, str | None, str | None]:
+    """What makes a registration the same adapter: its files (an owner or ACL change keeps
+    it)."""
+    return record.path, record.digest, record.upload_id

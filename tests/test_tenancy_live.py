@@ -6,6 +6,7 @@ the admin API's adapter lifecycle (upload refused cleanly, lazy load, status).""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from gateway.sliding_window import SPAN_S
 from lora.targets import SUPPORTED_MODULES
 from tests.adapter_lifecycle_helpers import tar_dir
 from tests.live_http import metric, poll, wait_engines_idle
-from tests.live_servers import start_engine, start_gateway
+from tests.live_servers import running, start_engine, start_gateway
 from tests.redis_server import private_redis
 from tests.tenancy_helpers import (
     ADMIN,
@@ -235,6 +236,42 @@ def test_revoked_key_fails_at_once_on_every_replica(setup: Setup) -> None:
     assert admin(setup, "DELETE", f"/admin/tenants/gamma/keys/{key_id}").status_code == 200
     refused = complete(setup, key, base, gateway=1)  # no wait: the other replica
     assert refused.status_code == 401
+
+
+def test_adapter_changes_hold_at_once_on_a_replica_that_reloads_rarely(
+        setup: Setup, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A replica that reloads its view once a minute still honours, for every request that
+    starts after the change, an adapter's new owner and its deletion made through another
+    replica; it never loads the deleted adapter back onto the engine; and the name
+    registered again counts its usage from zero there."""
+    slow = start_gateway(tiny_model_dir, [setup.engine.url], tmp_path, "--admin-key", ADMIN,
+                         "--redis-url", setup.redis.url, "--state-refresh-s", "60",
+                         "--adapter-upload-dir", str(setup.upload_dir))
+    with running(slow):
+        pair = dataclasses.replace(setup, gateways=[setup.gateways[0], slow])
+        first, second = new_tenant(pair, "kappa"), new_tenant(pair, "lambda")
+        assert admin(pair, "POST", "/admin/adapters", json={
+            "name": "k-bot", "path": str(setup.adapters["a-bot"]), "owner": "kappa"}
+                     ).status_code == 201
+        assert complete(pair, first, "k-bot", gateway=1).status_code == 200
+        assert admin(pair, "GET", "/admin/adapters/k-bot", gateway=1
+                     ).json()["requests_served"] == 1
+        assert admin(pair, "PATCH", "/admin/adapters/k-bot", json={"owner": "lambda"}
+                     ).status_code == 200
+        assert complete(pair, first, "k-bot", gateway=1).status_code == 404
+        assert complete(pair, second, "k-bot", gateway=1).status_code == 200
+        assert admin(pair, "DELETE", "/admin/adapters/k-bot").status_code == 200
+        assert not engine_holds(pair, "k-bot")
+        refused = complete(pair, second, "k-bot", gateway=1)
+        assert refused.status_code == 404, refused.text
+        assert refused.json()["error"]["code"] == "model_not_found"
+        assert not engine_holds(pair, "k-bot")
+        assert admin(pair, "POST", "/admin/adapters", json={
+            "name": "k-bot", "path": str(setup.adapters["b-bot"]), "owner": "lambda"}
+                     ).status_code == 201
+        again = admin(pair, "GET", "/admin/adapters/k-bot", gateway=1).json()
+        assert (again["requests_served"], again["tokens_served"]) == (0, 0)
+        assert admin(pair, "DELETE", "/admin/adapters/k-bot").status_code == 200
 
 
 # ---------------------------------------------------------------------------- rate limits
