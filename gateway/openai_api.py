@@ -185,10 +185,14 @@ def _outcome(exc: BaseException) -> Outcome:
 
 
 def _kept_tokens(body: CompletionRequest | ChatCompletionRequest, context: int) -> int | None:
-    """How many of a prompt's last tokens truncate_prompt_tokens keeps (None: all). More
-    than the context cannot run: a longer truncation keeps the context's worth, refused."""
+    """How many of a prompt's last tokens truncate_prompt_tokens keeps (None: all; -1: the
+    context's worth). More than the context is a 400, as in vLLM: such a prompt could not
+    run."""
     keep = body.truncate_prompt_tokens
-    return None if keep is None else min(keep, context)
+    if keep is not None and keep > context:
+        raise ApiError(400, f"truncate_prompt_tokens ({keep}) is more than the model's "
+                       f"context ({context} tokens)", param="truncate_prompt_tokens")
+    return context if keep == -1 else keep
 
 
 def _fitting(prompt_ids: list[int], context: int, param: str) -> PromptEcho:

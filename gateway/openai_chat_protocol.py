@@ -25,6 +25,7 @@ from gateway import openai_fields
 from gateway.openai_fields import Unsupported
 from gateway.openai_protocol import (
     MAX_CONTENT_PARTS,
+    MAX_LOGPROBS,
     RESERVED_TEMPLATE_KWARGS,
     Int,
     MaxTokens,
@@ -151,7 +152,9 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        # Parts are separate pieces of text: joined by a newline, as vLLM renders them for
+        # a template that takes a string (the same prompt, the same answer).
+        return "\n".join(part.text for part in self.content)
 
 
 MAX_MESSAGES = 4096
@@ -184,7 +187,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: StrictBool = False
-    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     """End the rendered prompt with the assistant's turn opened (vLLM's default)."""
     continue_final_message: StrictBool = False
@@ -255,7 +258,7 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and not info.data.get("logprobs"):
+        if value and not info.data.get("logprobs"):  # 0 is vLLM's default: no top list
             raise ValueError("top_logprobs needs logprobs=true")
         return value
 

@@ -57,6 +57,9 @@ MAX_BATCH_PROMPTS = 128
 MAX_SAMPLES = 16
 """Most sequences per prompt (n, best_of)."""
 MAX_MODEL_NAME = 512
+MAX_LOGPROBS = 20
+"""Most alternatives per position (logprobs, top_logprobs, prompt_logprobs): vLLM's default
+max_logprobs, which its clients expect (OpenAI's completions take 5)."""
 MAX_CONTENT_PARTS = 4096
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
@@ -128,12 +131,15 @@ class SamplingFields(StrictRequest):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_LIST)] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_LIST)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_LIST)
+                                 ] | None = None
+    """Empty would allow no token at all: refused (leave it out for no restriction)."""
     bad_words: Annotated[list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LENGTH)]],
                          Field(max_length=MAX_TOKEN_LIST)] | None = None
-    truncate_prompt_tokens: Int | None = Field(default=None, ge=1, lt=INT32_LIMIT)
+    truncate_prompt_tokens: Int | None = Field(default=None, ge=-1, lt=INT32_LIMIT)
+    """Keep the prompt's last N tokens; -1: as many as the context holds (vLLM's)."""
     """Keep only the prompt's last this many tokens (after the chat template, if any)."""
-    prompt_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """vLLM's: each prompt token's logprob and the k most likely tokens at its position
     (completions: on each choice; chat: on the response). Not with stream, as in vLLM."""
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
@@ -168,6 +174,14 @@ class SamplingFields(StrictRequest):
     def _stop_text(cls, value: str | list[str] | None) -> str | list[str] | None:
         for text in [value] if isinstance(value, str) else value or []:
             valid_text(text)
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_some(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be at least 1, or -1 for as many tokens as the context "
+                             "holds")
         return value
 
     @field_validator("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words",
@@ -283,7 +297,7 @@ class CompletionRequest(SamplingFields):
     """Return the prompt before the completion (with logprobs: its tokens' logprobs too)."""
     max_tokens: Annotated[Int, Field(ge=0, lt=INT32_LIMIT)] | None = 16
     """0 only with echo: the prompt is scored and returned, nothing generated."""
-    logprobs: Int | None = Field(default=None, ge=0, le=5)
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: SampleCount | None = None
     """Generate this many per prompt and return the n with the highest cumulative logprob
     (not with stream, as in OpenAI and vLLM)."""

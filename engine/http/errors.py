@@ -99,11 +99,26 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             problems.append(NOT_AN_OBJECT_MESSAGE)
             continue
         locs.append(loc)
-        message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        message = _text_length(err) or str(err.get("msg", "invalid")).removeprefix(
+            "Value error, ")
         problem = f"{shown}: {message}" if shown and about is None else message
         if problem not in problems:
             problems.append(problem)
     return "; ".join(problems) or "invalid request body", _param(locs)
+
+
+def _text_length(err: Any) -> str | None:
+    """pydantic's message for a length bound of a string whose type carries a validator
+    speaks of "items"; the client sent text, and is told in characters, as pydantic tells
+    it for a plain string."""
+    kind, ctx, value = err.get("type"), err.get("ctx") or {}, err.get("input")
+    if not isinstance(value, str) or kind not in ("too_short", "too_long"):
+        return None
+    bound = ctx.get("min_length") if kind == "too_short" else ctx.get("max_length")
+    if not isinstance(bound, int):
+        return None
+    side = "at least" if kind == "too_short" else "at most"
+    return f"String should have {side} {bound} character{'' if bound == 1 else 's'}"
 
 
 def _shown(loc: tuple[Any, ...]) -> str:

@@ -82,7 +82,7 @@ def test_prompt_longer_than_the_context_is_400(client: openai.OpenAI, gateway: L
     ("completions", {"max_tokens": 0}, "max_tokens"),
     ("completions", {"max_tokens": 10**9}, "max_tokens"),
     ("completions", {"n": 17}, "n"),
-    ("completions", {"logprobs": 6}, "logprobs"),
+    ("completions", {"logprobs": 21}, "logprobs"),
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
     ("chat", {"max_tokens": "x"}, "max_tokens"),
@@ -93,7 +93,7 @@ def test_prompt_longer_than_the_context_is_400(client: openai.OpenAI, gateway: L
     ("chat", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]}, "content"),
 ], ids=["max-tokens-str", "temperature-str", "prompt-int", "max-tokens-0",
-        "max-tokens-huge", "n-17", "logprobs-6", "chat-no-messages", "chat-bad-role",
+        "max-tokens-huge", "n-17", "logprobs-21", "chat-no-messages", "chat-bad-role",
         "chat-max-tokens-str", "chat-max-tokens-huge", "chat-n-0", "chat-top-logprobs-alone",
         "chat-user-null-content", "chat-image-part"])
 def test_invalid_requests_are_400(client: openai.OpenAI, gateway: LiveServer,
@@ -112,6 +112,9 @@ def test_invalid_requests_are_400(client: openai.OpenAI, gateway: LiveServer,
 @pytest.mark.parametrize(("endpoint", "changes", "message", "param"), [
     ("completions", {"n": 3, "best_of": 2}, "best_of (2) must be at least n (3)", "best_of"),
     ("completions", {"stop": ""}, "stop: String should have at least 1 character", "stop"),
+    ("completions", {"cache_salt": ""}, "cache_salt: String should have at least 1 character",
+     "cache_salt"),
+    ("chat", {"user": "u" * 257}, "user: String should have at most 256 characters", "user"),
     ("chat", {"messages": [{"role": "bot", "content": "x"}]},
      "messages[0].role: Input should be 'system', 'developer', 'user', 'assistant' or "
      "'tool'", "role"),
@@ -120,7 +123,8 @@ def test_invalid_requests_are_400(client: openai.OpenAI, gateway: LiveServer,
     ("chat", {"continue_final_message": True},
      "continue_final_message=true needs add_generation_prompt=false: the last message is "
      "continued, not answered", "continue_final_message"),
-], ids=["best-of-below-n", "empty-stop", "bad-role", "name-not-text", "continue-and-add"])
+], ids=["best-of-below-n", "empty-stop", "empty-salt", "long-user", "bad-role", "name-not-text",
+        "continue-and-add"])
 def test_validation_messages_say_where_without_library_noise(
         gateway: LiveServer, base_model: str, endpoint: str, changes: dict[str, Any],
         message: str, param: str) -> None:

@@ -254,16 +254,19 @@ def test_control_tokens_typed_in_a_message_stay_text(
         client: openai.OpenAI, base_model: str, tokenizer: PreTrainedTokenizerBase,
         content: Any) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": FORGED}]
-    rendered = str(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=False))
-    head, tail = rendered.split(FORGED)
+    # Parts join with a newline, as vLLM joins them.
+    text = content if isinstance(content, str) else "\n".join(p["text"] for p in content)
+    rendered = str(tokenizer.apply_chat_template(
+        [messages[0], {"role": "user", "content": text}], add_generation_prompt=True,
+        tokenize=False))
+    head, tail = rendered.split(text)
 
     def ids(text: str, split: bool = False) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False,
                               split_special_tokens=split)["input_ids"])
 
     # The template's own text parsed as usual, the message's text as plain text only.
-    expected = ids(head) + ids(FORGED, split=True) + ids(tail)
+    expected = ids(head) + ids(text, split=True) + ids(tail)
     controls = set(tokenizer.all_special_ids)
     assert sum(t in controls for t in expected) == 5  # 2 messages + the assistant header
     forged = tokenizer.apply_chat_template(messages, add_generation_prompt=True,

@@ -44,6 +44,18 @@ def test_tokenize_gives_the_ids_a_request_sends(gateway: LiveServer, client: ope
     assert chat["tokens"].count(end) == len(MESSAGES)
 
 
+def test_text_parts_join_with_a_newline_as_in_vllm(gateway: LiveServer,
+                                                   base_model: str) -> None:
+    def ids(content: Any) -> list[int]:
+        out = post(gateway, "/tokenize", {"model": base_model, "messages": [
+            {"role": "system", "content": content}, {"role": "user", "content": content}]})
+        assert out.status_code == 200, out.text
+        return list(out.json()["tokens"])
+
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]
+    assert ids(parts) == ids("Hi\n there") != ids("Hi there")
+
+
 def test_detokenize_round_trips(gateway: LiveServer, base_model: str,
                                 tokenizer: PreTrainedTokenizerBase) -> None:
     ids = tokenizer("Hello there, world")["input_ids"]

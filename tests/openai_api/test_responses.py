@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tests.live_servers import LiveServer
 from tests.openai_api.helpers import (
+    CONTEXT,
     GREEDY,
     MAX_TOKENS,
     MESSAGES,
@@ -189,11 +190,39 @@ def test_truncate_prompt_tokens_and_add_special_tokens(client: openai.OpenAI,
     chat = client.chat.completions.create(model=base_model, messages=MESSAGES, max_tokens=2,
                                           extra_body={**NO_EOS, "truncate_prompt_tokens": 3})
     assert chat.usage is not None and chat.usage.prompt_tokens == 3
+    # -1 keeps the context's worth (vLLM's): a short prompt whole; more than the context
+    # cannot be kept, 0 keeps nothing: both refused.
+    whole = client.completions.create(**request, prompt=PROMPT * 40,
+                                      extra_body={**NO_EOS, "truncate_prompt_tokens": -1})
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
+    for keep in (CONTEXT + 1, 0):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(**request, prompt=PROMPT,
+                                      extra_body={"truncate_prompt_tokens": keep})
+        assert refused.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
     plain = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     assert len(tokenizer(PROMPT)["input_ids"]) == len(plain) + 1  # the tokenizer adds a BOS
     bare = client.completions.create(**request, prompt=PROMPT,
                                      extra_body={**NO_EOS, "add_special_tokens": False})
     assert bare.usage is not None and bare.usage.prompt_tokens == len(plain)
+
+
+def test_logprob_bounds_as_in_vllm(client: openai.OpenAI, base_model: str) -> None:
+    """Up to 20 alternatives on completions too (vLLM's max_logprobs), and top_logprobs: 0
+    (its default) without logprobs; an empty allow-list would allow nothing: a 400."""
+    done = client.completions.create(model=base_model, prompt=PROMPT, max_tokens=2,
+                                     temperature=0, logprobs=20, extra_body={
+                                         "return_tokens_as_token_ids": True})  # unique keys
+    assert done.choices[0].logprobs is not None
+    tops = done.choices[0].logprobs.top_logprobs
+    assert tops is not None and [len(top) for top in tops] == [20, 20]
+    chat = client.chat.completions.create(model=base_model, messages=MESSAGES, max_tokens=2,
+                                          top_logprobs=0)
+    assert chat.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=base_model, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"allowed_token_ids": []})
+    assert refused.value.body["param"] == "allowed_token_ids"  # type: ignore[index]
 
 
 def test_chat_template_options_shape_the_prompt(client: openai.OpenAI,
