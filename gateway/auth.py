@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +30,6 @@ from gateway.store import Snapshot, StateStore, StoreUnavailable
 from gateway.tenancy import AdapterRecord, Tenant, hash_key
 
 log = logging.getLogger(__name__)
-MIN_ON_DEMAND_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -55,7 +53,6 @@ class StateView:
         self.snapshot = Snapshot(version=-1)
         self.store_available = True
         self._tenants_seen = False
-        self._last_on_demand = 0.0
         self._reload_lock = asyncio.Lock()
         self._lock = asyncio.Lock()
         self._asked = 0
@@ -86,22 +83,12 @@ class StateView:
                 log.error("state store unavailable, serving the last snapshot: %s", exc)
             self.store_available = False
 
-    async def refresh_soon(self) -> bool:
-        """Refresh now unless one ran in the last MIN_ON_DEMAND_S (so a flood of bad keys
-        costs the store at most one version read per interval); True if it refreshed."""
-        now = time.monotonic()
-        if now - self._last_on_demand < MIN_ON_DEMAND_S:
-            return False
-        self._last_on_demand = now
-        await self.refresh()
-        return True
-
     async def fresh(self) -> None:
         """Make the view at least as new as the store was when this call began: one version
         read (the snapshot reloaded only when it moved). Concurrent callers share reads: one
-        read at a time answers every caller that arrived before it began, so a burst costs
-        the store two reads, not one per request. While the store is down this returns at
-        once (the poll in run() notices its return)."""
+        read at a time answers every caller that arrived before it began, so a burst (of
+        requests, or of unknown keys) costs the store two reads, not one per request. While
+        the store is down this returns at once (the poll in run() notices its return)."""
         self._asked += 1
         ticket = self._asked
         async with self._lock:

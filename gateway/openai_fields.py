@@ -77,13 +77,28 @@ SHARED: Mapping[str, Unsupported] = {
                                     reason="structured outputs use xgrammar"),
     "guided_whitespace_pattern": _off(reason="JSON follows xgrammar's whitespace rules"),
     "kv_transfer_params": _off(reason="no disaggregated prefill"),
+    "ec_transfer_params": _off(reason="no disaggregated encoding"),
     "vllm_xargs": _off(reason="no vLLM plugins"),
+    "request_id": _off(reason="the gateway names each request itself (x-request-id)"),
+    "session_id": _off(reason="requests are routed by their prompts' cached prefixes"),
+    "thinking_token_budget": _off(reason="the model does not reason in a separate channel"),
+    "watermarking": _off(reason="no watermarking"),
+    "truncation_side": _off("left", reason="truncate_prompt_tokens keeps the prompt's last "
+                                           "tokens"),
+    "logprob_token_ids": _off(reason="logprobs report the most likely tokens"),
+    "return_token_offsets": _off(False, reason="not implemented"),
+    "repetition_detection": _off(reason="not implemented"),
+    "stream_interval": _off(1, reason="streams send every token as it is decoded"),
+    "routed_experts_prompt_start": _off(0, reason="no mixture-of-experts routing"),
+    "mm_payload": _off("tensors", reason="text only"),
+    "return_mm_kwargs": _off(False, reason="text only"),
 }
 """Both endpoints."""
 
 COMPLETIONS: Mapping[str, Unsupported] = {
     **SHARED,
     "suffix": _off("", reason="no fill-in-the-middle"),
+    "prompt_embeds": _off(reason="prompts are text or token ids"),
 }
 """POST /v1/completions."""
 
@@ -108,6 +123,10 @@ CHAT: Mapping[str, Unsupported] = {
     "chat_template": _off(reason="the model's own chat template is used"),
     "documents": _off(reason="put documents in the messages"),
     "mm_processor_kwargs": _off(reason="text only"),
+    "media_io_kwargs": _off(reason="text only"),
+    "include_reasoning": _off(True, False, reason="the model does not reason in a separate "
+                                                  "channel"),
+    "return_prompt_text": _off(False, reason="not implemented"),
 }
 """POST /v1/chat/completions."""
 

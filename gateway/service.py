@@ -80,12 +80,14 @@ class Gateway:
     # ------------------------------------------------------------ who and what
     async def authenticate(self, request: Request) -> Principal:
         """The caller. A key this replica's view does not know yet (issued through another
-        replica a moment ago) triggers one view refresh before the 401."""
+        replica a moment ago) has the view caught up with the store before the 401 (every
+        request of a burst with it waits for the same read: see StateView.fresh)."""
         try:
             return authenticate(request, self.view, self.config.admin_key)
         except ApiError as exc:
-            if exc.status != 401 or not await self.view.refresh_soon():
+            if exc.status != 401:
                 raise
+        await self.view.fresh()
         return authenticate(request, self.view, self.config.admin_key)
 
     def adapter_names(self, principal: Principal) -> list[str]:

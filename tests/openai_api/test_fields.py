@@ -32,18 +32,25 @@ VLLM_EXTRAS = (
     "guided_whitespace_pattern", "priority", "cache_salt", "kv_transfer_params", "vllm_xargs",
     "response_format", "add_special_tokens",
 )
+VLLM_032_EXTRAS = (
+    # Added by vLLM 0.32's request schemas, both endpoints.
+    "request_id", "session_id", "thinking_token_budget", "watermarking", "truncation_side",
+    "logprob_token_ids", "return_token_offsets", "repetition_detection", "stream_interval",
+    "routed_experts_prompt_start", "mm_payload", "return_mm_kwargs", "ec_transfer_params",
+)
 VLLM_CHAT_EXTRAS = ("echo", "add_generation_prompt", "continue_final_message",
                     "chat_template", "chat_template_kwargs", "documents",
-                    "mm_processor_kwargs")
+                    "mm_processor_kwargs", "media_io_kwargs", "include_reasoning",
+                    "return_prompt_text")
 STREAMING = ("stream",)  # the openai package types it on the streaming variant of the params
 
 ENDPOINTS: dict[str, tuple[type[BaseModel], Mapping[str, Unsupported], tuple[str, ...]]] = {
     "completions": (CompletionRequest, COMPLETIONS, (
         *completion_create_params.CompletionCreateParamsBase.__annotations__, *STREAMING,
-        *VLLM_EXTRAS)),
+        *VLLM_EXTRAS, *VLLM_032_EXTRAS, "prompt_embeds")),
     "chat": (ChatCompletionRequest, CHAT, (
         *chat_create_params.CompletionCreateParamsBase.__annotations__, *STREAMING,
-        *VLLM_EXTRAS, *VLLM_CHAT_EXTRAS)),
+        *VLLM_EXTRAS, *VLLM_032_EXTRAS, *VLLM_CHAT_EXTRAS)),
 }
 BASE: dict[str, dict[str, Any]] = {
     "completions": {"model": "m", "prompt": "Hi"},
@@ -67,6 +74,13 @@ ACTIVE: dict[str, Any] = {
     "moderation": {"type": "auto"}, "prompt_cache_key": "k",
     "prompt_cache_options": {"x": 1}, "chat_template": "{{ messages }}",
     "documents": [{"title": "t", "text": "x"}], "mm_processor_kwargs": {"x": 1},
+    "request_id": "trace-1", "session_id": "s", "thinking_token_budget": 100,
+    "watermarking": {"x": 1}, "truncation_side": "right", "logprob_token_ids": [1],
+    "return_token_offsets": True, "repetition_detection": {"x": 1}, "stream_interval": 4,
+    "routed_experts_prompt_start": 3, "mm_payload": "embeds", "return_mm_kwargs": True,
+    "ec_transfer_params": {"x": 1}, "prompt_embeds": "AAAA", "media_io_kwargs": {"x": 1},
+    "include_reasoning": "yes",  # true and false both change nothing: no reasoning channel
+    "return_prompt_text": True,
 }
 
 
