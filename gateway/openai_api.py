@@ -85,7 +85,8 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                                 body.return_token_ids, body.return_tokens_as_token_ids,
                                 token_bytes, echo=body.echo,
                                 prompt_logprobs=body.prompt_logprobs,
-                                drop_output=body.max_tokens == 0, keep=body.n)
+                                drop_output=body.max_tokens == 0, keep=body.n,
+                                skip_special_tokens=body.skip_special_tokens)
         call = _Call(body, request, principal, claim, "completions",
                      body.max_tokens or (1 if body.max_tokens == 0 else None), "max_tokens",
                      body.engine_logprobs(), body.engine_prompt_logprobs(),

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.prompt_logprobs import PromptLogprob
 from engine.protocol import StreamChunk
 from gateway.openai_protocol import StreamUsage
+from gateway.text_offsets import TextOffsets
 from gateway.token_bytes import TokenBytes
 from gateway.tool_calls import ToolPlan
 
@@ -71,8 +72,10 @@ class _Choice:
     completion_tokens: int = 0
     started: bool = False
     """Its first event was built (the role, the echoed prompt and the prompt's ids)."""
-    text_offset: int = 0
-    """text_offset of its next streamed token (completions)."""
+    offsets: list[int] = field(default_factory=list)
+    """text_offset of each of its entries (completions with logprobs)."""
+    generated: TextOffsets | None = None
+    """Where its generated tokens' texts begin (after the echoed prompt's)."""
     content_sent: int = 0
     """Characters of its text streamed as content (chat with tools holds calls back)."""
 
@@ -98,8 +101,10 @@ class ResponseFormatter:
                  tokens_as_ids: bool = False, token_bytes: TokenBytes | None = None,
                  echo: bool = False, prompt_logprobs: int | None = None,
                  drop_output: bool = False, tools: ToolPlan | None = None,
-                 keep: int | None = None) -> None:
+                 keep: int | None = None, skip_special_tokens: bool = True) -> None:
         self.endpoint = endpoint
+        self.skip_special_tokens = skip_special_tokens
+        """As the engine decodes the text (for text_offset)."""
         self.model = model
         self.tokenizer = tokenizer
         self.top_logprobs = top_logprobs
@@ -158,16 +163,28 @@ class ResponseFormatter:
                 _FINISH.get(chunk.finish_reason, "stop")
         entries: list[Entry] = []
         text = ""
+        offsets = self.endpoint == "completions" and self.top_logprobs is not None
         if self.echo and not choice.text:
             text = choice.prompt.text
             if self.top_logprobs is not None:
                 entries = self._prompt_entries(choice)
+            if offsets:
+                # The echoed text is the prompt as sent; its tokens decode to it, special
+                # tokens (a BOS the tokenizer added) as nothing.
+                choice.offsets += TextOffsets(self.tokenizer, True).take(
+                    choice.prompt.token_ids)
         if not self.drop_output:
             ids = chunk.delta_token_ids
             choice.token_ids.extend(ids)
             text += chunk.delta_text
-            entries += [(token_id, {k: finite_logprob(v) for k, v in step.items()})
-                        for token_id, step in zip(ids, chunk.logprobs or [], strict=False)]
+            new = [(token_id, {k: finite_logprob(v) for k, v in step.items()})
+                   for token_id, step in zip(ids, chunk.logprobs or [], strict=False)]
+            entries += new
+            if offsets:
+                if choice.generated is None:
+                    choice.generated = TextOffsets(self.tokenizer, self.skip_special_tokens,
+                                                   len(text) - len(chunk.delta_text))
+                choice.offsets += choice.generated.take([token_id for token_id, _ in new])
             choice.completion_tokens = chunk.completion_tokens or choice.completion_tokens
         choice.text.append(text)
         choice.entries.extend(entries)
@@ -207,11 +224,11 @@ class ResponseFormatter:
         ranked = sorted(step.items(), key=lambda kv: kv[1], reverse=True)
         return ranked[: self.top_logprobs or 0]
 
-    def _completion_logprobs(self, entries: list[Entry], offset: int) -> dict[str, Any]:
+    def _completion_logprobs(self, entries: list[Entry], offsets: list[int]
+                             ) -> dict[str, Any]:
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         tops: list[dict[str, float] | None] = []
-        offsets: list[int] = []
         for token_id, step in entries:
             token = self._token(token_id)
             tokens.append(token)
@@ -223,8 +240,6 @@ class ResponseFormatter:
                 if token_id in step:
                     top.setdefault(token, step[token_id])
                 tops.append(top)
-            offsets.append(offset)
-            offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
 
@@ -242,12 +257,12 @@ class ResponseFormatter:
             })
         return {"content": content}
 
-    def _logprobs(self, entries: list[Entry], offset: int = 0) -> dict[str, Any] | None:
+    def _logprobs(self, entries: list[Entry], offsets: list[int]) -> dict[str, Any] | None:
         if self.top_logprobs is None:
             return None
         if self.endpoint == "chat":
             return self._chat_logprobs(entries)
-        return self._completion_logprobs(entries, offset)
+        return self._completion_logprobs(entries, offsets)
 
     def _vllm_prompt_logprobs(self, choice: _Choice) -> list[dict[str, Any] | None] | None:
         """vLLM's prompt_logprobs: per position, the prompt token's and the k most likely
@@ -275,7 +290,7 @@ class ResponseFormatter:
                                     "model": self.model, "choices": []}
         for index, choice in enumerate(self._kept()):
             text = "".join(choice.text)
-            logprobs = self._logprobs(choice.entries)
+            logprobs = self._logprobs(choice.entries, choice.offsets)
             if self.endpoint == "chat":
                 content, calls = self._calls(choice, text)
                 message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -356,12 +371,7 @@ class ResponseFormatter:
             return []
         first = not choice.started
         choice.started = True
-        # Offsets count token strings, as in final(), so both report the same logprobs
-        # (a token's string and its share of the text differ for partial UTF-8 and skipped
-        # special tokens).
-        logprobs = self._logprobs(entries, choice.text_offset)
-        if logprobs is not None and self.endpoint == "completions":
-            choice.text_offset += sum(len(token) for token in logprobs["tokens"])
+        logprobs = self._logprobs(entries, choice.offsets[len(choice.offsets) - len(entries):])
         if self.endpoint == "chat":
             calls: list[dict[str, Any]] = []
             if self.tools is not None:

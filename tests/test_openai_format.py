@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.protocol import StreamChunk
 from gateway.openai_format import LOGPROB_FLOOR, Endpoint, PromptEcho, ResponseFormatter
 from gateway.token_bytes import TokenBytes
@@ -100,3 +101,47 @@ def test_a_forced_call_cut_at_max_tokens_keeps_what_it_completed(tiny_model_dir:
     [choice] = whole.final()["choices"]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["add"]
+
+
+def test_text_offsets_index_the_text_where_characters_span_tokens(
+        tiny_model_dir: Path) -> None:
+    """Streamed one token per chunk (as the engine emits text: a character once complete)
+    and whole, with and without the echoed prompt: each offset points into the text, the
+    text between two offsets is what those tokens spell, and a token that holds only part
+    of a character begins where the character will."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    prompt_text, text = "naïve café", "emoji 😀 and 日本語"
+    prompt_ids = tokenizer.encode(prompt_text)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert sum("\ufffd" in tokenizer.decode([i]) for i in ids) > 1  # split characters
+    decoded = IncrementalDetokenizer(tokenizer, (), True)
+    chunks = []
+    for n, token_id in enumerate(ids, 1):
+        decoded.add_tokens([token_id])
+        chunks.append(StreamChunk("r", [token_id], decoded.take_delta(n == len(ids)),
+                                  prompt_tokens=len(prompt_ids), completion_tokens=n,
+                                  finish_reason="length" if n == len(ids) else None,
+                                  logprobs=[{token_id: -1.0}]))
+    for echo in (False, True):
+        streamed, whole = (ResponseFormatter("completions", "m", tokenizer, 0, echo=echo)
+                           for _ in range(2))
+        for fmt in (streamed, whole):
+            fmt.start([PromptEcho(prompt_ids, prompt_text)])
+        events = [e for c in chunks for e in streamed.stream_events(c, usage="none")]
+        for chunk in chunks:
+            whole.add(chunk)
+        choice = whole.final()["choices"][0]
+        offsets = choice["logprobs"]["text_offset"]
+        assert offsets == [o for e in events if e["choices"]
+                           for o in e["choices"][0]["logprobs"]["text_offset"]]
+        full = choice["text"]
+        assert full == (prompt_text if echo else "") + text
+        run = list(prompt_ids if echo else []) + ids
+        assert len(offsets) == len(run) and offsets == sorted(offsets)
+        spelled = [full[a:b] for a, b in zip(offsets, [*offsets[1:], len(full)], strict=True)]
+        assert "".join(spelled) == full
+        base = len(prompt_text) if echo else 0
+        for k, offset in enumerate(offsets[-len(ids):]):
+            before = str(tokenizer.decode(ids[:k]))  # where token k begins, once complete
+            if not before.endswith("\ufffd"):
+                assert offset == base + len(before)

@@ -29,7 +29,13 @@ def test_completion_logprobs_are_shaped_like_openai(client: openai.OpenAI,
     assert tokens is not None and chosen is not None and tops is not None
     assert offsets is not None
     assert len(tokens) == len(chosen) == len(tops) == len(offsets) == MAX_TOKENS
-    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(MAX_TOKENS)]
+    # Offsets index the text (a token holding part of a character begins where the
+    # character will, as in vLLM): a whole token's string stands at its offset.
+    text = whole.choices[0].text
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for i, (token, offset) in enumerate(zip(tokens, offsets, strict=True)):
+        if "\ufffd" not in "".join(tokens[max(0, i - 3):i + 1]):
+            assert text[offset:offset + len(token)] == token
     for token, logprob, top in zip(tokens, chosen, tops, strict=True):
         assert isinstance(token, str) and logprob is not None and logprob <= 0.0
         assert 1 <= len(top) <= 2  # two alternatives (fewer if both decode alike)
