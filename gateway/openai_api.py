@@ -193,7 +193,7 @@ def _kept_tokens(body: CompletionRequest | ChatCompletionRequest, context: int) 
     if keep is not None and keep > context:
         raise ApiError(400, f"truncate_prompt_tokens ({keep}) is more than the model's "
                        f"context ({context} tokens)", param="truncate_prompt_tokens")
-    return context if keep == -1 else keep
+    return context - 1 if keep == -1 else keep  # one position left for the output
 
 
 def _fitting(prompt_ids: list[int], context: int, param: str) -> PromptEcho:
@@ -217,11 +217,12 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
     if max_tokens is None:  # chat default: whatever the context (or KV capacity) leaves
         room = gateway.max_request_tokens() or context
         max_tokens = max(1, room - len(prompt_ids))
-    elif len(prompt_ids) + max_tokens > context:
-        raise ApiError(400, f"This model's maximum context length is {context} tokens; you "
-                       f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} "
-                       f"in the prompt, {max_tokens} for the completion)",
+    elif max_tokens > context:
+        raise ApiError(400, f"{req.max_tokens_param} ({max_tokens}) is more than the model's "
+                       f"maximum context length ({context} tokens)",
                        code="context_length_exceeded", param=req.max_tokens_param)
+    else:  # as vLLM does: what the context leaves after the prompt ("length" there)
+        max_tokens = min(max_tokens, context - len(prompt_ids))
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
