@@ -93,7 +93,7 @@ def test_bad_requests_release_their_slot_and_count_against_rpm(
         ("/v1/completions", {**completion, "temperature": 5}, 400),
         ("/v1/completions", {**completion, "prompt": "x" * 40_000}, 400),
         ("/v1/completions", {**completion, "prompt": [7] * CONTEXT}, 400),
-        ("/v1/chat/completions", {**chat, "max_tokens": CONTEXT}, 400),
+        ("/v1/chat/completions", {**chat, "max_tokens": CONTEXT + 1}, 400),
         ("/v1/completions", {**completion, "model": "nope"}, 404),
     ]
     _fresh_window()
