@@ -81,6 +81,7 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                 prompts.append(echo)
             return prompts
 
+        body.model = body.model or get_gateway().base_model
         fmt = ResponseFormatter("completions", body.model, tokenizer, body.logprobs,
                                 body.return_token_ids, body.return_tokens_as_token_ids,
                                 token_bytes, echo=body.echo,
@@ -102,6 +103,7 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
             return [_fitting(ids, context, "messages")]
 
         top = (body.top_logprobs or 0) if body.logprobs else None
+        body.model = body.model or get_gateway().base_model
         fmt = ResponseFormatter("chat", body.model, tokenizer, top, body.return_token_ids,
                                 body.return_tokens_as_token_ids, token_bytes,
                                 prompt_logprobs=body.prompt_logprobs, tools=body.tool_plan())

@@ -95,7 +95,9 @@ class SamplingFields(StrictRequest):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(allow_inf_nan=False)
-    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)]
+    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)] = ""
+    """The base model or an adapter; left out (or empty): the base model, as vLLM serves its
+    first model (the handler fills it in)."""
     temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: Int | None = Field(default=None, ge=-1, lt=INT32_LIMIT,

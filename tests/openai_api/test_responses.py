@@ -207,6 +207,19 @@ def test_truncate_prompt_tokens_and_add_special_tokens(client: openai.OpenAI,
     assert bare.usage is not None and bare.usage.prompt_tokens == len(plain)
 
 
+def test_a_request_without_a_model_runs_on_the_base_model(gateway: LiveServer,
+                                                          base_model: str) -> None:
+    """As vLLM serves its model when none is named."""
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": MESSAGES})):
+        named, unnamed = (httpx.post(gateway.url + path, timeout=30.0, json={
+            **body, **model, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+            for model in ({"model": base_model}, {}))
+        assert unnamed.status_code == 200, unnamed.text
+        assert unnamed.json()["model"] == base_model
+        assert unnamed.json()["choices"] == named.json()["choices"]
+
+
 def test_logprob_bounds_as_in_vllm(client: openai.OpenAI, base_model: str) -> None:
     """Up to 20 alternatives on completions too (vLLM's max_logprobs), and top_logprobs: 0
     (its default) without logprobs; an empty allow-list would allow nothing: a 400."""
