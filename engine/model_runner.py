@@ -190,10 +190,11 @@ class ModelRunner:
         t2 = self._sync_time()
         ids = [c.request_id for c in chunks if c.sample]
         rows = self.batch.row_states(ids)
+        # The grammar first: the logprobs reported are the distribution over the tokens the
+        # grammar allows (as vLLM's), before penalties and biases.
         tokens, logprobs = self.sampler.sample(
-            logits, ids, rows,
-            lambda raw: self.grammars.mask(
-                adjust_logits(raw, rows, self.stop_token_ids, self.penalty_counts), raw, ids))
+            self.grammars.mask(logits, logits, ids), ids, rows,
+            lambda raw: adjust_logits(raw, rows, self.stop_token_ids, self.penalty_counts))
         if min(tokens, default=0) < 0:
             kept = [i for i, token in enumerate(tokens) if token >= 0]
             out.no_token = [r for r, token in zip(ids, tokens, strict=True) if token == NO_TOKEN]

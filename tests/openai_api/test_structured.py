@@ -41,6 +41,29 @@ def test_a_choice_is_one_of_the_choices(client: openai.OpenAI, base_model: str,
         assert (text, finish) in {("alpha", "stop"), ("beta", "stop"), ("gamma", "stop")}
 
 
+def test_logprobs_are_those_of_the_tokens_the_grammar_allows(client: openai.OpenAI,
+                                                              base_model: str) -> None:
+    """As vLLM reports them: the distribution over the allowed tokens (the grammar masks
+    the raw logits first), so every alternative can continue a choice and the chosen
+    token's probability is at least what it is unconstrained."""
+    choices = ["alpha", "beta", "gamma"]
+
+    def first_step(**extra: Any) -> Any:
+        reply = client.chat.completions.create(
+            model=base_model, messages=MESSAGES, max_tokens=1, temperature=0, logprobs=True,
+            top_logprobs=5, extra_body=extra)
+        assert reply.choices[0].logprobs is not None
+        return reply.choices[0].logprobs.content[0]  # type: ignore[index]
+
+    step = first_step(structured_outputs={"choice": choices})
+    allowed = [t for t in step.top_logprobs if t.logprob > -9999.0]
+    assert allowed and all(any(c.startswith(t.token) for c in choices) for t in allowed)
+    assert sum(2.718281828459045 ** t.logprob for t in allowed) <= 1.0 + 1e-4
+    free = {t.token: t.logprob for t in first_step().top_logprobs}
+    if step.token in free:
+        assert step.logprob >= free[step.token]
+
+
 def test_a_regex_is_matched_whole(client: openai.OpenAI, base_model: str) -> None:
     pattern = r"[0-9]{3}-[a-z]{2,4}"
     done = client.completions.create(model=base_model, prompt="code:", max_tokens=20,
