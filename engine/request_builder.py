@@ -66,9 +66,6 @@ class RequestBuilder:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidField("prompt", f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if params.top_k > vocab:
-            raise InvalidField("top_k", f"top_k must be at most the vocabulary size ({vocab}), "
-                                        f"got {params.top_k}")
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
                           ("allowed_token_ids", params.allowed_token_ids),
                           ("stop_token_ids", params.stop_token_ids)):

@@ -95,8 +95,10 @@ class Sampler:
             probs = probs.masked_fill(probs < floor, 0.0)
         uniforms = self._uniforms(request_ids, params, device)
         choice = torch.empty(len(params), dtype=torch.int64, device=device)
-        truncated = [i for i, p in enumerate(params) if p.top_k or p.top_p < 1.0]
-        whole = [i for i, p in enumerate(params) if not (p.top_k or p.top_p < 1.0)]
+        vocab = logits.shape[-1]
+        # A top_k of the whole vocabulary or more keeps every token: the same draw as none.
+        truncated = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        whole = [i for i, p in enumerate(params) if not (0 < p.top_k < vocab or p.top_p < 1.0)]
         if whole:
             rows = torch.tensor(whole, device=device)
             choice[rows] = _inverse_cdf(probs[rows], uniforms[rows])

@@ -24,6 +24,10 @@ MIN_REPETITION_PENALTY = 0.01
 """Smallest repetition_penalty (1 disables it): a seen token's positive logit is divided by
 it, and a tiny one overflows float32 (1e-300 made every logit infinite: NaN probabilities,
 gibberish). vLLM takes any value > 0."""
+MAX_REPETITION_PENALTY = 100.0
+"""Largest repetition_penalty: a seen token's negative logit is multiplied by it, which stays
+finite in float32 far past this; the mirror of the smallest, and past any penalty in use
+(vLLM has no bound)."""
 
 
 def _is_int(value: object) -> bool:
@@ -141,7 +145,8 @@ class SamplingParams:
         _number_in("min_p", self.min_p, 0.0, 1.0)
         _number_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _number_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _number_in("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, 2.0)
+        _number_in("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
+                   MAX_REPETITION_PENALTY)
         # A bad word is banned in up to two spellings (alone, after a space).
         for name, values, most in (
                 ("logit_bias", self.logit_bias, MAX_TOKEN_LISTS),

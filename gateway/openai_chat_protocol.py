@@ -216,7 +216,9 @@ class ChatCompletionRequest(SamplingFields):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise InvalidField("tool_choice", f"tool_choice names {choice.function.name!r}, "
                                f"which is not among the tools")
-        if choice is not None and not names:  # as OpenAI: a choice among no tools is a mistake
+        # As OpenAI: a choice among no tools is a mistake; "none" without tools asks for
+        # what happens anyway (vLLM takes it).
+        if choice not in (None, "none") and not names:
             raise InvalidField("tool_choice", "tool_choice is only allowed when tools are "
                                "given")
         try:

@@ -34,7 +34,7 @@ from pydantic import (
 from engine.generation_defaults import SamplingDefaults
 from engine.http.json_numbers import Float, Int
 from engine.invalid_field import InvalidField
-from engine.sampling_params import MIN_REPETITION_PENALTY
+from engine.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
 from gateway.openai_fields import StrictRequest, Unsupported
@@ -127,7 +127,8 @@ class SamplingFields(StrictRequest):
                           Field(max_length=MAX_TOKEN_LIST)] | None = None
     """OpenAI's map of token id (a decimal string) to a bias added to its logit."""
     # vLLM's sampling extras
-    repetition_penalty: Float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=2.0)
+    repetition_penalty: Float | None = Field(default=None, ge=MIN_REPETITION_PENALTY,
+                                             le=MAX_REPETITION_PENALTY)
     min_p: Float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: Int = Field(default=0, ge=0, lt=INT32_LIMIT)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_LIST)] | None = None

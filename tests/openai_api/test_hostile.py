@@ -112,7 +112,6 @@ HOSTILE: list[tuple[str, dict[str, Any], str | None]] = [
     ("completions", {"logit_bias": {str(2**30): 1}}, "logit_bias"),
     ("completions", {"stop_token_ids": [2**30]}, "stop_token_ids"),
     ("chat", {"allowed_token_ids": [2**30]}, "allowed_token_ids"),
-    ("completions", {"top_k": 2**30}, "top_k"),
     ("completions", {"prompt": [2**30]}, "prompt"),
     ("chat", {"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ("completions", {"repetition_penalty": 1e-300}, "repetition_penalty"),

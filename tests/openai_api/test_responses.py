@@ -164,6 +164,11 @@ def test_sampling_controls_reach_the_engine(client: openai.OpenAI,
     penalized = client.completions.create(**request, frequency_penalty=2.0, extra_body={
         **NO_EOS, "repetition_penalty": 2.0}).choices[0].text
     assert penalized != plain
+    harder = client.completions.create(**request, extra_body={  # vLLM takes such values
+        **NO_EOS, "repetition_penalty": 3.5}).choices[0].text
+    assert harder != plain
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(**request, extra_body={"repetition_penalty": 101})
     stop = plain[2:4]
     kept = client.completions.create(**request, stop=[stop], extra_body={
         **NO_EOS, "include_stop_str_in_output": True}).choices[0]
@@ -218,6 +223,16 @@ def test_a_request_without_a_model_runs_on_the_base_model(gateway: LiveServer,
         assert unnamed.status_code == 200, unnamed.text
         assert unnamed.json()["model"] == base_model
         assert unnamed.json()["choices"] == named.json()["choices"]
+
+
+def test_top_k_past_the_vocabulary_keeps_every_token(client: openai.OpenAI,
+                                                     base_model: str) -> None:
+    """A common way to say "no top-k" (vLLM takes it): the same draws as top_k -1."""
+    request: dict[str, Any] = {"model": base_model, "prompt": "hello", "max_tokens": 8,
+                               "temperature": 1.0, "seed": 3}
+    unbounded = client.completions.create(**request, extra_body={"top_k": 10**6})
+    disabled = client.completions.create(**request, extra_body={"top_k": -1})
+    assert unbounded.choices[0].text == disabled.choices[0].text
 
 
 def test_logprob_bounds_as_in_vllm(client: openai.OpenAI, base_model: str) -> None:
