@@ -221,6 +221,10 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
                 raise _changed_meanwhile(name)
             record = hidden
             await gw.view.refresh()
+            if busy:  # forced: its requests hold it; the unloads are the background's
+                pending.start(gw, name)
+                return JSONResponse({"name": name, "status": "pending_delete",
+                                     "held_by": busy, "unloaded": {}}, status_code=202)
         unloaded, held = await lifecycle.unload_everywhere(gw, name)
         if not held:
             await lifecycle.drop(gw, record, uploads)
