@@ -97,8 +97,9 @@ class Sampler:
         choice = torch.empty(len(params), dtype=torch.int64, device=device)
         vocab = logits.shape[-1]
         # A top_k of the whole vocabulary or more keeps every token: the same draw as none.
-        truncated = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
-        whole = [i for i, p in enumerate(params) if not (0 < p.top_k < vocab or p.top_p < 1.0)]
+        cut = [0 < p.top_k < vocab or p.top_p < 1.0 for p in params]
+        truncated = [i for i, row_cut in enumerate(cut) if row_cut]
+        whole = [i for i, row_cut in enumerate(cut) if not row_cut]
         if whole:
             rows = torch.tensor(whole, device=device)
             choice[rows] = _inverse_cdf(probs[rows], uniforms[rows])

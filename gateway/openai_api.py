@@ -189,8 +189,8 @@ def _outcome(exc: BaseException) -> Outcome:
 
 def _kept_tokens(body: CompletionRequest | ChatCompletionRequest, context: int) -> int | None:
     """How many of a prompt's last tokens truncate_prompt_tokens keeps (None: all; -1: the
-    context's worth). More than the context is a 400, as in vLLM: such a prompt could not
-    run."""
+    context's worth less the one position the output needs). More than the context is a
+    400, as in vLLM: such a prompt could not run."""
     keep = body.truncate_prompt_tokens
     if keep is not None and keep > context:
         raise ApiError(400, f"truncate_prompt_tokens ({keep}) is more than the model's "

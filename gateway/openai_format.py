@@ -163,12 +163,12 @@ class ResponseFormatter:
                 _FINISH.get(chunk.finish_reason, "stop")
         entries: list[Entry] = []
         text = ""
-        offsets = self.endpoint == "completions" and self.top_logprobs is not None
+        with_offsets = self.endpoint == "completions" and self.top_logprobs is not None
         if self.echo and not choice.text:
             text = choice.prompt.text
             if self.top_logprobs is not None:
                 entries = self._prompt_entries(choice)
-            if offsets:
+            if with_offsets:
                 # The echoed text is the prompt as sent; its tokens decode to it, special
                 # tokens (a BOS the tokenizer added) as nothing.
                 choice.offsets += TextOffsets(self.tokenizer, True).take(
@@ -180,7 +180,7 @@ class ResponseFormatter:
             new = [(token_id, {k: finite_logprob(v) for k, v in step.items()})
                    for token_id, step in zip(ids, chunk.logprobs or [], strict=False)]
             entries += new
-            if offsets:
+            if with_offsets:
                 if choice.generated is None:
                     choice.generated = TextOffsets(self.tokenizer, self.skip_special_tokens,
                                                    len(text) - len(chunk.delta_text))

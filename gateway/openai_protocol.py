@@ -140,8 +140,8 @@ class SamplingFields(StrictRequest):
     bad_words: Annotated[list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LENGTH)]],
                          Field(max_length=MAX_TOKEN_LIST)] | None = None
     truncate_prompt_tokens: Int | None = Field(default=None, ge=-1, lt=INT32_LIMIT)
-    """Keep the prompt's last N tokens; -1: as many as the context holds (vLLM's)."""
-    """Keep only the prompt's last this many tokens (after the chat template, if any)."""
+    """Keep only the prompt's last this many tokens (after the chat template, if any); -1:
+    as many as the context holds beside one output token (vLLM's)."""
     prompt_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """vLLM's: each prompt token's logprob and the k most likely tokens at its position
     (completions: on each choice; chat: on the response). Not with stream, as in vLLM."""
@@ -184,7 +184,7 @@ class SamplingFields(StrictRequest):
     def _keeps_some(cls, value: int | None) -> int | None:
         if value == 0:
             raise ValueError("must be at least 1, or -1 for as many tokens as the context "
-                             "holds")
+                             "holds beside the output")
         return value
 
     @field_validator("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words",
