@@ -360,7 +360,7 @@ class AsyncEngine:
                         (out.finish_reason or "stop") if out.finished else None, logprobs,
                         None if out.error is None else EngineError(
                             out.error, out.error_code or "engine_error"),
-                        out.prompt_logprobs, out.num_cached_tokens)
+                        out.prompt_logprobs, out.num_cached_tokens, out.stop_reason)
         except EngineInternalError as exc:
             yield StreamChunk.failed(request_id, EngineError(str(exc)), *usage)
         except TimeoutError:

@@ -32,6 +32,8 @@ class IncrementalDetokenizer:
         self.text = ""
         self._emitted = 0
         self.stopped = False
+        self.matched_stop: str | None = None
+        """The stop string that ended the text (the earliest match), once stopped."""
 
     def add_tokens(self, token_ids: list[int]) -> None:
         """Append tokens; sets ``stopped`` if a stop string completed."""
@@ -73,12 +75,13 @@ class IncrementalDetokenizer:
         if not self._stop or len(self._ids) < self._min_tokens:
             return
         search_from = max(0, before - self._holdback)
-        hits = [(i, len(s)) for i, s in ((self.text.find(s, search_from), s) for s in self._stop)
-                if i >= 0]
+        hits = [(i, len(s), s) for i, s in ((self.text.find(s, search_from), s)
+                                            for s in self._stop) if i >= 0]
         if hits:
-            start, length = min(hits)
+            start, length, matched = min(hits)
             self.text = self.text[:start + length if self._include_stop else start]
             self.stopped = True
+            self.matched_stop = matched
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:

@@ -65,6 +65,15 @@ class _Tracked:
     num_tokens_reported: int = 0
     prompt_logprobs_reported: bool = False
 
+    @property
+    def stop_reason(self) -> int | str | None:
+        """RequestOutput.stop_reason of the finished request."""
+        if self.request.finish_reason != "stop":
+            return None
+        if self.detokenizer.matched_stop is not None:
+            return self.detokenizer.matched_stop
+        return self.request.stop_token
+
 
 class LLMEngine:
     """One model replica. Not thread-safe: AsyncEngine drives it from one thread."""
@@ -331,6 +340,7 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
             timing=request.timing,
             num_cached_tokens=request.num_cached_tokens or 0,
+            stop_reason=tracked.stop_reason if finished_here else None,
         )
 
     # ---------------------------------------------------------------------- metrics

@@ -177,6 +177,9 @@ class StreamChunk:
     error: EngineError | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None
     cached_tokens: int = 0
+    stop_reason: int | str | None = None
+    """On the last chunk of a request that finished with "stop": the stop string or
+    stop_token_ids entry that ended it (None: an end-of-sequence token)."""
 
     @property
     def finished(self) -> bool:
@@ -196,7 +199,7 @@ class StreamChunk:
                 "finish_reason": self.finish_reason, "logprobs": logprobs,
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
-                "cached_tokens": self.cached_tokens,
+                "cached_tokens": self.cached_tokens, "stop_reason": self.stop_reason,
                 "error": None if self.error is None else self.error.to_json(),
                 "prompt_logprobs": None if self.prompt_logprobs is None else [
                     None if p is None else {"token_id": p.token_id, "logprob": p.logprob,
@@ -211,6 +214,9 @@ class StreamChunk:
         scored = data.get("prompt_logprobs")
         error = data.get("error")
         finish = data.get("finish_reason")
+        stop_reason = data.get("stop_reason")
+        if not isinstance(stop_reason, (int, str)) or isinstance(stop_reason, bool):
+            stop_reason = None
         if data.get("finished") and finish is None:
             finish = "error" if error else "stop"
         return cls(
@@ -225,7 +231,7 @@ class StreamChunk:
                     int(p["token_id"]), float(p["logprob"]), int(p["rank"]),
                     tuple((int(t), float(lp)) for t, lp in p["top"]))
                 for p in scored],
-            int(data.get("cached_tokens") or 0))
+            int(data.get("cached_tokens") or 0), stop_reason)
 
 
 class ChunkStream:

@@ -107,6 +107,17 @@ class Request:
         return last in params.stop_token_ids or (not params.ignore_eos
                                                  and last in self.eos_token_ids)
 
+    @property
+    def stop_token(self) -> int | None:
+        """The stop_token_ids entry it finished on (None for an end-of-sequence id, which
+        vLLM reports as no stop_reason, or any other ending)."""
+        if not self.ended_by_stop_token:
+            return None
+        last, params = self.output_token_ids[-1], self.sampling_params
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return None
+        return last
+
     def check_token_stop(self) -> str | None:
         """Finish reason implied by the last token and the length limit (not stop strings)."""
         last = self.output_token_ids[-1]
@@ -148,3 +159,6 @@ class RequestOutput:
     ("invalid_request": a 400); None: the engine's (a 500)."""
     num_cached_tokens: int = 0
     """Prompt tokens read from the prefix cache at its first admission."""
+    stop_reason: int | str | None = None
+    """What ended it when finish_reason is "stop": the stop string matched, the
+    stop_token_ids entry sampled, or None (an end-of-sequence token), as vLLM reports it."""

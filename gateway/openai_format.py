@@ -67,6 +67,8 @@ class _Choice:
     entries: list[Entry] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob | None] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    """vLLM's: the stop string or stop token id that ended it, else None."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -161,6 +163,7 @@ class ResponseFormatter:
         if chunk.finish_reason is not None:
             choice.finish_reason = "length" if self.drop_output else \
                 _FINISH.get(chunk.finish_reason, "stop")
+            choice.stop_reason = None if self.drop_output else chunk.stop_reason
         entries: list[Entry] = []
         text = ""
         with_offsets = self.endpoint == "completions" and self.top_logprobs is not None
@@ -298,10 +301,12 @@ class ResponseFormatter:
                     message["tool_calls"] = calls
                 body: dict[str, Any] = {"index": index, "message": message,
                                         "logprobs": logprobs,
-                                        "finish_reason": _finish(choice.finish_reason, calls)}
+                                        "finish_reason": _finish(choice.finish_reason, calls),
+                                        "stop_reason": choice.stop_reason}
             else:
                 body = {"index": index, "text": text, "logprobs": logprobs,
-                        "finish_reason": choice.finish_reason}
+                        "finish_reason": choice.finish_reason,
+                        "stop_reason": choice.stop_reason}
             self._add_prompt_fields(response, body, choice, choice.token_ids, first=True)
             response["choices"].append(body)
         response["usage"] = self.usage()
@@ -372,35 +377,52 @@ class ResponseFormatter:
         first = not choice.started
         choice.started = True
         logprobs = self._logprobs(entries, choice.offsets[len(choice.offsets) - len(entries):])
+        opening: list[dict[str, Any]] = []
         if self.endpoint == "chat":
+            if first:  # as OpenAI and vLLM: the role alone, and the prompt's fields, first
+                opening.append(self._role_event(choice, index, usage))
+                first = False
             calls: list[dict[str, Any]] = []
             if self.tools is not None:
                 text, calls = self._content_delta(choice, finish is not None)
-                if (not first and not text and not calls and finish is None
-                        and logprobs is None and not (self.return_token_ids and new_ids)):
-                    return []  # all of it is held back (a call may be starting)
+            if (not text and not calls and finish is None and logprobs is None
+                    and not (self.return_token_ids and new_ids)):
+                return opening  # nothing new, or all of it held back (a call may start)
             # Beside calls, and in a forced call (it never holds text), no text is a null
             # content, as OpenAI streams it.
             forced = self.tools is not None and self.tools.mode in ("required", "named")
-            content = None if (calls or forced) and not text else text
-            delta: dict[str, Any] = {"role": "assistant", "content": content} if first else \
-                {"content": content}
+            delta: dict[str, Any] = {"content": None if (calls or forced) and not text
+                                     else text}
             if calls:
                 delta["tool_calls"] = calls
                 finish = _finish(finish, calls)
             body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": finish}
-            kind = "chat.completion.chunk"
         else:
             body = {"index": index, "text": text, "logprobs": logprobs,
                     "finish_reason": finish}
-            kind = "text_completion"
+        if finish is not None:  # as vLLM: on the choice's last chunk only
+            body["stop_reason"] = choice.stop_reason
+        event = self._event(body, usage)
+        self._add_prompt_fields(event, body, choice, new_ids, first)
+        return opening + [event]
+
+    def _role_event(self, choice: _Choice, index: int, usage: StreamUsage) -> dict[str, Any]:
+        """A chat choice's first stream event: its role with an empty content (and, when
+        asked for, the prompt's token ids and logprobs)."""
+        body: dict[str, Any] = {"index": index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}
+        event = self._event(body, usage)
+        self._add_prompt_fields(event, body, choice, [], first=True)
+        return event
+
+    def _event(self, body: dict[str, Any], usage: StreamUsage) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
         event: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created,
                                  "model": self.model, "choices": [body]}
-        self._add_prompt_fields(event, body, choice, new_ids, first)
         if usage != "none":  # the usage so far, or null until the last chunk
             event["usage"] = self.usage() if usage == "every_chunk" else None
-        return [event]
+        return event
 
     def usage_event(self) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"

@@ -46,7 +46,7 @@ def test_non_finite_logprobs_come_out_as_finite_json(tiny_model_dir: Path,
     whole.add(_chunk(tokenizer))
     final = _strict(whole.final())
     logprobs = final["choices"][0]["logprobs"]
-    assert events[0]["choices"][0]["logprobs"] == logprobs
+    assert events[-1]["choices"][0]["logprobs"] == logprobs
     if endpoint == "chat":
         chosen = [t["logprob"] for t in logprobs["content"]]
         tops = [[t["logprob"] for t in step["top_logprobs"]] for step in logprobs["content"]]
@@ -90,7 +90,8 @@ def test_a_forced_call_cut_at_max_tokens_keeps_what_it_completed(tiny_model_dir:
     streamed.start([PromptEcho([1, 2, 3])])
     deltas = [e["choices"][0] for chunk in chunks()
               for e in streamed.stream_events(chunk, usage="none")]
-    assert [d["delta"].get("content") for d in deltas] == [None, None]  # nothing of the call
+    assert deltas[0]["delta"] == {"role": "assistant", "content": ""}  # the role alone
+    assert [d["delta"].get("content") for d in deltas[1:]] == [None]  # nothing of the call
     assert deltas[-1]["finish_reason"] == "length"
     [call] = deltas[-1]["delta"]["tool_calls"]
     assert call["function"] == {"name": "add", "arguments": '{"a": 1}'}

@@ -101,7 +101,9 @@ def test_chat_stream_matches_the_whole_response(
     chunks = list(client.chat.completions.create(**request, stream=True,
                                                  stream_options={"include_usage": True}))
     *deltas, usage_chunk = chunks
-    assert deltas[0].choices[0].delta.role == "assistant"
+    # The role alone first, as OpenAI and vLLM stream it.
+    assert (deltas[0].choices[0].delta.role, deltas[0].choices[0].delta.content) == \
+        ("assistant", "")
     assert all(c.choices[0].delta.role is None for c in deltas[1:])
     assert "".join(c.choices[0].delta.content or "" for c in deltas) == \
         choice.message.content
@@ -132,11 +134,14 @@ def test_stop_strings_end_the_text_before_them(client: openai.OpenAI,
     expected = full[:full.index(stop)]
     cut = client.completions.create(**request, stop=stop)
     assert (cut.choices[0].text, cut.choices[0].finish_reason) == (expected, "stop")
+    assert _stop_reason(cut.choices[0]) == stop  # vLLM's: what stopped it
     assert cut.usage is not None and cut.usage.completion_tokens < 16
     streamed = list(client.completions.create(**request, stop=[stop, "never-generated"],
                                               stream=True))
     assert "".join(c.choices[0].text for c in streamed) == expected
     assert streamed[-1].choices[0].finish_reason == "stop"
+    assert _stop_reason(streamed[-1].choices[0]) == stop
+    assert all("stop_reason" not in (c.choices[0].model_extra or {}) for c in streamed[:-1])
 
     chat_request: dict[str, Any] = {"model": base_model, "messages": MESSAGES,
                                     "max_tokens": 16, "temperature": 0, "extra_body": NO_EOS}
@@ -146,6 +151,33 @@ def test_stop_strings_end_the_text_before_them(client: openai.OpenAI,
     chat = client.chat.completions.create(**chat_request, stop=[stop])
     assert chat.choices[0].message.content == content[:content.index(stop)]
     assert chat.choices[0].finish_reason == "stop"
+    assert _stop_reason(chat.choices[0]) == stop
+
+
+def _stop_reason(choice: Any) -> Any:
+    extra = choice.model_extra or {}
+    assert "stop_reason" in extra, "vLLM's stop_reason is on every finished choice"
+    return extra["stop_reason"]
+
+
+def test_stop_reason_names_the_stop_token_and_is_null_otherwise(
+        client: openai.OpenAI, tokenizer: PreTrainedTokenizerBase, base_model: str) -> None:
+    request: dict[str, Any] = {"model": base_model, "prompt": PROMPT, "max_tokens": 8,
+                               "temperature": 0}
+    full = client.completions.create(**request, extra_body={**NO_EOS,
+                                                            "return_token_ids": True})
+    assert full.choices[0].finish_reason == "length"
+    assert _stop_reason(full.choices[0]) is None
+    stop_id = (full.choices[0].model_extra or {})["token_ids"][3]
+    cut = client.completions.create(**request, extra_body={**NO_EOS,
+                                                           "stop_token_ids": [stop_id]})
+    assert cut.choices[0].finish_reason == "stop"
+    assert _stop_reason(cut.choices[0]) == stop_id
+    # An end-of-sequence token stops with no stop_reason (vLLM's): make EOS the only choice.
+    eos = tokenizer.eos_token_id
+    assert isinstance(eos, int)
+    ended = client.completions.create(**request, extra_body={"allowed_token_ids": [eos]})
+    assert (ended.choices[0].finish_reason, _stop_reason(ended.choices[0])) == ("stop", None)
 
 
 def test_sampling_controls_reach_the_engine(client: openai.OpenAI,
