@@ -1,7 +1,8 @@
 """The gateway's FastAPI app: OpenAI routes, health, metrics, instance view.
 
     GET  /health        200 while at least one instance is ready and the gateway is not
-                        draining, else 503
+                        draining, else 503 (also GET/POST /ping, vLLM's name for it)
+    GET  /version       {"version": the installed loragate's}
     GET  /metrics       Prometheus (gateway series, and an in-process engine's); the admin
                         key or the metrics token
     GET  /instances     what the router sees of every instance (debugging, benchmarks); the
@@ -18,6 +19,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +228,13 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         status = "draining" if app.state.draining else "ready" if ready else "no_instances"
         return JSONResponse({"status": status, "ready_instances": ready},
                             status_code=200 if status == "ready" else 503)
+
+    # vLLM's names for the same check (SageMaker's load balancer probes /ping).
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version("loragate")}
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:

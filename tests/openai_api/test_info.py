@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from importlib.metadata import version
 from typing import Any
 
 import httpx
@@ -158,3 +159,12 @@ def test_model_cards_and_tokenizer_info(gateway: LiveServer, client: openai.Open
     assert info["eos_token"] == tokenizer.eos_token
     assert info["vocab_size"] == len(tokenizer)
     assert info["chat_template"] == tokenizer.chat_template
+
+
+def test_version_and_ping_answer_as_vllm_names_them(gateway: LiveServer) -> None:
+    assert httpx.get(gateway.url + "/version", timeout=10.0).json() == {
+        "version": version("loragate")}
+    health = httpx.get(gateway.url + "/health", timeout=10.0)
+    for method in ("GET", "POST"):
+        ping = httpx.request(method, gateway.url + "/ping", timeout=10.0)
+        assert (ping.status_code, ping.json()) == (health.status_code, health.json())
