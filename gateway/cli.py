@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.adapter_roots import parse_adapters
 from engine.config_args import local_path
 from engine.http import cli as engine_cli
 from gateway.cli_common import DEMO_HOME
@@ -25,6 +26,20 @@ def is_loopback(host: str) -> bool:
     from engine.http.auth import is_loopback as loopback
 
     return loopback(host)
+
+
+def served_adapters(specs: Sequence[str], adapter_dir: str | None, model: str,
+                    attached: bool) -> tuple[dict[str, str], str | None]:
+    """(name -> path, the adapter directory) that `serve` registers: those named by --lora /
+    --adapter-dir, else the model directory's own `adapters/`, unless the gateway attaches
+    to running engines (--engine): those load only from their own adapter roots, so the
+    model's adapters are served there only when named (and the engines allow them)."""
+    adapters = parse_adapters(specs, adapter_dir)
+    own = Path(model) / "adapters"
+    if not adapters and adapter_dir is None and not attached and own.is_dir():
+        adapter_dir = str(own)
+        adapters = parse_adapters([], adapter_dir)
+    return adapters, adapter_dir
 
 
 def _configs(args: argparse.Namespace, model: str) -> tuple[Any, Any]:
@@ -44,7 +59,7 @@ def _configs(args: argparse.Namespace, model: str) -> tuple[Any, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from engine.adapter_roots import parse_adapters, roots_from_env
+    from engine.adapter_roots import roots_from_env
     from engine.config import EngineConfig
     from engine.env_names import warn_unknown
     from gateway.config import GatewayConfig
@@ -64,12 +79,8 @@ def _serve(args: argparse.Namespace) -> int:
     if model is None:
         raise ValueError("--engine needs --model too: the gateway tokenizes with the model's "
                          "tokenizer (a local copy of the model directory is enough)")
-    adapters = parse_adapters(args.lora, args.adapter_dir)
-    adapter_dir = args.adapter_dir
-    demo_adapters = Path(model) / "adapters"
-    if not adapters and adapter_dir is None and demo_adapters.is_dir():
-        adapter_dir = str(demo_adapters)
-        adapters = parse_adapters([], adapter_dir)
+    adapters, adapter_dir = served_adapters(args.lora, args.adapter_dir, model,
+                                            attached=bool(args.engine))
     gateway_config, engine_config = _configs(args, model)
     if gateway_config.adapter_upload_dir:  # recorded in adapter paths the engines load
         gateway_config = dataclasses.replace(

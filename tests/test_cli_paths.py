@@ -1,5 +1,6 @@
 """Relative path flags are made absolute once, as the command line is parsed, so engines
-started from another working directory and the gateway name the same model directory."""
+started from another working directory and the gateway name the same model directory; and
+which adapters `serve` registers by itself."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import build_parser
+from gateway.cli import build_parser, served_adapters
 
 
 @pytest.mark.parametrize("command", ["serve", "engine", "generate", "chat"])
@@ -27,3 +28,21 @@ def test_free_port_never_hands_out_a_port_twice() -> None:
 
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
+
+
+def _peft_dir(path: Path) -> None:
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text("{}")
+
+
+def test_the_model_dirs_adapters_are_served_only_by_engines_started_here(
+        tmp_path: Path) -> None:
+    # Engines attached with --engine load only from their own adapter roots: advertising
+    # the model's adapters/ there would answer every request for them with an error.
+    _peft_dir(tmp_path / "adapters" / "shout")
+    own = str((tmp_path / "adapters" / "shout").resolve())
+    assert served_adapters([], None, str(tmp_path), attached=False) == (
+        {"shout": own}, str(tmp_path / "adapters"))
+    assert served_adapters([], None, str(tmp_path), attached=True) == ({}, None)
+    named = served_adapters([], str(tmp_path / "adapters"), str(tmp_path), attached=True)
+    assert named == ({"shout": own}, str(tmp_path / "adapters"))
