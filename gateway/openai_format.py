@@ -35,6 +35,12 @@ def _finish(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
 def finite_logprob(value: float) -> float:
     """`value` as JSON can carry it: non-finite values become LOGPROB_FLOOR, a logprob
     never exceeds 0, and nothing goes below the floor."""
@@ -209,10 +215,7 @@ class ResponseFormatter:
     def usage(self) -> dict[str, Any]:
         """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` as OpenAI and
         vLLM name the prompt tokens served from a cache."""
-        return {"prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return _usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     # ------------------------------------------------------------------ logprobs
     def _token(self, token_id: int) -> str:
@@ -403,7 +406,7 @@ class ResponseFormatter:
                     "finish_reason": finish}
         if finish is not None:  # as vLLM: on the choice's last chunk only
             body["stop_reason"] = choice.stop_reason
-        event = self._event(body, usage)
+        event = self._event(body, usage, choice)
         self._add_prompt_fields(event, body, choice, new_ids, first)
         return opening + [event]
 
@@ -412,16 +415,23 @@ class ResponseFormatter:
         asked for, the prompt's token ids and logprobs)."""
         body: dict[str, Any] = {"index": index, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}
-        event = self._event(body, usage)
+        event = self._event(body, usage, choice, completion_tokens=0)
         self._add_prompt_fields(event, body, choice, [], first=True)
         return event
 
-    def _event(self, body: dict[str, Any], usage: StreamUsage) -> dict[str, Any]:
+    def _event(self, body: dict[str, Any], usage: StreamUsage, choice: _Choice,
+               completion_tokens: int | None = None) -> dict[str, Any]:
+        """A stream event of ``choice``; with continuous_usage_stats its usage so far (as
+        vLLM counts it: that choice's prompt and its tokens up to this event), else null
+        until the last, choice-less event."""
         kind = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
         event: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created,
                                  "model": self.model, "choices": [body]}
-        if usage != "none":  # the usage so far, or null until the last chunk
-            event["usage"] = self.usage() if usage == "every_chunk" else None
+        if usage == "every_chunk":
+            done = choice.completion_tokens if completion_tokens is None else completion_tokens
+            event["usage"] = _usage(choice.prompt_tokens, done, choice.cached_tokens)
+        elif usage != "none":
+            event["usage"] = None
         return event
 
     def usage_event(self) -> dict[str, Any]:

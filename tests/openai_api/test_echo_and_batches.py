@@ -123,8 +123,8 @@ def test_a_batch_answers_as_its_prompts_one_by_one(client: openai.OpenAI,
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
         client: openai.OpenAI, base_model: str, endpoint: str) -> None:
-    # vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens
-    # streamed up to it; the last, choice-less chunk has the whole usage as before.
+    # vLLM's stream_options.continuous_usage_stats: each chunk's usage counts its choice's
+    # tokens streamed up to it; the last, choice-less chunk has the whole usage as before.
     args: dict[str, Any] = {
         "model": base_model, "max_tokens": 6, "stream": True, "extra_body": NO_EOS,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **GREEDY}
@@ -140,6 +140,14 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
             chunk.usage.completion_tokens
         counts.append(chunk.usage.completion_tokens)
     assert counts == sorted(counts) and counts[-1] == 6 and len(chunks) >= 2
+    # With n > 1 each chunk counts its own choice's tokens, as vLLM does.
+    by_choice: dict[int, list[int]] = {0: [], 1: []}
+    *chunks, last = client.completions.create(prompt=PROMPT, n=2, **args)
+    assert last.usage is not None and last.usage.completion_tokens == 12
+    for chunk in chunks:
+        assert chunk.usage is not None and chunk.usage.prompt_tokens == last.usage.prompt_tokens
+        by_choice[chunk.choices[0].index].append(chunk.usage.completion_tokens)
+    assert all(c == sorted(c) and c[-1] == 6 for c in by_choice.values()), by_choice
     # Without it, the chunks' usage stays null.
     args["stream_options"] = {"include_usage": True}
     plain = list(client.completions.create(prompt=PROMPT, **args))
