@@ -29,10 +29,11 @@ LOGPROB_FLOOR = -9999.0
 bare -Infinity or NaN is not JSON, and strict parsers refuse the whole response."""
 
 
-def _finish(reason: str | None, calls: list[dict[str, Any]]) -> str | None:
-    """A chat choice's finish_reason: "tool_calls" when it ended by itself with calls; an
-    output cut at max_tokens stays "length", whatever calls it completed before the cut."""
-    return "tool_calls" if calls and reason == "stop" else reason
+def _finish(reason: str | None, calls: list[dict[str, Any]], named: bool) -> str | None:
+    """A chat choice's finish_reason: "tool_calls" when it ended by itself with calls,
+    except under a named tool_choice, which OpenAI (and vLLM) end with "stop"; an output cut
+    at max_tokens stays "length", whatever calls it completed before the cut."""
+    return "tool_calls" if calls and reason == "stop" and not named else reason
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -131,6 +132,10 @@ class ResponseFormatter:
         """best_of: the sequences kept per prompt (the most likely), when fewer than run."""
         self.choices = [_Choice(PromptEcho([]))]
         self.group = 1
+
+    @property
+    def _named(self) -> bool:
+        return self.tools is not None and self.tools.mode == "named"
 
     def start(self, prompts: list[PromptEcho], group: int = 1) -> None:
         """One choice per sequence, set once the prompts are tokenized (what the engines
@@ -304,7 +309,8 @@ class ResponseFormatter:
                     message["tool_calls"] = calls
                 body: dict[str, Any] = {"index": index, "message": message,
                                         "logprobs": logprobs,
-                                        "finish_reason": _finish(choice.finish_reason, calls),
+                                        "finish_reason": _finish(choice.finish_reason, calls,
+                                                                 self._named),
                                         "stop_reason": choice.stop_reason}
             else:
                 body = {"index": index, "text": text, "logprobs": logprobs,
@@ -398,7 +404,7 @@ class ResponseFormatter:
                                      else text}
             if calls:
                 delta["tool_calls"] = calls
-                finish = _finish(finish, calls)
+                finish = _finish(finish, calls, self._named)
             body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": finish}
         else:

@@ -96,12 +96,13 @@ def test_a_named_choice_calls_that_tool_streamed_or_not(client: openai.OpenAI,
     reply = client.chat.completions.create(**args)
     [call] = reply.choices[0].message.tool_calls or []
     assert call.function.name == "get_time" and _valid("get_time", call.function.arguments)
+    assert reply.choices[0].finish_reason == "stop"  # OpenAI's (and vLLM's) for a named call
     deltas = [e.choices[0] for e in client.chat.completions.create(**args, stream=True)
               if e.choices]
     streamed = [c for d in deltas for c in d.delta.tool_calls or []]
     assert [(c.index, c.function.name, c.function.arguments) for c in streamed if c.function] \
         == [(0, "get_time", call.function.arguments)]
-    assert deltas[-1].finish_reason == "tool_calls"
+    assert deltas[-1].finish_reason == "stop"
     assert all(not d.delta.content for d in deltas)
     # The call's text is held back, and nothing is sent meanwhile: the role, then the call.
     assert len(deltas) == 2 and deltas[0].delta.role == "assistant"
