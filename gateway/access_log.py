@@ -5,7 +5,9 @@
 
 AccessLog is a pure ASGI middleware (no per-chunk cost on streams) that times the request
 from its arrival to the last byte of its response, and hands every response's status to
-``observe`` (the response metrics: it sees refusals made before any route ran). Routes
+``observe`` (the response metrics: it sees refusals made before any route ran). A response
+its client left before the last byte (a stream abandoned mid-way) is status 0 there, and
+499 in the line, as nginx logs a closed client, not the 200 it started with. Routes
 that know more (the tenant, the adapter, token counts, when the first token came) fill the
 AccessRecord they find with ``record_of(request)``; fields nobody filled are logged as
 ``-``. The line holds no key, prompt or body: it is safe to keep.
@@ -65,22 +67,30 @@ class AccessLog:
         record = AccessRecord(time.monotonic())
         scope[SCOPE_KEY] = record
         status = 0  # 0: no response started (the client went away first)
+        complete = False
 
         async def send_status(message: Message) -> None:
-            nonlocal status
+            nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = int(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                complete = True
             await send(message)
 
         try:
             await self.app(scope, receive, send_status)
+        except Exception:
+            complete = True  # the app's own failure: its status (or none) stands
+            raise
         finally:
+            if not complete:  # a response left unfinished: its client went away (a stream
+                status = 0    # abandoned mid-way), not the status it started with
             if self.observe is not None:
                 self.observe(scope, status)
             if log.isEnabledFor(logging.INFO):
                 if record.finish is not None:
                     record.finish(record)
-                log.info("%s", access_line(scope["method"], scope["path"], status, record,
+                log.info("%s", access_line(scope["method"], scope["path"], status or 499, record,
                                            time.monotonic()))
 
 

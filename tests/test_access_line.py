@@ -1,9 +1,16 @@
 """The access line: what a request's record says, with the client's own text (the path, the
-end user's id) made printable so that no client can forge a line."""
+end user's id) made printable so that no client can forge a line; and the status of a
+response its client left half-way."""
 
 from __future__ import annotations
 
-from gateway.access_log import AccessRecord, access_line
+import asyncio
+import logging
+
+from starlette.responses import StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.access_log import AccessLog, AccessRecord, access_line
 
 
 def test_the_line_names_the_end_user_without_letting_it_forge_a_line() -> None:
@@ -20,3 +27,50 @@ def test_a_request_without_an_end_user_has_no_user_field() -> None:
     line = access_line("GET", "/health", 200, AccessRecord(start=0.0), now=0.001)
     assert line == ("GET /health 200 tenant=- adapter=- prompt_tokens=- completion_tokens=- "
                     "ttft_ms=- duration_ms=1.0")
+
+
+def _run(app: ASGIApp, disconnect: bool) -> tuple[list[int], list[str]]:
+    """Drive AccessLog around ``app`` for one GET; returns what observe saw and the lines."""
+    seen: list[int] = []
+    lines: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    async def receive() -> Message:
+        if disconnect:
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async def send(message: Message) -> None:
+        pass
+
+    handler = Catch()
+    logger = logging.getLogger("loragate.access")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        scope = {"type": "http", "method": "GET", "path": "/v1/x", "headers": []}
+        asyncio.run(AccessLog(app, lambda _, status: seen.append(status))(scope, receive, send))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return seen, lines
+
+
+def test_a_stream_its_client_left_is_logged_as_closed_not_as_its_200() -> None:
+    async def stream(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        if (await receive())["type"] == "http.disconnect":
+            return  # as a streaming response does when its client goes away
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    seen, lines = _run(stream, disconnect=True)
+    assert seen == [0] and lines[0].startswith("GET /v1/x 499 ")
+    done = StreamingResponse(iter([b"a", b"b"]))
+    seen, lines = _run(done, disconnect=False)
+    assert seen == [200] and lines[0].startswith("GET /v1/x 200 ")
