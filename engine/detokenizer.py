@@ -74,8 +74,9 @@ class IncrementalDetokenizer:
     def _check_stop(self, before: int) -> None:
         if not self._stop or len(self._ids) < self._min_tokens:
             return
-        search_from = max(0, before - self._holdback)
-        hits = [(i, len(s), s) for i, s in ((self.text.find(s, search_from), s)
+        # Only a stop string that ends in the new text: one wholly in older text was either
+        # seen when that text came, or came within the first min_tokens tokens (not a stop).
+        hits = [(i, len(s), s) for i, s in ((self.text.find(s, max(0, before - len(s) + 1)), s)
                                             for s in self._stop) if i >= 0]
         if hits:
             start, length, matched = min(hits)

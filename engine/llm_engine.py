@@ -308,8 +308,11 @@ class LLMEngine:
                 and not request.sampling_params.include_stop_str_in_output):
             new_ids = new_ids[:-1]  # the stop token's text is not output
         tracked.detokenizer.add_tokens(new_ids)
-        if tracked.detokenizer.stopped and request.status is not RequestStatus.FINISHED:
-            self.scheduler.finish(request.request_id, "stop")
+        if tracked.detokenizer.stopped:
+            if request.status is not RequestStatus.FINISHED:
+                self.scheduler.finish(request.request_id, "stop")
+            else:  # it reached max_tokens on the token that completed a stop string: the
+                request.finish_reason = "stop"  # stop string ended it (as in vLLM)
         return self._output(tracked, finished_here=request.status is RequestStatus.FINISHED)
 
     def _output(self, tracked: _Tracked, finished_here: bool) -> RequestOutput:

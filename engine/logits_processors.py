@@ -99,7 +99,8 @@ def adjust_logits(logits: torch.Tensor, rows: list[RowState], stop_ids: frozense
                 banned_rows.append(i)
                 banned_ids.append(word[-1])
         if r.num_output_tokens < p.min_tokens:
-            for token in (stop_ids if not p.ignore_eos else frozenset()) | set(p.stop_token_ids):
+            # End-of-sequence ids too under ignore_eos (as vLLM and transformers ban them).
+            for token in stop_ids | set(p.stop_token_ids):
                 banned_rows.append(i)
                 banned_ids.append(token)
         for token, value in p.logit_bias:
