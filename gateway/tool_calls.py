@@ -132,7 +132,7 @@ class ToolPlan:
         found = [_call(c["name"], c.get("arguments", c.get("parameters")))
                  for c in map(_json, _BLOCK.findall(text)) if self._is_call(c)]
         if found:
-            return self.outside_calls(text).strip() or None, found
+            return self._beside_calls(text) or None, found
         whole = _json(text)
         candidates = whole if isinstance(whole, list) else [whole]
         if candidates and all(self._is_call(c) for c in candidates):
@@ -153,6 +153,14 @@ class ToolPlan:
     def outside_calls(self, text: str) -> str:
         """The text without its call blocks (auto's content, before stripping)."""
         return _BLOCK.sub("", text) if self.mode == "auto" else ""
+
+    def _beside_calls(self, text: str) -> str:
+        """auto's content beside its calls, as a stream sends it: the text before the first
+        call as it came (vLLM's content), then what lies outside the calls after it, less
+        trailing whitespace."""
+        before = max(0, text.find(OPEN_TAG))
+        outside = self.outside_calls(text)
+        return outside[:before] + outside[before:].rstrip()
 
     def _is_call(self, value: Any) -> bool:
         names = {f.name for f in self.functions}

@@ -104,6 +104,36 @@ def test_a_forced_call_cut_at_max_tokens_keeps_what_it_completed(tiny_model_dir:
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["add"]
 
 
+@pytest.mark.parametrize(("text", "content"), [
+    ('Let me check. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n',
+     "Let me check. "),
+    ('First. <tool_call>{"name": "add", "arguments": {}}</tool_call> then more.  ',
+     "First.  then more."),
+    ('<tool_call>{"name": "add", "arguments": {}}</tool_call>', "")])
+def test_auto_calls_leave_the_same_content_streamed_or_whole(tiny_model_dir: Path,
+                                                             text: str, content: str) -> None:
+    # The text before the first call as it came (vLLM's content; a stream has sent it
+    # already), what lies outside the calls after it less trailing whitespace.
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tools = ToolPlan((Function("add", None, {"type": "object"}),), "auto")
+    chunks = [StreamChunk("r", [5], text[i:i + 3], 3, i + 1,
+                          "stop" if i + 3 >= len(text) else None)
+              for i in range(0, len(text), 3)]
+    streamed = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
+    streamed.start([PromptEcho([1, 2, 3])])
+    deltas = [e["choices"][0]["delta"] for chunk in chunks
+              for e in streamed.stream_events(chunk, usage="none")]
+    whole = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
+    whole.start([PromptEcho([1, 2, 3])])
+    for chunk in chunks:
+        whole.add(chunk)
+    [choice] = whole.final()["choices"]
+    sent = "".join(d.get("content") or "" for d in deltas)
+    assert (choice["message"]["content"] or "") == sent
+    assert sent == content
+    assert choice["finish_reason"] == "tool_calls"
+
+
 def test_text_offsets_index_the_text_where_characters_span_tokens(
         tiny_model_dir: Path) -> None:
     """Streamed one token per chunk (as the engine emits text: a character once complete)
