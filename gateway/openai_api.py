@@ -100,12 +100,14 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
         async def encode(context: int) -> list[PromptEcho]:
             ids = await prompts_encoder.encode_chat_request(body, context,
                                                             _kept_tokens(body, context))
-            return [_fitting(ids, context, "messages")]
+            prompt = _fitting(ids, context, "messages")
+            prompt.text = body.echoed_text()
+            return [prompt]
 
         top = (body.top_logprobs or 0) if body.logprobs else None
         body.model = body.model or get_gateway().base_model
         fmt = ResponseFormatter("chat", body.model, tokenizer, top, body.return_token_ids,
-                                body.return_tokens_as_token_ids, token_bytes,
+                                body.return_tokens_as_token_ids, token_bytes, echo=body.echo,
                                 prompt_logprobs=body.prompt_logprobs, tools=body.tool_plan())
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         call = _Call(body, request, principal, claim, "chat", body.requested_max_tokens(),

@@ -192,6 +192,10 @@ class ChatCompletionRequest(SamplingFields):
     """End the rendered prompt with the assistant's turn opened (vLLM's default)."""
     continue_final_message: StrictBool = False
     """Render the last (assistant) message open-ended, so the model continues it."""
+    echo: StrictBool = False
+    """vLLM's: the answer's content starts with the last message's text when that message
+    is the answering role's (an assistant message, or any last message without
+    add_generation_prompt), e.g. the assistant text that continue_final_message continues."""
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
     """Extra variables for the model's chat template (e.g. enable_thinking)."""
     tools: Annotated[list[ToolDefinition], Field(min_length=1, max_length=MAX_TOOLS)] | None \
@@ -225,6 +229,9 @@ class ChatCompletionRequest(SamplingFields):
             constraint = self.tool_plan().constraint()
         except ValueError as exc:  # the tools' schemas, as one grammar, are too large
             raise InvalidField("tools", str(exc)) from None
+        if self.echo and self.tool_plan().mode in ("required", "named"):
+            raise InvalidField("echo", "echo cannot be combined with a forced tool call "
+                               "(tool_choice required or named): its answer is the call")
         if constraint is not None and self.structured_output() is not None:
             raise InvalidField("tool_choice", "a constrained tool call (tool_choice required "
                                "or named, or a strict function) cannot be combined with "
@@ -250,6 +257,13 @@ class ChatCompletionRequest(SamplingFields):
                                f"{', '.join(reserved)}: they are request fields or the "
                                f"server's own")
         return self
+
+    def echoed_text(self) -> str:
+        """What ``echo`` puts before the generated content ("" without echo)."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return ""
+        return last.text()
 
     def template_options(self) -> dict[str, Any]:
         """Keyword arguments of the tokenizer's apply_chat_template for this request."""

@@ -118,7 +118,6 @@ CHAT: Mapping[str, Unsupported] = {
                                     "prefixes; cache_salt keeps tenants' caches apart"),
     "prompt_cache_options": _off(reason="the router places requests by their prompts' cached "
                                         "prefixes"),
-    "echo": _off(False, reason="the last message is not echoed"),
     "add_special_tokens": _off(False, reason="the chat template places special tokens"),
     "chat_template": _off(reason="the model's own chat template is used"),
     "documents": _off(reason="put documents in the messages"),

@@ -100,7 +100,8 @@ class ResponseFormatter:
     on the choice; chat: on the response). OpenAI's ``echo`` (completions) puts the prompt's
     text before the generated text and, with logprobs, its tokens before the generated ones
     (the first with a null logprob); ``drop_output`` (echo with max_tokens 0) reports the
-    prompt alone, the one token the engine generated left out.
+    prompt alone, the one token the engine generated left out. vLLM's chat ``echo`` puts
+    the prompt's text (the last message's, PromptEcho.text) before the content.
 
     A batch of prompts is one choice per prompt (``start``); chunks name their choice by
     index."""
@@ -180,8 +181,8 @@ class ResponseFormatter:
         with_offsets = self.endpoint == "completions" and self.top_logprobs is not None
         if self.echo and not choice.text:
             text = choice.prompt.text
-            if self.top_logprobs is not None:
-                entries = self._prompt_entries(choice)
+            if self.top_logprobs is not None and self.endpoint == "completions":
+                entries = self._prompt_entries(choice)  # chat's logprobs are its output's
             if with_offsets:
                 # The echoed text is the prompt as sent; its tokens decode to it, special
                 # tokens (a BOS the tokenizer added) as nothing.

@@ -64,7 +64,7 @@ ACTIVE: dict[str, Any] = {
     "use_beam_search": True, "length_penalty": 0.5, "spaces_between_special_tokens": False,
     "logits_processors": ["x"],
     "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " ",
-    "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "echo": True, "suffix": "end",
+    "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1}, "suffix": "end",
     "add_special_tokens": "flip",  # per endpoint: the opposite of what it does (below)
     "functions": [{"name": "f"}],
     "function_call": "auto", "audio": {"voice": "alloy", "format": "mp3"},
@@ -206,7 +206,7 @@ def test_an_assistant_refusal_in_the_history_is_what_it_said() -> None:
 @pytest.mark.parametrize("endpoint, name", [("chat", "guided_decoding_backend"),
                                             ("chat", "functions"),
                                             ("completions", "suffix"),
-                                            ("chat", "echo")])
+                                            ("chat", "chat_template")])
 def test_the_server_answers_400_naming_the_field(gateway: LiveServer, client: openai.OpenAI,
                                                  base_model: str, endpoint: str,
                                                  name: str) -> None:

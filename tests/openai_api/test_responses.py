@@ -317,6 +317,35 @@ def test_chat_template_options_shape_the_prompt(client: openai.OpenAI,
                           else started, **bad)
 
 
+def test_chat_echo_starts_the_content_with_the_last_message(client: openai.OpenAI,
+                                                             base_model: str) -> None:
+    # vLLM's chat echo: the continued assistant text, then what the model wrote after it.
+    started = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+    args: dict[str, Any] = {"model": base_model, "messages": started, "max_tokens": 6,
+                            "temperature": 0}
+    options = {**NO_EOS, "add_generation_prompt": False, "continue_final_message": True}
+    plain = client.chat.completions.create(**args, extra_body=options).choices[0]
+    echoed = client.chat.completions.create(**args, extra_body={**options, "echo": True})
+    assert echoed.choices[0].message.content == "The answer is" + (plain.message.content or "")
+    assert echoed.usage is not None and echoed.usage.completion_tokens == 6
+    streamed = list(client.chat.completions.create(**args, stream=True,
+                                                   extra_body={**options, "echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == \
+        echoed.choices[0].message.content
+    # A user message last, answered by the assistant: not the answer's role, not echoed.
+    asked = client.chat.completions.create(model=base_model, messages=MESSAGES, max_tokens=4,
+                                           temperature=0, extra_body={**NO_EOS, "echo": True})
+    alone = client.chat.completions.create(model=base_model, messages=MESSAGES, max_tokens=4,
+                                           temperature=0, extra_body=NO_EOS)
+    assert asked.choices[0].message.content == alone.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=base_model, messages=MESSAGES, max_tokens=4, extra_body={"echo": True},
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice="required")
+    assert refused.value.body["param"] == "echo"  # type: ignore[index]
+
+
 def test_an_adapter_changes_the_greedy_output(client: openai.OpenAI, base_model: str) -> None:
     texts = {model: client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
                                               temperature=0, extra_body=NO_EOS
