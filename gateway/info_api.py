@@ -133,10 +133,11 @@ def counted(gateway: Gateway, claim: Claim) -> Iterator[None]:
 
 
 def model_card(gateway: Gateway, name: str, created: int) -> dict[str, Any]:
-    """OpenAI's model object for the base model or one of its adapters."""
+    """OpenAI's model object for the base model or one of its adapters, with vLLM's
+    ``max_model_len`` (the context of the ready instances; null while none is)."""
     parent = None if name == gateway.base_model else gateway.base_model
     return {"id": name, "object": "model", "created": created, "owned_by": "loragate",
-            "root": name, "parent": parent}
+            "root": name, "parent": parent, "max_model_len": gateway.max_model_len() or None}
 
 
 def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder

@@ -36,6 +36,7 @@ def test_models_lists_the_base_model_and_every_adapter(client: openai.OpenAI,
     assert [m.id for m in models] == [base_model, "a0", "a1"]
     assert all(m.object == "model" and m.owned_by == "loragate" for m in models)
     assert [getattr(m, "parent", None) for m in models] == [None, base_model, base_model]
+    assert {getattr(m, "max_model_len", None) for m in models} == {CONTEXT}  # vLLM's
 
 
 def _same_usage(again: CompletionUsage | None, first: CompletionUsage) -> bool:
