@@ -75,6 +75,11 @@ class GatewayConfig:
     """How a request body's ``priority`` orders requests: larger first (loragate's), or
     smaller first (vLLM's, for clients written against it). Tenants' tiers always rank
     larger first."""
+    tpm_unset_output_reserve: int = 1024
+    """Tokens a request that sets no max_tokens (its output may fill the context) reserves
+    of its tenant's TPM for its output, at most: reserving the whole context would lock a
+    tenant out of its limit with one such request. What it uses beyond is charged when it
+    ends (so a burst of them can pass the limit by that much, once)."""
     adapter_resolver_roots: tuple[str, ...] = ()
     """Opt-in, as vLLM's adapter resolvers: a request naming a model the gateway does not
     know loads ROOT/<name> (a PEFT directory, first root that has it) as a public adapter on
@@ -115,7 +120,8 @@ class GatewayConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.routing not in ("score", "round_robin"):
             raise ValueError(f"routing must be 'score' or 'round_robin', got {self.routing!r}")
-        for name in ("max_in_flight_per_instance", "eject_after_failures", "max_attempts"):
+        for name in ("max_in_flight_per_instance", "eject_after_failures", "max_attempts",
+                     "tpm_unset_output_reserve"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -168,8 +168,8 @@ async def _serve(gateway: Gateway, req: _Call,
         jobs.extend(_job(gateway, claim, req, adapter, prompt.token_ids, context, sample)
                     for prompt in prompts for sample in range(k))
         fmt.start([prompt for prompt in prompts for _ in range(k)], k)
-        await gateway.limiter.reserve(claim.ticket, sum(
-            len(job.request.prompt_token_ids) + job.request.params.max_tokens for job in jobs))
+        await gateway.limiter.reserve(claim.ticket, sum(_reserved(gateway, req, job)
+                                                         for job in jobs))
         return await _respond(gateway, jobs, req, fmt)
     except BaseException as exc:
         gateway.settle(claim, 0, _outcome(exc))
@@ -179,6 +179,15 @@ async def _serve(gateway: Gateway, req: _Call,
         gateway.metrics.requests.labels(req.endpoint, str(status), label,
                                         instance or "none").inc()
         raise
+
+
+def _reserved(gateway: Gateway, req: _Call, job: Job) -> int:
+    """The TPM a sequence reserves: its prompt and its max_tokens, or, when the request set
+    none, at most the configured share of the context it may fill."""
+    output = job.request.params.max_tokens
+    if req.max_tokens is None:
+        output = min(output, gateway.config.tpm_unset_output_reserve)
+    return len(job.request.prompt_token_ids) + output
 
 
 def _outcome(exc: BaseException) -> Outcome:

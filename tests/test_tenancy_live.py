@@ -41,6 +41,7 @@ from tests.tenancy_helpers import (
 )
 
 LONG_PROMPT = list(range(10, 10 + 160))  # 10 full blocks of 16
+UNSET_RESERVE = 64  # --tpm-unset-output-reserve of the gateways
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,8 @@ def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
                           str(root))
     gateways = [start_gateway(tiny_model_dir, [engine.url], root, "--admin-key", ADMIN,
                               "--redis-url", redis.url, "--state-refresh-s", "0.1",
-                              "--adapter-upload-dir", str(upload_dir))
+                              "--adapter-upload-dir", str(upload_dir),
+                              "--tpm-unset-output-reserve", str(UNSET_RESERVE))
                 for _ in range(2)]
     try:
         for server in (engine, *gateways):
@@ -350,6 +352,23 @@ def test_tpm_counts_prompt_and_completion_tokens(setup: Setup) -> None:
     refused = poll(lambda: if_status(complete(setup, key, base, gateway=1), 429),
                    "the charge to reach the shared counter", timeout_s=5)
     assert refused.json()["error"]["code"] == "tpm_exceeded"
+
+
+def test_a_chat_without_max_tokens_reserves_a_share_not_the_whole_context(
+        setup: Setup) -> None:
+    # Its output may fill the context (1024 tokens here): reserving all of that would
+    # refuse it outright under a TPM of 400; it reserves UNSET_RESERVE and is charged what
+    # it used.
+    key = new_tenant(setup, "iota", tpm=400)
+    base = poll(lambda: models(setup, key, 0), "the gateway to know iota")[0]
+    reply = httpx.post(setup.gateways[0].url + "/v1/chat/completions", timeout=60.0,
+                       headers={"Authorization": f"Bearer {key}"},
+                       json={"model": base, "messages": [{"role": "user", "content": "hi"}],
+                             "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    used = reply.json()["usage"]["total_tokens"]
+    assert poll(lambda: tokens_counted(setup, "iota") == used or None,
+                "the request to be charged what it used")
 
 
 def test_redis_outage_fails_open_and_recovers(setup: Setup) -> None:
