@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.invalid_field import InvalidField
+
 if TYPE_CHECKING:
     import torch  # annotations only: the gateway imports this module for its specs
 
@@ -47,9 +49,14 @@ class StructuredOutput:
     any_whitespace: bool = True
     """JSON kinds: whitespace between tokens as JSON allows; False: compact JSON only (a
     small model can otherwise spend its whole budget on whitespace)."""
+    param: str = field(default="structured_outputs", compare=False)
+    """The request field it came from: what a spec that does not compile is refused as (no
+    part of its identity: the same grammar from two fields is one)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(self.choices))
+        if not isinstance(self.param, str) or not 0 < len(self.param) <= 64:
+            raise ValueError("a structured output's param names a request field")
         if self.kind not in KINDS:
             raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, got "
                              f"{self.kind!r}")
@@ -70,7 +77,7 @@ class StructuredOutput:
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "spec": self.spec, "choices": list(self.choices),
-                "any_whitespace": self.any_whitespace}
+                "any_whitespace": self.any_whitespace, "param": self.param}
 
 
 def _choice_grammar(choices: Iterable[str]) -> str:
@@ -132,10 +139,11 @@ class GrammarCompiler:
                 return self._compiler.compile_structural_tag(spec.spec)
             return self._compiler.compile_grammar(spec.spec)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"the JSON schema is not valid JSON: {exc.msg}") from None
+            raise InvalidField(spec.param, f"the JSON schema is not valid JSON: {exc.msg}"
+                               ) from None
         except (RuntimeError, ValueError) as exc:  # xgrammar reports bad specs so
-            raise ValueError(f"invalid {spec.kind} for structured output: "
-                             f"{library_reason(str(exc))}") from None
+            raise InvalidField(spec.param, f"invalid {spec.kind} for structured output: "
+                               f"{library_reason(str(exc))}") from None
 
 
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")

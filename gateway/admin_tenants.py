@@ -22,6 +22,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from engine.http.errors import ApiError
+from engine.invalid_field import field_of
 from gateway import adapter_admin as lifecycle
 from gateway.admin_common import NAME_PATTERN, AdminGateway, get_tenant
 from gateway.openai_text import Text
@@ -149,7 +150,7 @@ def _tenant(**fields: Any) -> Tenant:
     try:
         return Tenant(**fields)
     except (ValueError, TypeError) as exc:
-        raise ApiError(400, str(exc)) from None
+        raise ApiError(400, str(exc), param=field_of(exc)) from None
 
 
 async def _get_key(gw: Gateway, tenant_id: str, key_id: str) -> ApiKey:

@@ -34,7 +34,7 @@ def field_constraint(field: str, kind: str, spec: str | dict[str, Any] = "",
     try:
         text = schema_text(spec) if kind == "json" else spec
         assert isinstance(text, str)
-        return StructuredOutput(kind, text, choices, any_whitespace)
+        return StructuredOutput(kind, text, choices, any_whitespace, param=field)
     except ValueError as exc:
         raise InvalidField(field, str(exc)) from None
 
@@ -66,7 +66,7 @@ class ResponseFormat(BaseModel):
     def constraint(self) -> StructuredOutput | None:
         """The constraint this format asks for (None: plain text)."""
         if self.type == "json_object":
-            return StructuredOutput("json_object")
+            return StructuredOutput("json_object", param="response_format")
         if self.json_schema is not None:
             return field_constraint("response_format", "json", self.json_schema.schema_)
         return None

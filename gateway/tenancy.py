@@ -16,6 +16,8 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+from engine.invalid_field import InvalidField
+
 KEY_PREFIX = "lg-"
 SHARED_SALT_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _UID_PATTERN = re.compile(r"[0-9a-f]{1,64}")
@@ -61,25 +63,28 @@ class Tenant:
 
     def __post_init__(self) -> None:
         if not self.tenant_id or not all(c.isalnum() or c in "-_." for c in self.tenant_id):
-            raise ValueError(f"tenant_id must be non-empty letters, digits, '-', '_' or '.', "
-                             f"got {self.tenant_id!r}")
+            raise InvalidField("tenant_id", f"tenant_id must be non-empty letters, digits, "
+                               f"'-', '_' or '.', got {self.tenant_id!r}")
         if not isinstance(self.name, str):
-            raise ValueError(f"name must be a string, got {self.name!r}")
+            raise InvalidField("name", f"name must be a string, got {self.name!r}")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
-            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+            raise InvalidField("priority", f"priority must be an integer, got "
+                               f"{self.priority!r}")
         if self.shared_salt is not None and not (
                 isinstance(self.shared_salt, str)
                 and SHARED_SALT_PATTERN.fullmatch(self.shared_salt)):
-            raise ValueError(f"shared_salt must be null or 1-128 letters, digits, '.', '_' "
-                             f"or '-', got {self.shared_salt!r}")
+            raise InvalidField("shared_salt", f"shared_salt must be null or 1-128 letters, "
+                               f"digits, '.', '_' or '-', got {self.shared_salt!r}")
         if not isinstance(self.uid, str) or (self.uid and not _UID_PATTERN.fullmatch(self.uid)):
-            raise ValueError(f"uid must be lowercase hex, got {self.uid!r}")
+            raise InvalidField("uid", f"uid must be lowercase hex, got {self.uid!r}")
         for name in ("rpm", "tpm", "max_concurrency"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or null, got {value!r}")
+                raise InvalidField(name, f"{name} must be a positive integer or null, got "
+                                   f"{value!r}")
         if not -100 <= self.priority <= 100:
-            raise ValueError(f"priority must be in [-100, 100], got {self.priority}")
+            raise InvalidField("priority", f"priority must be in [-100, 100], got "
+                               f"{self.priority}")
 
     @property
     def cache_salt(self) -> str:

@@ -78,7 +78,7 @@ class ToolPlan:
         if self.mode == "named":
             function = next(f for f in self.functions if f.name == self.named)
             return StructuredOutput("json", json.dumps(function.schema()),
-                                    any_whitespace=False)
+                                    any_whitespace=False, param="tools")
         if self.mode != "required":
             return None
         # Each function's parameters keep their own root: under the array's $defs, their
@@ -97,7 +97,8 @@ class ToolPlan:
             array["maxItems"] = 1
         # Compact: the arguments are re-encoded anyway, and whitespace is where a small
         # model's forced call would wander.
-        return StructuredOutput("json", json.dumps(array), any_whitespace=False)
+        return StructuredOutput("json", json.dumps(array), any_whitespace=False,
+                                param="tools")
 
     def _strict_blocks(self) -> StructuredOutput:
         """Free text, but every call block that opens names a known function and is closed
@@ -113,7 +114,7 @@ class ToolPlan:
         return StructuredOutput("structural_tag", json.dumps({
             "type": "structural_tag", "format": {
                 "type": "triggered_tags", "triggers": [OPEN_TAG], "tags": tags,
-                "at_least_one": False, "stop_after_first": not self.parallel}}))
+                "at_least_one": False, "stop_after_first": not self.parallel}}), param="tools")
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, OpenAI tool_calls) of a finished output; no calls when none parse."""

@@ -224,6 +224,10 @@ def test_shared_salt_must_be_a_safe_name(setup: Setup) -> None:
                     json={"tenant_id": "slash", "shared_salt": "a/b"})
     assert refused.status_code == 400
     assert "shared_salt" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "shared_salt"
+    for field, value in (("rpm", -1), ("priority", 1000)):
+        bad = admin(setup, "POST", "/admin/tenants", json={"tenant_id": "bad", field: value})
+        assert (bad.status_code, bad.json()["error"]["param"]) == (400, field), bad.text
     assert admin(setup, "GET", "/admin/tenants/slash").status_code == 404
     new_tenant(setup, "salted", shared_salt="group-1")
     patched = admin(setup, "PATCH", "/admin/tenants/salted", json={"shared_salt": "x/y"})

@@ -45,6 +45,7 @@ class StructuredBody(BaseModel):
     spec: str = ""
     choices: list[str] = Field(default_factory=list, max_length=1024)
     any_whitespace: StrictBool = True
+    param: str = Field(default="structured_outputs", min_length=1, max_length=64)
 
 
 class GenerateBody(BaseModel):

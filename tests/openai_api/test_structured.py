@@ -126,6 +126,22 @@ def test_bad_structured_output_requests_are_400(gateway: LiveServer, base_model:
     assert answer.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"guided_regex": "([a-z"}, "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "no-such-type"}}}}, "response_format"),
+])
+def test_a_spec_that_does_not_compile_is_refused_naming_its_field(
+        gateway: LiveServer, base_model: str, body: dict[str, Any], param: str) -> None:
+    answer = httpx.post(gateway.url + "/v1/chat/completions", timeout=30.0, json={
+        "model": base_model, "messages": MESSAGES, "max_tokens": 4, **body})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param, answer.text
+
+
 def test_the_xgrammar_backend_name_is_accepted(client: openai.OpenAI, base_model: str) -> None:
     text, _ = _chat(client, base_model, guided_choice=["x", "y"],
                     guided_decoding_backend="xgrammar")
