@@ -6,6 +6,7 @@ stream, a cost paid per token. In order, for each HTTP request:
 - 400 when the Host header is not allowed (the open mode's DNS-rebinding defence, see
   gateway/exposure.py);
 - 413 for a Content-Length over the path's limit;
+- 415 for a body with a Content-Encoding (gzip, ...): bodies are read as sent;
 - 503 for new generation requests while the gateway drains;
 - 401 (or the admin API's 401 / 403) before a body is read when the caller's key is unknown:
   an anonymous client must not make the gateway parse megabytes of JSON;
@@ -112,6 +113,11 @@ class Guard:
         if length is not None and (not length.isdigit() or int(length) > max_bytes):
             return JSONResponse(error_body(413, f"request body over {max_bytes} bytes"),
                                 status_code=413)
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if encoding not in (b"", b"identity"):  # read as is, a compressed body is garbage
+            return ApiError(415, f"Content-Encoding {encoding[:32].decode('latin-1')!r} is "
+                            f"not supported: send the body uncompressed",
+                            code="unsupported_encoding").response()
         if self.draining() and scope["path"].startswith("/v1/") and scope["method"] == "POST":
             return ApiError(503, "the gateway is shutting down", code="draining",
                             headers={"Retry-After": str(self.retry_after_s)}).response()

@@ -1,7 +1,7 @@
 """Hostile input at the OpenAI edge, against the package's live engine + gateway: numbers out
 of range, non-finite floats, invalid Unicode, huge lists and huge prompts are each refused
 with a short 400 naming the field, while a stream on the same engine runs on untouched; and
-control tokens typed into a chat message stay plain text.
+control tokens typed into a chat message stay plain text; a compressed body is a 415.
 
 Bodies are sent as raw JSON, as a hostile client would: NaN / Infinity literals and lone
 "\\ud800" escapes are what Python's own JSON parser (and so the gateway's) accepts.
@@ -9,6 +9,7 @@ Bodies are sent as raw JSON, as a hostile client would: NaN / Infinity literals 
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -289,3 +290,20 @@ def test_control_tokens_typed_in_a_message_stay_text(
         messages=[messages[0], {"role": "user", "content": content}])  # type: ignore[list-item]
     assert done.usage is not None
     assert done.usage.prompt_tokens == len(expected)
+
+
+def test_a_compressed_body_is_415_not_a_parse_error(gateway: LiveServer,
+                                                    base_model: str) -> None:
+    body = json.dumps({"model": base_model, "prompt": "Hi", "max_tokens": 2}).encode()
+    for payload in (gzip.compress(body), body):  # compressed, or only labelled so
+        answer = httpx.post(gateway.url + "/v1/completions", content=payload, timeout=30.0,
+                            headers={"Content-Type": "application/json",
+                                     "Content-Encoding": "gzip"})
+        assert answer.status_code == 415, answer.text
+        error = answer.json()["error"]
+        assert "Content-Encoding 'gzip'" in error["message"]
+        assert error["code"] == "unsupported_encoding"
+    plain = httpx.post(gateway.url + "/v1/completions", content=body, timeout=30.0,
+                       headers={"Content-Type": "application/json",
+                                "Content-Encoding": "identity"})
+    assert plain.status_code == 200, plain.text
