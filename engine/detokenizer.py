@@ -62,14 +62,20 @@ class IncrementalDetokenizer:
         """Text not yet handed out that can no longer turn into a stop string. When
         finished, bytes that never completed a character are flushed as U+FFFD, as a full
         decode of the token ids would show them."""
-        if finished and not self.stopped and self._read_offset < len(self._ids):
-            self._decode_window(final=True)
+        if finished:
+            self.flush()
         end = len(self.text) if (finished or self.stopped) else len(self.text) - self._holdback
         if end <= self._emitted:
             return ""
         delta = self.text[self._emitted:end]
         self._emitted = end
         return delta
+
+    def flush(self) -> None:
+        """The request ended: bytes that never completed a character become text (U+FFFD),
+        where a stop string may still complete."""
+        if not self.stopped and self._read_offset < len(self._ids):
+            self._decode_window(final=True)
 
     def _check_stop(self, before: int) -> None:
         if not self._stop or len(self._ids) < self._min_tokens:

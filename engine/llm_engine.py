@@ -308,6 +308,8 @@ class LLMEngine:
                 and not request.sampling_params.include_stop_str_in_output):
             new_ids = new_ids[:-1]  # the stop token's text is not output
         tracked.detokenizer.add_tokens(new_ids)
+        if request.status is RequestStatus.FINISHED:
+            tracked.detokenizer.flush()  # its last bytes may complete a stop string too
         if tracked.detokenizer.stopped:
             if request.status is not RequestStatus.FINISHED:
                 self.scheduler.finish(request.request_id, "stop")

@@ -76,8 +76,11 @@ class StructuredOutput:
                              f"characters")
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "spec": self.spec, "choices": list(self.choices),
-                "any_whitespace": self.any_whitespace, "param": self.param}
+        body = {"kind": self.kind, "spec": self.spec, "choices": list(self.choices),
+                "any_whitespace": self.any_whitespace}
+        if self.param != "structured_outputs":  # an engine from before it knew no param
+            body["param"] = self.param
+        return body
 
 
 def _choice_grammar(choices: Iterable[str]) -> str:

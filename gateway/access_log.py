@@ -80,7 +80,9 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_status)
         except Exception:
-            complete = True  # the app's own failure: its status (or none) stands
+            # The app's own failure: the server error middleware outside answers 500 when
+            # nothing was sent yet.
+            complete, status = True, status or 500
             raise
         finally:
             if not complete:  # a response left unfinished: its client went away (a stream

@@ -230,7 +230,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                             status_code=200 if status == "ready" else 503)
 
     # vLLM's names for the same check (SageMaker's load balancer probes /ping).
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"], include_in_schema=False)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -79,7 +79,8 @@ class GatewayConfig:
     """Tokens a request that sets no max_tokens (its output may fill the context) reserves
     of its tenant's TPM for its output, at most: reserving the whole context would lock a
     tenant out of its limit with one such request. What it uses beyond is charged when it
-    ends (so a burst of them can pass the limit by that much, once)."""
+    ends: each such request in flight can take its tenant past the limit by up to the
+    context less its prompt and this reserve (max_concurrency bounds how many)."""
     adapter_resolver_roots: tuple[str, ...] = ()
     """Opt-in, as vLLM's adapter resolvers: a request naming a model the gateway does not
     know loads ROOT/<name> (a PEFT directory, first root that has it) as a public adapter on

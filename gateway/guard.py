@@ -94,7 +94,7 @@ class Guard:
                 raise StarletteHTTPException(413, f"request body over {max_bytes} bytes")
             return message
 
-        refusal = self._refusal(scope, headers, length, max_bytes)
+        refusal = self._refusal(scope, headers, length, max_bytes, body_done)
         if refusal is None and not body_done:
             refusal = await self.caller_refusal(scope)
         if refusal is not None:
@@ -103,7 +103,7 @@ class Guard:
         await self.app(scope, limited_receive, guarded_send)
 
     def _refusal(self, scope: Scope, headers: dict[bytes, bytes], length: bytes | None,
-                 max_bytes: int) -> JSONResponse | None:
+                 max_bytes: int, no_body: bool) -> JSONResponse | None:
         """The answer to a request refused on its headers alone, or None."""
         if self.restrict_hosts() and not host_allowed(
                 headers.get(b"host", b"").decode("latin-1"), self.allowed_hosts):
@@ -114,7 +114,7 @@ class Guard:
             return JSONResponse(error_body(413, f"request body over {max_bytes} bytes"),
                                 status_code=413)
         encoding = headers.get(b"content-encoding", b"identity").strip().lower()
-        if encoding not in (b"", b"identity"):  # read as is, a compressed body is garbage
+        if not no_body and encoding not in (b"", b"identity"):  # read as is: garbage
             return ApiError(415, f"Content-Encoding {encoding[:32].decode('latin-1')!r} is "
                             f"not supported: send the body uncompressed",
                             code="unsupported_encoding").response()

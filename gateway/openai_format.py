@@ -354,11 +354,9 @@ class ResponseFormatter:
             delta, choice.content_sent = text[choice.content_sent:upto], upto
             return delta, []
         content, calls = self._calls(choice, text)
-        if not calls:
-            rest = text[choice.content_sent:]
-        else:  # the content is the text outside the calls, of which a prefix was sent
-            rest = "" if content is None else self.tools.outside_calls(text)[
-                choice.content_sent:].rstrip()
+        # The whole response's content (the text itself when no call parsed), of which a
+        # prefix was sent.
+        rest = (content or "")[choice.content_sent:]
         choice.content_sent = len(text)
         return rest, [{"index": i, **call} for i, call in enumerate(calls)]
 

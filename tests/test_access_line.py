@@ -55,6 +55,8 @@ def _run(app: ASGIApp, disconnect: bool) -> tuple[list[int], list[str]]:
     try:
         scope = {"type": "http", "method": "GET", "path": "/v1/x", "headers": []}
         asyncio.run(AccessLog(app, lambda _, status: seen.append(status))(scope, receive, send))
+    except RuntimeError:
+        seen.append(-1)  # the app raised (after AccessLog saw it): marked last
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -74,3 +76,11 @@ def test_a_stream_its_client_left_is_logged_as_closed_not_as_its_200() -> None:
     done = StreamingResponse(iter([b"a", b"b"]))
     seen, lines = _run(done, disconnect=False)
     assert seen == [200] and lines[0].startswith("GET /v1/x 200 ")
+
+
+def test_a_crash_is_logged_as_the_500_it_is_answered_with() -> None:
+    async def crash(scope: Scope, receive: Receive, send: Send) -> None:
+        raise RuntimeError("boom")
+
+    seen, lines = _run(crash, disconnect=False)
+    assert seen == [500, -1] and lines[0].startswith("GET /v1/x 500 ")

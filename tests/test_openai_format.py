@@ -109,16 +109,19 @@ def test_a_forced_call_cut_at_max_tokens_keeps_what_it_completed(tiny_model_dir:
      "Let me check. "),
     ('First. <tool_call>{"name": "add", "arguments": {}}</tool_call> then more.  ',
      "First.  then more."),
-    ('<tool_call>{"name": "add", "arguments": {}}</tool_call>', "")])
+    ('<tool_call>{"name": "add", "arguments": {}}</tool_call>', ""),
+    ('{"a": 1} <tool_call>{"name": "add", "arguments": {}}</tool_call>', '{"a": 1} ')])
+@pytest.mark.parametrize("size", [3, 9, 1000])  # the last: all of it with the finish
 def test_auto_calls_leave_the_same_content_streamed_or_whole(tiny_model_dir: Path,
-                                                             text: str, content: str) -> None:
-    # The text before the first call as it came (vLLM's content; a stream has sent it
-    # already), what lies outside the calls after it less trailing whitespace.
+                                                             text: str, content: str,
+                                                             size: int) -> None:
+    # The text before the first call as it came (vLLM's content; a stream may have sent
+    # it already), what lies outside the calls after it less trailing whitespace.
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     tools = ToolPlan((Function("add", None, {"type": "object"}),), "auto")
-    chunks = [StreamChunk("r", [5], text[i:i + 3], 3, i + 1,
-                          "stop" if i + 3 >= len(text) else None)
-              for i in range(0, len(text), 3)]
+    chunks = [StreamChunk("r", [5], text[i:i + size], 3, i + 1,
+                          "stop" if i + size >= len(text) else None)
+              for i in range(0, len(text), size)]
     streamed = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
     streamed.start([PromptEcho([1, 2, 3])])
     deltas = [e["choices"][0]["delta"] for chunk in chunks

@@ -303,6 +303,9 @@ def test_a_compressed_body_is_415_not_a_parse_error(gateway: LiveServer,
         error = answer.json()["error"]
         assert "Content-Encoding 'gzip'" in error["message"]
         assert error["code"] == "unsupported_encoding"
+    # Without a body there is nothing to decode.
+    assert httpx.get(gateway.url + "/v1/models", timeout=30.0,
+                     headers={"Content-Encoding": "gzip"}).status_code == 200
     plain = httpx.post(gateway.url + "/v1/completions", content=body, timeout=30.0,
                        headers={"Content-Type": "application/json",
                                 "Content-Encoding": "identity"})
