@@ -68,11 +68,14 @@ class AdapterRoots:
         return resolved
 
 
-def parse_adapters(specs: Sequence[str], adapter_dir: str | None) -> dict[str, str]:
+def parse_adapters(specs: Sequence[str], adapter_dir: str | None,
+                   local: bool = True) -> dict[str, str]:
     """--lora NAME=PATH (repeatable) and --adapter-dir DIR (each PEFT directory inside is an
     adapter named after it) -> name -> absolute path. Under DIR, a link that leads outside
     it (the directory or one of its PEFT files) is skipped with a warning: whoever can write
-    into DIR must not make the server read files elsewhere."""
+    into DIR must not make the server read files elsewhere. ``local``: the paths are on this
+    host, so a --lora path without an adapter_config.json is refused now, before a model
+    loads (paths for remote engines are theirs to check)."""
     adapters: dict[str, str] = {}
     if adapter_dir:
         root = Path(adapter_dir)
@@ -93,5 +96,8 @@ def parse_adapters(specs: Sequence[str], adapter_dir: str | None) -> dict[str, s
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"--lora expects NAME=PATH, got {spec!r}")
+        if local and not (Path(path) / "adapter_config.json").is_file():
+            raise ValueError(f"--lora {spec}: not a PEFT adapter directory (no "
+                             f"adapter_config.json there)")
         adapters[name] = str(Path(path).resolve())
     return adapters

@@ -1,4 +1,4 @@
-"""The admin API in eight steps: tenant, key, adapter upload, a call, status, sharing,
+"""The admin API in eight steps: tenant, key, adapter upload, a call, status, pinning,
 rotation, cleanup.
 
     loragate serve --admin-key secret

@@ -113,7 +113,6 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
     uploading: set[str] = set()  # names whose upload is being received or unpacked
 
     router = APIRouter(prefix="/admin", tags=["admin"])
-    router.include_router(build_tenant_router(pending))
 
     # ---------------------------------------------------------------- adapters
     @router.post("/adapters", status_code=201)
@@ -289,6 +288,7 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
 
     outer = APIRouter()
     outer.include_router(router)
+    outer.include_router(build_tenant_router(pending))
     outer.include_router(compat)
     return outer
 

@@ -56,7 +56,9 @@ class TenantPatch(BaseModel):
 def build_tenant_router(pending: lifecycle.PendingDeletes) -> APIRouter:
     """Tenant and key routes; ``pending``: the pending adapter deletes (shared with the
     adapter routes): a deleted tenant's adapters, and their uploads, go through it."""
-    router = APIRouter()  # included under /admin by gateway/admin_api.py
+    # Prefixed here, not by an enclosing router: FastAPI keeps a nested route's own path as
+    # its template, and the response metrics label responses by that template.
+    router = APIRouter(prefix="/admin", tags=["admin"])
     uploads = pending.uploads
 
     @router.post("/tenants", status_code=201)

@@ -50,7 +50,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_api import build_router
 from gateway.ratelimit import RateLimiter
 from gateway.redact import redact_url
-from gateway.redis_store import RedisStore
+from gateway.redis_store import RedisStore, check_reachable
 from gateway.registry import discover
 from gateway.router import Router, RouterWeights
 from gateway.service import Gateway
@@ -86,12 +86,13 @@ task that does not end on cancellation must not keep a drained gateway alive."""
 
 def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
                adapters: dict[str, str] | None = None, base_model: str | None = None,
-               watch_adapter_dir: str | None = None, local: LocalEngine | None = None
-               ) -> FastAPI:
+               watch_adapter_dir: str | None = None, local: LocalEngine | None = None,
+               store: StateStore | None = None) -> FastAPI:
     """A gateway over engine servers at engine_urls and/or the engine in this process
     (``local``: its metrics join the gateway's /metrics); adapters (name -> PEFT dir as the
     engines see it) are registered on every instance as it comes up. watch_adapter_dir: a
-    directory where the demo adapters appear while serving (gateway/demo_adapters.py)."""
+    directory where the demo adapters appear while serving (gateway/demo_adapters.py).
+    ``store``: the state store, opened by the caller (default: open_store(config))."""
     if not engine_urls and local is None and not config.redis_url:
         raise ValueError("the gateway needs at least one engine URL, or --redis-url to "
                          "discover engines that register there")
@@ -104,7 +105,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     metrics = GatewayMetrics(lambda: pool_holder.get("pool"))
     name = base_model or config.served_model_name or tokenizer_dir.rstrip("/").split("/")[-1]
 
-    store = open_store(config)
+    store = store if store is not None else open_store(config)
     pending_deletes = PendingDeletes(config.upload_dir(tokenizer_dir))
 
     @asynccontextmanager
@@ -268,11 +269,14 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     return app
 
 
-def open_store(config: GatewayConfig) -> StateStore:
+def open_store(config: GatewayConfig, check: bool = False) -> StateStore:
     """Redis with --redis-url; else the state file (gateway/sqlite_store.py), or memory when
-    state_path says so. Opened here, not at startup, so a state file another gateway holds
-    is refused with one clear error."""
+    state_path says so. Opened before the app starts, so a state file another gateway holds
+    is refused with one clear error (a ValueError); ``check``: the same for a Redis server
+    that does not answer."""
     if config.redis_url:
+        if check:
+            check_reachable(config.redis_url)
         return RedisStore(config.redis_url)
     path = resolve_state_path(config.state_path)
     if path is None:

@@ -34,7 +34,7 @@ def served_adapters(specs: Sequence[str], adapter_dir: str | None, model: str,
     --adapter-dir, else the model directory's own `adapters/`, unless the gateway attaches
     to running engines (--engine): those load only from their own adapter roots, so the
     model's adapters are served there only when named (and the engines allow them)."""
-    adapters = parse_adapters(specs, adapter_dir)
+    adapters = parse_adapters(specs, adapter_dir, local=not attached)
     own = Path(model) / "adapters"
     if not adapters and adapter_dir is None and not attached and own.is_dir():
         adapter_dir = str(own)
@@ -93,8 +93,9 @@ def _serve(args: argparse.Namespace) -> int:
     roots = [*(args.adapter_root or roots_from_env()), *filter(None, [adapter_dir]),
              str(gateway_config.upload_dir(model)),
              *gateway_config.adapter_resolver_roots]
-    if args.instances < 0 or (args.instances == 0 and not args.engine
-                              and not gateway_config.redis_url):
+    if args.instances < 0:
+        raise ValueError(f"--instances must be 0 or more, not {args.instances}")
+    if args.instances == 0 and not args.engine and not gateway_config.redis_url:
         raise ValueError("--instances 0 needs --engine URL or --redis-url (engine registry)")
     if not (is_loopback(gateway_config.host) or gateway_config.admin_key
             or gateway_config.allow_unauthenticated):

@@ -125,7 +125,7 @@ def add_model_commands(sub: Any) -> None:
     demo.set_defaults(func=_make_demo)
 
     gguf = sub.add_parser("import-gguf", help="convert a Llama-family GGUF file (llama, "
-                          "mistral, qwen2) into a Hugging Face model directory OUT")
+                          "mistral, qwen2, qwen3) into a Hugging Face model directory OUT")
     gguf.add_argument("file")
     gguf.add_argument("out", type=local_path, help="output directory (must not exist)")
     gguf.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), default=None,

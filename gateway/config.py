@@ -58,7 +58,8 @@ class GatewayConfig:
     /state: evictions count at once. Engines without events are polled as before."""
     redis_url: str | None = None
     """Shared state (tenants, keys, adapters, rate-limit counters) in Redis, e.g.
-    redis://127.0.0.1:6379/0, so several gateway replicas act as one; default: in memory."""
+    redis://127.0.0.1:6379/0, so several gateway replicas act as one; default: none (the
+    state file, --state-path)."""
     state_path: str | None = None
     """Without --redis-url: the SQLite file that keeps tenants, keys and adapter records
     across restarts (default $LORAGATE_STATE_PATH, else $LORAGATE_HOME/state.db, i.e.

@@ -123,6 +123,27 @@ return value
 _REFUSED = {-1: "rpm", -2: "tpm", -3: "revoked"}
 
 
+def check_reachable(url: str, timeout_s: float = 3.0) -> None:
+    """ValueError, one line naming the server (never its credentials), when Redis at ``url``
+    does not answer a PING (down, wrong port, refused password): `serve` asks before any
+    model loads. The failure policy (--store-failure-policy) is for outages once running."""
+    import redis
+
+    shown = redact_url(url)
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                      socket_connect_timeout=timeout_s)
+    except ValueError:
+        raise ValueError(f"invalid Redis URL {shown}: check its scheme, host, port and "
+                         f"database") from None
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise ValueError(f"the state store at {shown} is unreachable: {exc}") from None
+    finally:
+        client.close()
+
+
 class RedisStore:
     """StateStore over one Redis server (see the module docstring)."""
 

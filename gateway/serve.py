@@ -39,13 +39,15 @@ from engine.config import EngineConfig
 from engine.config_args import field_default
 from engine.http.auth import TOKEN_ENV
 from engine.http.draining import DrainingServer
+from engine.http.listen import check_port_free
 from engine.kv_events import for_instance
 from engine.parent_watch import child_env
-from gateway.app import create_app
+from gateway.app import create_app, open_store
 from gateway.config import GatewayConfig
 from gateway.engine_supervisor import EngineSupervisor
 from gateway.http_protocol import guarded_protocol
 from gateway.local_engine import LocalEngine
+from gateway.store import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -140,21 +142,6 @@ def start_engines(config: EngineConfig, count: int, log_dir: Path,
     return engines
 
 
-def check_port_free(host: str, port: int) -> None:
-    """ValueError (one line, exit status 2 from the CLI) when host:port cannot be bound:
-    checked before any engine starts, so a busy port costs a second, not the engines' load
-    time and a traceback. The test socket is closed again at once (SO_REUSEADDR, as uvicorn
-    binds, so a port in TIME_WAIT still counts as free)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another "
-                             f"server there? pick another --port)") from None
-
-
 PROGRESS_EVERY_S = 5.0
 """wait_ready prints which engines are still loading this often."""
 
@@ -208,11 +195,11 @@ def stop_engines(engines: list[EngineProcess], timeout_s: float) -> None:
 
 def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
                 adapters: dict[str, str], banner: str | None = None,
-                watch_adapter_dir: str | None = None, local: LocalEngine | None = None
-                ) -> None:
+                watch_adapter_dir: str | None = None, local: LocalEngine | None = None,
+                store: StateStore | None = None) -> None:
     """Serve the gateway until SIGTERM/SIGINT, then drain."""
     app = create_app(config, engine_urls, tokenizer_dir, adapters,
-                     watch_adapter_dir=watch_adapter_dir, local=local)
+                     watch_adapter_dir=watch_adapter_dir, local=local, store=store)
     server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
         timeout_graceful_shutdown=int(config.drain_timeout_s),
@@ -251,6 +238,9 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
     random one when it has none). Local engines load adapters only from adapter_roots (and
     the directories of ``adapters``)."""
     check_port_free(gateway_config.host, gateway_config.port)
+    # Before any model loads: a state file another gateway holds, or a Redis server that
+    # does not answer, is one line now rather than a traceback after the engines' load.
+    store = open_store(gateway_config, check=True)
     engines: list[EngineProcess] = []
     log_dir = Path(tempfile.mkdtemp(prefix="loragate-engines-"))
     supervisor: EngineSupervisor | None = None
@@ -275,7 +265,7 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
             supervisor.start()
         run_gateway(gateway_config, engine_urls, tokenizer_dir, adapters,
                     banner=ready_banner(gateway_config, tokenizer_dir, adapters),
-                    watch_adapter_dir=watch_adapter_dir, local=local)
+                    watch_adapter_dir=watch_adapter_dir, local=local, store=store)
         clean = True
     finally:
         if local is not None:
@@ -332,7 +322,8 @@ def ready_banner(config: GatewayConfig, tokenizer_dir: str, adapters: dict[str, 
              "try:",
              f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\",
              f"{auth}    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
-             f"\"content\": \"Hello!\"}}], \"max_tokens\": 32}}'"]
+             f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32, "
+             f"\"temperature\": 0}}'"]
     if config.admin_key:
         lines.append("  (with LORAGATE_ADMIN_KEY set to the admin key; tenants use their own "
                      "keys)")

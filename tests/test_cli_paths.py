@@ -46,3 +46,17 @@ def test_the_model_dirs_adapters_are_served_only_by_engines_started_here(
     assert served_adapters([], None, str(tmp_path), attached=True) == ({}, None)
     named = served_adapters([], str(tmp_path / "adapters"), str(tmp_path), attached=True)
     assert named == ({"shout": own}, str(tmp_path / "adapters"))
+
+
+def test_a_lora_path_that_is_no_adapter_is_refused_before_a_model_loads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    # The model directory is empty: the refusal has to come before anything reads it.
+    assert main(["serve", "--model", str(tmp_path), "--lora", "x=/nonexistent"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "loragate: error: --lora x=/nonexistent: not a PEFT adapter directory (no "
+        "adapter_config.json there)"]
+    # A path on the engines' hosts (--engine) is theirs to check.
+    assert served_adapters(["x=/elsewhere/x"], None, str(tmp_path), attached=True) == (
+        {"x": "/elsewhere/x"}, None)

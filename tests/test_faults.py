@@ -354,8 +354,9 @@ def test_engine_sigterm_drains_its_stream_then_gateway_answers_503(servers: Serv
         seen = [next(events)]
         engine.process.send_signal(signal.SIGTERM)
         health = httpx.Request("GET", engine.url + "/health")
-        poll(lambda: _refused_or_draining(health),
-             "the engine's /health to say draining or refuse connections")
+        # It keeps listening while its stream finishes: probes learn why it is going.
+        assert poll(lambda: _refused_or_draining(health),
+                    "the engine's /health to say draining") == "draining"
         assert engine.process.poll() is None  # still finishing the stream
         poll(lambda: not instances(gw.url)[engine.url]["healthy"],
              "the gateway to take the draining engine out of rotation")
@@ -386,8 +387,8 @@ def test_gateway_sigterm_finishes_in_flight_stream_and_refuses_new_requests(
         seen = [next(events)]
         gw.process.send_signal(signal.SIGTERM)
         new = httpx.Request("POST", gw.url + "/v1/completions", json=body(1))
-        poll(lambda: _refused_or_draining(new),
-             "the gateway to refuse new requests")
+        assert poll(lambda: _refused_or_draining(new),
+                    "the gateway to refuse new requests") == "draining"
         assert gw.process.poll() is None  # still finishing the stream
         seen += list(events)
     assert_completed(seen, max_tokens)

@@ -202,6 +202,43 @@ def test_a_busy_port_is_refused_before_any_engine_starts(tiny_model_dir: Path,
         f"(another server there? pick another --port)"]
     assert "starting" not in done.stdout  # no engine was started
     assert list((tmp_path / "tmp").iterdir()) == []
+    # `loragate engine` alike: refused before its model loads (and no "listening" line).
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "gateway.cli", "engine", "--model",
+                               str(tiny_model_dir), "--port", str(port)],
+                              capture_output=True, text=True, timeout=120,
+                              env=serve_env(tmp_path / "tmp"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"loragate: error: cannot listen on 127.0.0.1:{port}: Address already in use "
+        f"(another server there? pick another --port)"]
+
+
+def test_an_unreachable_store_is_refused_before_any_engine_starts(tiny_model_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    # Redis that does not answer, and a state file another gateway holds: one line each,
+    # in a second, not a traceback after the model has loaded.
+    closed = free_port()  # nothing listens there
+    held = tmp_path / "state.db"
+    holder = SqliteStore(str(held))
+    try:
+        for extra, message in (
+                (["--redis-url", f"redis://127.0.0.1:{closed}/0"],
+                 f"the state store at redis://127.0.0.1:{closed}/0 is unreachable: "),
+                (["--state-path", str(held)],
+                 f"the state file {held} is in use by another gateway")):
+            done = subprocess.run(serve_command(tiny_model_dir, free_port(), *extra),
+                                  capture_output=True, text=True, timeout=120,
+                                  env=serve_env(tmp_path / "tmp"))
+            assert done.returncode == 2, done.stdout + done.stderr
+            lines = done.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("loragate: error: " + message), lines
+            assert "starting" not in done.stdout  # no engine was started
+    finally:
+        asyncio.run(holder.close())
 
 
 def test_engine_logs_are_removed_after_a_clean_exit(tiny_model_dir: Path,
@@ -213,10 +250,15 @@ def test_engine_logs_are_removed_after_a_clean_exit(tiny_model_dir: Path,
     try:
         assert process.stdout is not None
         lines = []
-        for line in process.stdout:  # until the banner: the gateway is listening
+        for line in process.stdout:  # through the banner's curl: the gateway is listening
             lines.append(line)
-            if line.startswith("loragate gateway listening on"):
+            if line.lstrip().startswith("-d '"):
                 break
+        # The banner's curl, pasted as printed, gets an answer.
+        curl = "".join(lines[next(i for i, x in enumerate(lines) if "curl " in x):])
+        pasted = subprocess.run(["bash", "-c", curl], capture_output=True, text=True,
+                                timeout=120)
+        assert pasted.returncode == 0 and '"chat.completion"' in pasted.stdout, (curl, pasted)
         assert [p.name[:17] for p in tmp.iterdir()] == ["loragate-engines-"]
         process.send_signal(signal.SIGTERM)
         rest = process.communicate(timeout=120)[0]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from engine.gguf_import import gguf_architecture, import_gguf
+from engine.gguf_import import GGUF_ARCHITECTURES, gguf_architecture, import_gguf
 from gateway.cli import main
 
 
@@ -61,3 +61,12 @@ def test_an_existing_output_directory_is_left_alone(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     with pytest.raises(ValueError, match="already exists"):
         import_gguf(gguf, tmp_path / "out")
+
+
+def test_the_help_names_every_architecture_it_imports(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    summary = " ".join(capsys.readouterr().out.split())
+    listed = summary.split("convert a Llama-family GGUF file (", 1)[1].split(")", 1)[0]
+    assert listed.split(", ") == list(GGUF_ARCHITECTURES)

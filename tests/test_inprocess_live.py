@@ -91,6 +91,13 @@ def test_every_response_is_counted_by_route_status_and_code(serve: LiveServer,
     assert post(_body("no-such-model", 2)).status_code == 404
     huge = httpx.post(serve.url + route, content=b"x" * (9 << 20), headers=HEADERS, timeout=60)
     assert huge.status_code == 413
+    # Labels are the full templates the client calls, admin routes of every kind included.
+    for path, template in (("/admin/tenants", "/admin/tenants"),
+                           ("/admin/tenants/nobody/keys", "/admin/tenants/{tenant_id}/keys"),
+                           ("/admin/adapters", "/admin/adapters")):
+        was = count(route=template)
+        httpx.get(serve.url + path, headers=HEADERS, timeout=60)
+        assert count(route=template) == was + 1, path
     assert count(route=route, status="200", code="none") == before["ok"] + 1
     assert count(route=route, status="400", code="none") == before["bad"] + 1
     assert count(route=route, status="404", code="model_not_found") == before["unknown"] + 1
@@ -164,10 +171,18 @@ def test_sigterm_drains_and_exits_cleanly(tiny_model_dir: Path, tmp_path: Path) 
                      "--num-kv-blocks", "64"], tmp_path / "serve.log", port)
     with running(server):
         with httpx.stream("POST", server.url + "/v1/completions",
-                          json=_body(tiny_model_dir.name, 200, True), timeout=60) as response:
+                          json=_body(tiny_model_dir.name, 1000, True), timeout=60) as response:
             events = sse_events(response)
             seen = [next(events)]
             server.process.send_signal(signal.SIGTERM)
+            # While the stream finishes the gateway still listens, and says it is draining.
+            health = poll(lambda: (lambda r: r if r.status_code == 503 else None)(
+                httpx.get(server.url + "/health", timeout=10)), "/health to say draining")
+            assert health.json()["status"] == "draining"
+            new = httpx.post(server.url + "/v1/completions", json=_body(tiny_model_dir.name, 2),
+                             timeout=10)
+            assert (new.status_code, new.json()["error"]["code"]) == (503, "draining")
+            assert new.headers["retry-after"]
             seen += list(events)
         assert seen[-1] == "[DONE]"
         finish = [e["choices"][0]["finish_reason"] for e in seen[:-1] if e["choices"]]

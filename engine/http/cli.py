@@ -52,9 +52,12 @@ def engine_token(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from engine.adapter_roots import parse_adapters, roots_from_env
     from engine.http.auth import check_exposure
+    from engine.http.listen import check_port_free
 
     token = engine_token(args)
     check_exposure(args.host, token)  # before the heavy imports: fail fast
+    check_port_free(args.host, args.port)
+    adapters = parse_adapters(args.lora, args.adapter_dir)
     if args.register_redis_url and token is None:
         raise ValueError("--register-redis-url needs an engine token (--engine-token-file, "
                          "--engine-token or LORAGATE_ENGINE_TOKEN): gateways only route to "
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         background.append(lambda engine: heartbeat(client, url, token,
                                                     draining=lambda: engine.draining))
     serve(config, args.host, args.port, args.instance_id,
-          adapters=parse_adapters(args.lora, args.adapter_dir), background=background,
+          adapters=adapters, background=background,
           token=token, adapter_roots=roots)
     return 0
 
@@ -116,8 +119,10 @@ def add_arguments(engine: argparse.ArgumentParser) -> None:
 
     engine.add_argument("--model", type=local_path, required=True,
                         help="local Hugging Face model directory")
-    engine.add_argument("--host", default="127.0.0.1")
-    engine.add_argument("--port", type=int, default=8100)
+    engine.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1)")
+    engine.add_argument("--port", type=int, default=8100,
+                        help="port to listen on (default 8100)")
     engine.add_argument("--instance-id", default=None,
                         help="name in metrics and routing logs (default HOST:PORT)")
     engine.add_argument("--register-redis-url", default=os.environ.get(REGISTER_ENV),

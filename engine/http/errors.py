@@ -101,7 +101,11 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
         locs.append(loc)
         message = _text_length(err) or str(err.get("msg", "invalid")).removeprefix(
             "Value error, ")
-        problem = f"{shown}: {message}" if shown and about is None else message
+        # Our refusals of unsupported fields already name theirs ("use_beam_search is not
+        # supported: ..."): prefixed again, a top-level name would be said twice (a nested
+        # one keeps its path in front).
+        named = err.get("type") == "unsupported_field" and loc[-1:] == (shown,)
+        problem = f"{shown}: {message}" if shown and about is None and not named else message
         if problem not in problems:
             problems.append(problem)
     return "; ".join(problems) or "invalid request body", _param(locs)

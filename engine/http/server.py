@@ -206,7 +206,8 @@ def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = 
     # uvicorn's main loop checks should_exit every 0.1 s: setting it from the engine thread
     # is how a dead engine takes its server down.
     exit_now.append(lambda: setattr(server, "should_exit", True))
-    log.info("engine %s listening on http://%s:%d", instance_id, host, port)
+    server.on_listening = lambda: log.info("engine %s listening on http://%s:%d", instance_id,
+                                           host, port)
     server.run()
     if engine.fatal_error is not None:
         log.critical("engine %s exits: its engine loop died (%s)", instance_id,

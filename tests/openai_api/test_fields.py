@@ -220,7 +220,7 @@ def test_the_server_answers_400_naming_the_field(gateway: LiveServer, client: op
                                       extra_body=extra)
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == name, error
-    assert f"{name} is not supported" in error["message"]
+    assert error["message"].startswith(f"{name} is not supported: "), error  # named once
 
 
 def test_the_server_answers_400_naming_an_unknown_field(gateway: LiveServer,
@@ -232,7 +232,7 @@ def test_the_server_answers_400_naming_an_unknown_field(gateway: LiveServer,
                                        messages=[{"role": "user", "content": "Hi"}])
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == "x_trace", error
-    assert error["message"].endswith("Unrecognized request argument supplied: x_trace")
+    assert error["message"] == "Unrecognized request argument supplied: x_trace", error
 
 
 @pytest.mark.parametrize("name", [*ChatCompletionStreamOptionsParam.__annotations__,
