@@ -28,8 +28,10 @@ class Sampler:
 
     Random rows draw by inverse CDF: one uniform per row against the cumulative
     probabilities (float64), so a request with a seed owns a generator that draws exactly
-    one number per token and its samples do not depend on which other requests share the
-    batch. Requests without a seed share the engine's generator. (Drawing a noise value per
+    one number per token, whichever other requests share the batch. (Its logits may still
+    differ in the last bits between batch shapes, so a draw that lands at a boundary
+    between two tokens can rarely flip, as in vLLM outside its batch-invariant mode.)
+    Requests without a seed share the engine's generator. (Drawing a noise value per
     vocabulary entry, the exponential race, cost ~48 ms per step for 64 rows of a 49k
     vocabulary; sorting the vocabulary for top-p another ~100 ms.)
     """
