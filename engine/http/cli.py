@@ -56,12 +56,12 @@ def run(args: argparse.Namespace) -> int:
 
     token = engine_token(args)
     check_exposure(args.host, token)  # before the heavy imports: fail fast
-    check_port_free(args.host, args.port)
-    adapters = parse_adapters(args.lora, args.adapter_dir)
     if args.register_redis_url and token is None:
         raise ValueError("--register-redis-url needs an engine token (--engine-token-file, "
                          "--engine-token or LORAGATE_ENGINE_TOKEN): gateways only route to "
                          "registrations signed with it")
+    check_port_free(args.host, args.port)
+    adapters = parse_adapters(args.lora, args.adapter_dir)
     from engine.config import EngineConfig
     from engine.env_names import warn_unknown
     from engine.http.server import serve
