@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from importlib.metadata import version as package_version
@@ -52,6 +52,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.redact import redact_url
 from gateway.redis_store import RedisStore, check_reachable
 from gateway.registry import discover
+from gateway.route_label import RouteLabels
 from gateway.router import Router, RouterWeights
 from gateway.service import Gateway
 from gateway.sqlite_store import SqliteStore, resolve_state_path
@@ -93,12 +94,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     engines see it) are registered on every instance as it comes up. watch_adapter_dir: a
     directory where the demo adapters appear while serving (gateway/demo_adapters.py).
     ``store``: the state store, opened by the caller (default: open_store(config))."""
-    if not engine_urls and local is None and not config.redis_url:
-        raise ValueError("the gateway needs at least one engine URL, or --redis-url to "
-                         "discover engines that register there")
-    if not engine_urls and local is None and not config.engine_token:
-        raise ValueError("discovering engines through the Redis registry needs --engine-token "
-                         "(the engines' token, which signs their registrations)")
+    check_engine_sources(config, engine_urls, local is not None)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     instance_tag("", config.admin_key)  # its key stretch (scrypt) now, not in a request
     pool_holder: dict[str, InstancePool] = {}
@@ -177,8 +173,9 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     install_error_handlers(app)
 
     @app.exception_handler(StoreUnavailable)
-    async def _store_down(_: Request, exc: StoreUnavailable) -> JSONResponse:
+    async def _store_down(request: Request, exc: StoreUnavailable) -> JSONResponse:
         log.warning("state store unavailable: %s", exc)  # the message holds no credentials
+        request.scope[ERROR_CODE_KEY] = "store_unavailable"
         return ApiError(503, "state store unavailable; retry later", code="store_unavailable",
                         headers={"Retry-After": str(config.retry_after_s)}).response()
     app.include_router(build_router(lambda: app.state.gateway, tokenizer))
@@ -190,7 +187,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         return operator_endpoints_open(config.admin_key,
                                        gateway is None or gateway.view.open_mode)
 
-    async def caller_refusal(scope: Scope) -> JSONResponse | None:
+    async def caller_refusal(scope: Scope) -> ApiError | None:
         """The 401 a request's route would answer for its key, before its body is read (the
         routes' own dependencies check again, with the body)."""
         gateway: Gateway | None = getattr(app.state, "gateway", None)
@@ -201,7 +198,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
             elif gateway is not None and (path.startswith("/v1/") or path in KEYED_PATHS):
                 await gateway.authenticate(Request(scope))
         except ApiError as exc:
-            return exc.response()
+            return exc
         return None
 
     app.add_middleware(Guard, max_bytes=body_limit,
@@ -210,12 +207,13 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                        body_timeout_s=config.body_read_timeout_s,
                        restrict_hosts=lambda: bool(config.allowed_hosts) or open_mode(),
                        allowed_hosts=config.allowed_hosts, caller_refusal=caller_refusal)
+    route_label = RouteLabels(lambda: app.routes)
+
     def count_response(scope: Scope, status: int) -> None:
         gateway: Gateway | None = getattr(app.state, "gateway", None)
         if gateway is None:
             return
-        # The route's template (bounded label values), never the raw path.
-        route = getattr(scope.get("route"), "path", "unmatched")
+        route = route_label(scope)
         code = scope.get(ERROR_CODE_KEY) or ("client_closed" if status == 0 else "none")
         gateway.metrics.responses.labels(route, str(status or 499), code).inc()
 
@@ -267,6 +265,21 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                 for i in pool.instances.values()]
 
     return app
+
+
+def check_engine_sources(config: GatewayConfig, engine_urls: Sequence[str],
+                         has_local_engine: bool) -> None:
+    """Raise ValueError unless the gateway has somewhere to find engines: URLs, an engine
+    in this process, or the Redis registry (which needs the token that signs entries).
+    A configuration check, so it runs before anything touches the network."""
+    if engine_urls or has_local_engine:
+        return
+    if not config.redis_url:
+        raise ValueError("the gateway needs at least one engine URL, or --redis-url to "
+                         "discover engines that register there")
+    if not config.engine_token:
+        raise ValueError("discovering engines through the Redis registry needs --engine-token "
+                         "(the engines' token, which signs their registrations)")
 
 
 def open_store(config: GatewayConfig, check: bool = False) -> StateStore:

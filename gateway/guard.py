@@ -24,13 +24,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.http.errors import ApiError, error_body
+from engine.http.errors import ERROR_CODE_KEY, ApiError, CodedHTTPException
 from gateway.exposure import host_allowed
 
+REQUEST_TOO_LARGE = "request_too_large"
 BYTES_PER_EXTRA_SECOND = 1 << 20
 """Each MiB of body received moves the body's deadline one second later."""
 
@@ -42,7 +41,7 @@ class Guard:
     def __init__(self, app: ASGIApp, max_bytes: Callable[[str], int],
                  draining: Callable[[], bool], retry_after_s: int, body_timeout_s: float,
                  restrict_hosts: Callable[[], bool], allowed_hosts: tuple[str, ...],
-                 caller_refusal: Callable[[Scope], Awaitable[JSONResponse | None]]) -> None:
+                 caller_refusal: Callable[[Scope], Awaitable[ApiError | None]]) -> None:
         self.app = app
         self.max_bytes_for = max_bytes
         self.draining = draining
@@ -81,8 +80,8 @@ class Guard:
             except TimeoutError:
                 # An HTTPException: FastAPI passes it on from body parsing, and the error
                 # handlers render it in OpenAI's schema.
-                raise StarletteHTTPException(408, "the request body did not arrive in "
-                                                  "time") from None
+                raise CodedHTTPException(408, "the request body did not arrive in time",
+                                         code="body_timeout") from None
             if message["type"] != "http.request":
                 body_done = True
                 return message
@@ -91,34 +90,36 @@ class Guard:
             deadline += chunk / BYTES_PER_EXTRA_SECOND
             body_done = not message.get("more_body", False)
             if received > max_bytes:
-                raise StarletteHTTPException(413, f"request body over {max_bytes} bytes")
+                raise CodedHTTPException(413, f"request body over {max_bytes} bytes",
+                                         code=REQUEST_TOO_LARGE)
             return message
 
         refusal = self._refusal(scope, headers, length, max_bytes, body_done)
         if refusal is None and not body_done:
             refusal = await self.caller_refusal(scope)
         if refusal is not None:
-            await refusal(scope, receive, guarded_send)
+            scope[ERROR_CODE_KEY] = refusal.code  # the response metrics' code label
+            await refusal.response()(scope, receive, guarded_send)
             return
         await self.app(scope, limited_receive, guarded_send)
 
     def _refusal(self, scope: Scope, headers: dict[bytes, bytes], length: bytes | None,
-                 max_bytes: int, no_body: bool) -> JSONResponse | None:
+                 max_bytes: int, no_body: bool) -> ApiError | None:
         """The answer to a request refused on its headers alone, or None."""
         if self.restrict_hosts() and not host_allowed(
                 headers.get(b"host", b"").decode("latin-1"), self.allowed_hosts):
             return ApiError(400, "the Host header names a host this gateway does not serve "
                             "(it answers loopback names and --allowed-hosts only)",
-                            code="host_not_allowed").response()
+                            code="host_not_allowed")
         if length is not None and (not length.isdigit() or int(length) > max_bytes):
-            return JSONResponse(error_body(413, f"request body over {max_bytes} bytes"),
-                                status_code=413)
+            return ApiError(413, f"request body over {max_bytes} bytes",
+                            code=REQUEST_TOO_LARGE)
         encoding = headers.get(b"content-encoding", b"identity").strip().lower()
         if not no_body and encoding not in (b"", b"identity"):  # read as is: garbage
             return ApiError(415, f"Content-Encoding {encoding[:32].decode('latin-1')!r} is "
                             f"not supported: send the body uncompressed",
-                            code="unsupported_encoding").response()
+                            code="unsupported_encoding")
         if self.draining() and scope["path"].startswith("/v1/") and scope["method"] == "POST":
             return ApiError(503, "the gateway is shutting down", code="draining",
-                            headers={"Retry-After": str(self.retry_after_s)}).response()
+                            headers={"Retry-After": str(self.retry_after_s)})
         return None

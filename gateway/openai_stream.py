@@ -65,7 +65,7 @@ async def next_or_disconnect(request: Request, awaitable: Any) -> Any:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-                raise ApiError(499, "client disconnected")
+                raise ApiError(499, "client disconnected", code="client_closed")
     finally:
         if not task.done():
             task.cancel()

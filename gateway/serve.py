@@ -42,7 +42,7 @@ from engine.http.draining import DrainingServer
 from engine.http.listen import check_port_free
 from engine.kv_events import for_instance
 from engine.parent_watch import child_env
-from gateway.app import create_app, open_store
+from gateway.app import check_engine_sources, create_app, open_store
 from gateway.config import GatewayConfig
 from gateway.engine_supervisor import EngineSupervisor
 from gateway.http_protocol import guarded_protocol
@@ -237,6 +237,8 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
     engine_process, else engine processes, which get the gateway's engine token (a fresh
     random one when it has none). Local engines load adapters only from adapter_roots (and
     the directories of ``adapters``)."""
+    # Configuration before the network: each refusal names the first problem.
+    check_engine_sources(gateway_config, engine_urls, has_local_engine=instances > 0)
     check_port_free(gateway_config.host, gateway_config.port)
     # Before any model loads: a state file another gateway holds, or a Redis server that
     # does not answer, is one line now rather than a traceback after the engines' load.

@@ -81,7 +81,12 @@ def test_every_response_is_counted_by_route_status_and_code(serve: LiveServer,
     before = {key: count(route=route, status=status, code=code) for key, (status, code) in {
         "ok": ("200", "none"), "bad": ("400", "none"), "unknown": ("404", "model_not_found"),
     }.items()}
-    big_before = count(status="413")
+    # Refused by the guard before routing: still labelled by the route they asked for,
+    # with the code their body carries.
+    refused = {"413": "request_too_large", "415": "unsupported_encoding",
+               "401": "invalid_api_key"}
+    refused_before = {status: count(route=route, status=status, code=code)
+                      for status, code in refused.items()}
 
     def post(body: dict[str, object]) -> httpx.Response:
         return httpx.post(serve.url + route, json=body, headers=HEADERS, timeout=60)
@@ -91,17 +96,26 @@ def test_every_response_is_counted_by_route_status_and_code(serve: LiveServer,
     assert post(_body("no-such-model", 2)).status_code == 404
     huge = httpx.post(serve.url + route, content=b"x" * (9 << 20), headers=HEADERS, timeout=60)
     assert huge.status_code == 413
+    gzipped = httpx.post(serve.url + route, content=b"{}", timeout=60,
+                         headers={**HEADERS, "Content-Encoding": "gzip"})
+    assert gzipped.status_code == 415
+    stranger = httpx.post(serve.url + route, json=_body(tiny_model_dir.name, 2), timeout=60,
+                          headers={"Authorization": "Bearer not-a-key"})
+    assert stranger.status_code == 401
     # Labels are the full templates the client calls, admin routes of every kind included.
     for path, template in (("/admin/tenants", "/admin/tenants"),
                            ("/admin/tenants/nobody/keys", "/admin/tenants/{tenant_id}/keys"),
-                           ("/admin/adapters", "/admin/adapters")):
+                           ("/admin/adapters", "/admin/adapters"),
+                           ("/v1/models/a/b", "/v1/models/{model_id}")):
         was = count(route=template)
         httpx.get(serve.url + path, headers=HEADERS, timeout=60)
         assert count(route=template) == was + 1, path
     assert count(route=route, status="200", code="none") == before["ok"] + 1
     assert count(route=route, status="400", code="none") == before["bad"] + 1
     assert count(route=route, status="404", code="model_not_found") == before["unknown"] + 1
-    assert count(status="413") == big_before + 1
+    for status, code in refused.items():
+        assert count(route=route, status=status, code=code) == refused_before[status] + 1
+    assert count(route="unmatched") == 0
 
 
 def test_a_client_hanging_up_frees_the_engine(serve: LiveServer, tiny_model_dir: Path

@@ -50,6 +50,15 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+class CodedHTTPException(StarletteHTTPException):
+    """An HTTP error with an error code, for code that runs where FastAPI only passes
+    HTTPExceptions on (reading the body: any other exception there becomes a 400)."""
+
+    def __init__(self, status: int, message: str, *, code: str) -> None:
+        super().__init__(status, message)
+        self.code = code
+
+
 def error_body(status: int, message: str, *, code: str | None = None,
                param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type(status), "param": param,
@@ -173,8 +182,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(400, message, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)),
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = exc.code if isinstance(exc, CodedHTTPException) else None
+        request.scope[ERROR_CODE_KEY] = code
+        return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code),
                             status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
