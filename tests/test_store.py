@@ -349,6 +349,17 @@ def test_sqlite_store_refuses_a_second_gateway_on_its_file(tmp_path: Path) -> No
     run(SqliteStore(path).close())  # free again once closed
 
 
+def test_sqlite_store_lock_holds_through_links(tmp_path: Path) -> None:
+    path = tmp_path / "real" / "state.db"
+    store = SqliteStore(str(path))
+    (tmp_path / "file-link.db").symlink_to(path)
+    (tmp_path / "dir-link").symlink_to(tmp_path / "real")
+    for other in (tmp_path / "file-link.db", tmp_path / "dir-link" / "state.db"):
+        with pytest.raises(ValueError, match=f"the state file {other} is in use"):
+            SqliteStore(str(other))
+    run(store.close())
+
+
 def test_sqlite_store_undoes_a_write_the_file_refuses(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
 
