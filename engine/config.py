@@ -41,6 +41,11 @@ class EngineConfig:
     device: str = "auto"
     """"cpu", "cuda", "cuda:N" or "auto" (cuda when available)."""
 
+    cpu_threads: int | None = None
+    """Threads for the model's math on a CPU (torch's intra-op threads; unset: one per
+    core). Engines sharing a machine should split its cores: `loragate serve --instances N`
+    gives each of its engines cores // N unless this is set."""
+
     block_size: int = 16
     """Tokens per KV block. Chunk boundaries and prefix-cache hits are multiples of this."""
 
@@ -205,6 +210,8 @@ class EngineConfig:
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.cpu_threads is not None:
+            _positive("cpu_threads", self.cpu_threads)
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got "
                              f"{self.long_prefill_token_threshold}")

@@ -83,6 +83,11 @@ class LLMEngine:
         hf_config = load_hf_config(config.model)
         self.model_shape = ModelShape.from_hf_config(hf_config)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            # Per thread in effect (OpenMP and MKL keep the count per thread): this is the
+            # engine thread, which runs every forward. OMP_NUM_THREADS, read at start-up,
+            # is what binds a whole process (`loragate serve` sets it for its engines).
+            torch.set_num_threads(config.cpu_threads)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.max_model_len = config.max_model_len or self.model_shape.max_position_embeddings
         if self.max_model_len > self.model_shape.max_position_embeddings:

@@ -111,6 +111,11 @@ class EngineProcess:
             return ""
 
 
+def threads_per_engine(engines: int) -> int:
+    """This process's cores (its CPU affinity) split evenly over engines, at least one."""
+    return max(1, len(os.sched_getaffinity(0)) // engines)
+
+
 def start_engines(config: EngineConfig, count: int, log_dir: Path,
                   adapters: dict[str, str], token: str | None = None,
                   adapter_roots: Sequence[str] = ()) -> list[EngineProcess]:
@@ -122,6 +127,8 @@ def start_engines(config: EngineConfig, count: int, log_dir: Path,
         env[TOKEN_ENV] = token
     if adapter_roots:
         env[ROOTS_ENV] = os.pathsep.join(adapter_roots)
+    if config.cpu_threads is not None:  # every thread of the process, not only the engine's
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(config.cpu_threads)
     engines = []
     for index in range(count):
         port = free_port()
@@ -255,8 +262,15 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
                                        gateway_config.served_model_name)
         elif not engine_urls and instances > 0:
             assert engine_config is not None
+            if engine_config.cpu_threads is None and instances > 1:
+                # Each engine would take every core: 2 engines on 2 cores ran 8x slower
+                # than with a core each, their threads preempting each other mid-matmul.
+                engine_config = dataclasses.replace(
+                    engine_config, cpu_threads=threads_per_engine(instances))
+            threads = (f", {engine_config.cpu_threads} CPU thread(s) each"
+                       if engine_config.cpu_threads else "")
             print(f"starting {instances} engine instance(s) on {engine_config.model} "
-                  f"(logs in {log_dir})", flush=True)
+                  f"(logs in {log_dir}{threads})", flush=True)
             token = gateway_config.engine_token or secrets.token_urlsafe(32)
             gateway_config = dataclasses.replace(gateway_config, engine_token=token)
             engines = start_engines(engine_config, instances, log_dir, adapters, token,

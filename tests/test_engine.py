@@ -104,6 +104,8 @@ def test_bad_engine_config_names_the_value() -> None:
         EngineConfig(model="m", block_size=0)
     with pytest.raises(ValueError, match="preemption_mode must be 'recompute' or 'swap'"):
         EngineConfig(model="m", preemption_mode="drop")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cpu_threads must be a positive integer, got 0"):
+        EngineConfig(model="m", cpu_threads=0)
 
 
 @pytest.mark.parametrize("when", ["mid_prefill", "mid_decode", "waiting"])

@@ -309,6 +309,38 @@ def test_engines_do_not_outlive_a_gateway_killed_outright(tiny_model_dir: Path,
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+def test_engines_started_together_split_the_cores(tiny_model_dir: Path,
+                                                  tmp_path: Path) -> None:
+    port = free_port()
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    process = subprocess.Popen(serve_command(tiny_model_dir, port, "--instances", "2"),
+                               env=serve_env(tmp_path / "tmp"), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("loragate gateway listening on"):
+                break
+        engines = children_of(process.pid)
+        assert len(engines) == 2, lines
+        for pid in engines:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"OMP_NUM_THREADS={share}".encode() in environ
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert command[command.index(b"--cpu-threads") + 1] == str(share).encode()
+        process.send_signal(signal.SIGTERM)
+        lines.append(process.communicate(timeout=120)[0])
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert f"{share} CPU thread(s) each" in "".join(lines)
+    assert process.returncode == 0, "".join(lines)
+
+
 @pytest.fixture
 def broken_model(tiny_model_dir: Path, tmp_path: Path) -> Path:
     """The tiny model with weights that do not load."""
