@@ -55,6 +55,7 @@ from gateway.registry import discover
 from gateway.route_label import RouteLabels
 from gateway.router import Router, RouterWeights
 from gateway.service import Gateway
+from gateway.shutdown_cutoff import ShutdownCutoff
 from gateway.sqlite_store import SqliteStore, resolve_state_path
 from gateway.store import MemoryStore, StateStore, StoreUnavailable
 from gateway.tenancy import AdapterRecord
@@ -217,6 +218,10 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         code = scope.get(ERROR_CODE_KEY) or ("client_closed" if status == 0 else "none")
         gateway.metrics.responses.labels(route, str(status or 499), code).inc()
 
+    # Outside Guard and the routes: a request cut off at the drain deadline ends as a
+    # shutdown, whichever of them it was in.
+    app.state.shutdown_cutoff = ShutdownCutoff()
+    app.add_middleware(app.state.shutdown_cutoff.wrap)
     # Added last: outermost, so refusals are logged and counted too.
     app.add_middleware(AccessLog, observe=count_response)
 

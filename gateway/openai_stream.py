@@ -67,8 +67,11 @@ async def next_or_disconnect(request: Request, awaitable: Any) -> Any:
                     await task
                 raise ApiError(499, "client disconnected", code="client_closed")
     finally:
-        if not task.done():
+        if not task.done():  # we were cancelled (a shutdown's cut-off, a timeout)
             task.cancel()
+            # Until it has ended: its generators are not closed twice at once (the
+            # caller's cleanup closes the same streams).
+            await asyncio.wait({task})
 
 
 async def collect(gateway: Gateway, jobs: list[Job], streams: BatchStream,
@@ -107,7 +110,7 @@ async def sse(gateway: Gateway, jobs: list[Job], streams: BatchStream, fmt: Resp
             yield _event(fmt.usage_event())
         yield b"data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
-        status = "499"
+        status = "503" if gateway.stopping else "499"  # cut off at shutdown, or left
         raise
     finally:  # the claim is settled by the response (ClosingStream), which closes this
         gateway.metrics.requests.labels(job.endpoint, status, job.adapter or "base",

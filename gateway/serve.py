@@ -209,9 +209,10 @@ def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: st
                      watch_adapter_dir=watch_adapter_dir, local=local, store=store)
     server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
-        timeout_graceful_shutdown=int(config.drain_timeout_s),
-        http=guarded_protocol(config.header_read_timeout_s, config.max_header_bytes)))
+        http=guarded_protocol(config.header_read_timeout_s, config.max_header_bytes)),
+        config.drain_timeout_s)
     server.on_drain = lambda: start_drain(app, config.drain_timeout_s)
+    server.on_deadline = lambda: cut_off(app)
 
     async def main() -> None:
         serving = asyncio.create_task(server.serve())
@@ -224,6 +225,16 @@ def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: st
     asyncio.run(main())
     if not server.started:
         raise RuntimeError(f"the gateway could not listen on {config.host}:{config.port}")
+
+
+def cut_off(app: FastAPI) -> None:
+    """End the requests the drain did not see finish (gateway/shutdown_cutoff.py)."""
+    gateway = getattr(app.state, "gateway", None)
+    if gateway is not None:
+        gateway.stopping = True  # its streams count as 503s, not as clients that left
+    count = app.state.shutdown_cutoff.cut_off()
+    log.warning("shutting down: %d request(s) still running are ended with a "
+                "'shutting_down' error", count)
 
 
 def start_drain(app: FastAPI, timeout_s: float) -> None:

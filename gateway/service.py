@@ -57,6 +57,8 @@ class Gateway:
         self.base_model = base_model
         self.view = view
         self.limiter = limiter
+        self.stopping = False
+        """Set when the server ends what is still running at its drain deadline."""
         self._background: set[asyncio.Task[Any]] = set()
         self.usage: dict[str, tuple[int, int]] = {}
         """Per adapter ("base" for none): requests and tokens served by this gateway, under

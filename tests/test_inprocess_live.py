@@ -4,6 +4,7 @@ and the engine's metrics on the gateway's /metrics."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import signal
 import tarfile
@@ -205,6 +206,34 @@ def test_sigterm_drains_and_exits_cleanly(tiny_model_dir: Path, tmp_path: Path) 
     log = server.log()
     assert "starting the engine in this process" in log and "engine ready after" in log
     assert "stopping 1 engine instance" not in log  # there was no engine process
+
+
+def test_requests_left_at_the_drain_deadline_end_as_a_shutdown(tiny_model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    port = free_port()
+    server = _spawn(["serve", "--model", str(tiny_model_dir), "--port", str(port),
+                     "--num-kv-blocks", "64", "--drain-timeout-s", "0.5"],
+                    tmp_path / "serve.log", port)
+    with running(server), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(httpx.post, server.url + "/v1/completions",
+                            json=_body(tiny_model_dir.name, 1000), timeout=60)
+        with httpx.stream("POST", server.url + "/v1/completions",
+                          json=_body(tiny_model_dir.name, 1000, True), timeout=60) as response:
+            events = sse_events(response)
+            seen = [next(events)]
+            server.process.send_signal(signal.SIGTERM)
+            seen += list(events)
+        # Not a silent cut: an error event that says why, then the stream's end.
+        assert seen[-1] == "[DONE]"
+        assert seen[-2]["error"]["code"] == "shutting_down", seen[-2]
+        assert len(seen) < 1000
+        answer = whole.result()
+        assert (answer.status_code, answer.json()["error"]["code"]) == (503, "shutting_down")
+        assert server.process.wait(60) == 0
+    log = server.log()
+    assert "2 request(s) still running are ended with a 'shutting_down' error" in log, log
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    assert " 499 " not in log, log  # neither request is logged as a client that left
 
 
 def _children(pid: int) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -18,13 +19,22 @@ class DrainingServer(uvicorn.Server):
     work), then keeps listening while the requests in flight finish, so a request or a
     health probe arriving meanwhile gets the app's 503 (draining) rather than a refused
     connection; then uvicorn's own graceful shutdown: stop accepting, finish what is left,
-    run the lifespan shutdown, exit. Both phases together take at most
-    timeout_graceful_shutdown."""
+    run the lifespan shutdown, exit. Both phases together take at most drain_timeout_s.
+    Requests still running at that deadline (or when a second SIGINT forces the exit; a
+    second SIGTERM changes nothing) are handed to on_deadline, which ends them as the app
+    sees fit, before uvicorn cancels whatever is left."""
 
     on_drain: Callable[[], None] | None = None
     on_listening: Callable[[], None] | None = None
     """Called once the listener is bound (after the app's startup: a model loaded)."""
+    on_deadline: Callable[[], object] | None = None
     DRAIN_POLL_S = 0.1
+    DEADLINE_GRACE_S = 1.0
+    """How long requests ended by on_deadline get to send their last bytes."""
+
+    def __init__(self, config: uvicorn.Config, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.drain_timeout_s = drain_timeout_s
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -32,15 +42,19 @@ class DrainingServer(uvicorn.Server):
             self.on_listening()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        limit = self.config.timeout_graceful_shutdown
-        deadline = None if limit is None else time.monotonic() + limit
+        deadline = time.monotonic() + self.drain_timeout_s
         # server_state.tasks: the requests being answered (an idle keep-alive connection is
         # not one), the 503s of the drain included: they end at once.
         while (self.server_state.tasks and not self.force_exit
-               and (deadline is None or time.monotonic() < deadline)):
+               and time.monotonic() < deadline):
             await asyncio.sleep(self.DRAIN_POLL_S)
-        if deadline is not None:
-            self.config.timeout_graceful_shutdown = max(0, round(deadline - time.monotonic()))
+        if self.server_state.tasks and self.on_deadline is not None:
+            self.on_deadline()
+            grace = time.monotonic() + self.DEADLINE_GRACE_S
+            while self.server_state.tasks and time.monotonic() < grace:
+                await asyncio.sleep(self.DRAIN_POLL_S / 10)
+        # uvicorn's own wait takes whole seconds: what is left, rounded up.
+        self.config.timeout_graceful_shutdown = max(0, math.ceil(deadline - time.monotonic()))
         await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:

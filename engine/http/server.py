@@ -200,8 +200,8 @@ def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = 
     engine = AsyncEngine(lambda: load_engine(config, adapters), on_fatal)
     instance_id = instance_id or f"{host}:{port}"
     app = create_app(engine, instance_id, model_name, background, token, roots)
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=int(drain_timeout_s)))
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning"),
+                            drain_timeout_s)
     server.on_drain = lambda: setattr(engine, "draining", True)
     # uvicorn's main loop checks should_exit every 0.1 s: setting it from the engine thread
     # is how a dead engine takes its server down.
