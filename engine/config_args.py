@@ -144,7 +144,11 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str,
         kind = _base_type(hints[f.name])
         choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
         env = ENV_PREFIX + f.name.upper()
-        help_text = f"{docs.get(f.name, '')} (default {default!r}; env {env})"
+        doc = docs.get(f.name, "")
+        # An unset field whose docstring says what unset means: "(default None)" would only
+        # repeat it less clearly.
+        shown = "" if default is None and "default" in doc.lower() else f"default {default!r}; "
+        help_text = f"{doc} ({shown}env {env})"
         parser_kwargs: dict[str, Any] = {"default": None, "help": help_text, "dest": f.name}
         if choices:
             parser_kwargs["choices"] = choices
@@ -158,6 +162,7 @@ def build_config(cls: type[T], args: argparse.Namespace, file_values: Mapping[st
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.name in fixed:
             continue
@@ -170,5 +175,14 @@ def build_config(cls: type[T], args: argparse.Namespace, file_values: Mapping[st
                 values[f.name] = convert(raw, hints[f.name])
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"{source}: {exc}") from None
+            sources[f.name] = source
             break
-    return cls(**values, **fixed)
+    try:
+        return cls(**values, **fixed)
+    except ValueError as exc:
+        # The config's checks name its fields; the operator typed a flag (or a variable,
+        # or a file key): say which, as the conversions above do.
+        named = str(exc).split(" ", 1)[0].rstrip(":")
+        if named in sources:
+            raise ValueError(f"{sources[named]}: {exc}") from None
+        raise

@@ -128,6 +128,11 @@ def check_reachable(url: str, timeout_s: float = 3.0) -> None:
     does not answer a PING (down, wrong port, refused password): `serve` asks before any
     model loads. The failure policy (--store-failure-policy) is for outages once running."""
     import redis
+    from redis.exceptions import (
+        AuthenticationError,
+        AuthenticationWrongNumberOfArgsError,
+        AuthorizationError,
+    )
 
     shown = redact_url(url)
     try:
@@ -138,6 +143,10 @@ def check_reachable(url: str, timeout_s: float = 3.0) -> None:
                          f"database") from None
     try:
         client.ping()
+    except (AuthenticationError, AuthorizationError, AuthenticationWrongNumberOfArgsError
+            ) as exc:  # it answered: the credentials (or the user's rights) are wrong
+        raise ValueError(f"the state store at {shown} refused the connection: "
+                         f"authentication failed ({exc})") from None
     except redis.RedisError as exc:
         raise ValueError(f"the state store at {shown} is unreachable: {exc}") from None
     finally:

@@ -41,6 +41,7 @@ from engine.http.auth import TOKEN_ENV
 from engine.http.draining import DrainingServer
 from engine.http.listen import check_port_free
 from engine.kv_events import for_instance
+from engine.models.loader import load_hf_config
 from engine.parent_watch import child_env
 from gateway.app import check_engine_sources, create_app, open_store
 from gateway.config import GatewayConfig
@@ -256,6 +257,7 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
     random one when it has none). Local engines load adapters only from adapter_roots (and
     the directories of ``adapters``)."""
     # Configuration before the network: each refusal names the first problem.
+    load_hf_config(tokenizer_dir)  # a missing or foreign model directory
     check_engine_sources(gateway_config, engine_urls, has_local_engine=instances > 0)
     check_port_free(gateway_config.host, gateway_config.port)
     # Before any model loads: a state file another gateway holds, or a Redis server that
@@ -318,8 +320,11 @@ def start_local_engine(config: EngineConfig, adapters: dict[str, str],
         local = LocalEngine(config, roots, model_name=model_name)
     except Exception as exc:
         log.debug("the engine could not start", exc_info=True)
-        raise RuntimeError(f"the engine could not start: {type(exc).__name__}: {exc}"
-                           ) from None
+        # A refusal (ValueError, OSError) says what is wrong; anything else is a bug, whose
+        # type helps whoever reads the report.
+        reason = str(exc) if isinstance(exc, ValueError | OSError) else \
+            f"{type(exc).__name__}: {exc}"
+        raise RuntimeError(f"the engine could not start: {reason}") from None
     print(f"engine ready after {time.monotonic() - start:.0f}s", flush=True)
     return local
 

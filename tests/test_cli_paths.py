@@ -60,3 +60,14 @@ def test_a_lora_path_that_is_no_adapter_is_refused_before_a_model_loads(
     # A path on the engines' hosts (--engine) is theirs to check.
     assert served_adapters(["x=/elsewhere/x"], None, str(tmp_path), attached=True) == (
         {"x": "/elsewhere/x"}, None)
+
+
+def test_a_missing_model_directory_is_one_line_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    missing = tmp_path / "no-model"
+    # An unreachable store would be refused too: the model comes first, in one line.
+    assert main(["serve", "--model", str(missing), "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"loragate: error: model directory {str(missing)!r} does not exist"]

@@ -57,6 +57,19 @@ def test_new_fields_come_from_flags_and_env() -> None:
         False, (), None, 10.0, 30.0)
 
 
+def test_a_refused_value_names_the_flag_or_variable_it_came_from() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, GatewayConfig)
+    args = parser.parse_args(["--drain-timeout-s", "0", "--allowed-hosts", "a*.b"])
+    with pytest.raises(ValueError, match=re.escape(
+            "--drain-timeout-s: drain_timeout_s must be > 0, got 0.0")):
+        build_config(GatewayConfig, args, {}, {})
+    with pytest.raises(ValueError, match=re.escape(
+            "LORAGATE_ALLOWED_HOSTS: allowed_hosts: 'a*.b' is not a host name")):
+        build_config(GatewayConfig, parser.parse_args([]), {},
+                     {"LORAGATE_ALLOWED_HOSTS": "a*.b"})
+
+
 @pytest.mark.parametrize(("changes", "message"), [
     ({"allowed_hosts": ("a*.example",)}, "allowed_hosts: 'a*.example' is not a host name, "
                                          "'*.domain' or '*'"),
@@ -102,3 +115,12 @@ def test_guard_checks_host_only_when_restricted() -> None:
     assert asyncio.run(_status(restricted, "gw.example:8000")) == (200, None)
     assert asyncio.run(_status(restricted, "localhost:8000")) == (200, None)
     assert asyncio.run(_status(_guarded(False, ()), "evil.example")) == (200, None)
+
+
+def test_help_states_each_default_once() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, GatewayConfig)
+    helps = {action.dest: action.help or "" for action in parser._actions}
+    for dest in ("redis_url", "state_path", "served_model_name"):
+        assert helps[dest].lower().count("default") == 1, helps[dest]
+    assert helps["drain_timeout_s"].endswith("(default 30.0; env LORAGATE_DRAIN_TIMEOUT_S)")

@@ -405,3 +405,20 @@ def test_redis_store_survives_a_server_restart_without_failing_requests(tmp_path
         asyncio.run(scenario())
     finally:
         server.stop()
+
+
+def test_a_refused_password_is_not_called_unreachable(tmp_path: Path) -> None:
+    from gateway.redis_store import check_reachable
+
+    store = private_redis(tmp_path, password="right")
+    try:
+        wrong = store.url.replace(":right@", ":wrong@")
+        with pytest.raises(ValueError) as refused:
+            check_reachable(wrong)
+        assert str(refused.value).startswith(
+            f"the state store at redis://***@127.0.0.1:{store.port}/0 refused the connection: "
+            "authentication failed")
+        assert "wrong" not in str(refused.value)
+        check_reachable(store.url)
+    finally:
+        store.stop()
