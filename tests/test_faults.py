@@ -358,6 +358,12 @@ def test_engine_sigterm_drains_its_stream_then_gateway_answers_503(servers: Serv
         assert poll(lambda: _refused_or_draining(health),
                     "the engine's /health to say draining") == "draining"
         assert engine.process.poll() is None  # still finishing the stream
+        # Its refusal says when to retry, and closes the connection: reconnect elsewhere.
+        turned_away = httpx.post(engine.url + "/generate", timeout=10.0, json={
+            "prompt_token_ids": [5, 6, 7], "stream": False, "params": {"max_tokens": 2}})
+        assert (turned_away.status_code, error_of(turned_away)["code"]) == (503, "draining")
+        assert turned_away.headers["retry-after"] == "1"
+        assert turned_away.headers["connection"] == "close"
         poll(lambda: not instances(gw.url)[engine.url]["healthy"],
              "the gateway to take the draining engine out of rotation")
         refused = httpx.post(gw.url + "/v1/completions", json=body(4))
@@ -367,6 +373,7 @@ def test_engine_sigterm_drains_its_stream_then_gateway_answers_503(servers: Serv
         seen += list(events)
     assert_completed(seen, max_tokens)
     assert engine.process.wait(30) == 0
+    assert "drains: no new requests; those running finish" in engine.log()
     response = httpx.post(gw.url + "/v1/completions", json=body(4), timeout=30.0)
     assert response.status_code == 503
     assert error_of(response) == no_instance

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.invalid_field import field_of
-from engine.protocol import EngineError, error_type
+from engine.protocol import EngineError, EngineUnavailable, error_type
 
 log = logging.getLogger(__name__)
 ERROR_CODE_KEY = "loragate.error_code"
@@ -174,7 +174,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
         request.scope[ERROR_CODE_KEY] = exc.code
-        return ApiError.of(exc).response()
+        headers = None
+        if isinstance(exc, EngineUnavailable):  # nothing ran: worth a retry, here or elsewhere
+            headers = {"Retry-After": "1"}
+            if exc.code == "draining":  # this server is going: reconnect elsewhere
+                headers["Connection"] = "close"
+        return ApiError.of(exc, headers).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -202,7 +202,13 @@ def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = 
     app = create_app(engine, instance_id, model_name, background, token, roots)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning"),
                             drain_timeout_s)
-    server.on_drain = lambda: setattr(engine, "draining", True)
+
+    def drain() -> None:
+        engine.draining = True
+        log.info("engine %s drains: no new requests; those running finish (up to %gs)",
+                 instance_id, drain_timeout_s)
+
+    server.on_drain = drain
     # uvicorn's main loop checks should_exit every 0.1 s: setting it from the engine thread
     # is how a dead engine takes its server down.
     exit_now.append(lambda: setattr(server, "should_exit", True))
