@@ -15,6 +15,7 @@ run. It reaches them through the environment (argv is visible to every user in `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -25,10 +26,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import httpx
 import uvicorn
@@ -267,35 +270,40 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
     log_dir = Path(tempfile.mkdtemp(prefix="loragate-engines-"))
     supervisor: EngineSupervisor | None = None
     local: LocalEngine | None = None
-    clean = False
+    clean = stopped = False
     try:
-        if not engine_urls and instances == 1 and not engine_process:
-            assert engine_config is not None
-            local = start_local_engine(engine_config, adapters, adapter_roots,
-                                       gateway_config.served_model_name)
-        elif not engine_urls and instances > 0:
-            assert engine_config is not None
-            if engine_config.cpu_threads is None and instances > 1:
-                # Each engine would take every core: 2 engines on 2 cores ran 8x slower
-                # than with a core each, their threads preempting each other mid-matmul.
-                engine_config = dataclasses.replace(
-                    engine_config, cpu_threads=threads_per_engine(instances))
-            threads = (f", {engine_config.cpu_threads} CPU thread(s) each"
-                       if engine_config.cpu_threads else "")
-            print(f"starting {instances} engine instance(s) on {engine_config.model} "
-                  f"(logs in {log_dir}{threads})", flush=True)
-            token = gateway_config.engine_token or secrets.token_urlsafe(32)
-            gateway_config = dataclasses.replace(gateway_config, engine_token=token)
-            engines = start_engines(engine_config, instances, log_dir, adapters, token,
-                                    adapter_roots)
-            wait_ready(engines, gateway_config.startup_timeout_s)
-            engine_urls = [e.url for e in engines]
-            supervisor = EngineSupervisor(engines)
-            supervisor.start()
-        run_gateway(gateway_config, engine_urls, tokenizer_dir, adapters,
-                    banner=ready_banner(gateway_config, tokenizer_dir, adapters),
-                    watch_adapter_dir=watch_adapter_dir, local=local, store=store)
+        with stop_signals_raise():  # while engines load: a stop cleans up
+            if not engine_urls and instances == 1 and not engine_process:
+                assert engine_config is not None
+                local = start_local_engine(engine_config, adapters, adapter_roots,
+                                           gateway_config.served_model_name)
+            elif not engine_urls and instances > 0:
+                assert engine_config is not None
+                if engine_config.cpu_threads is None and instances > 1:
+                    # Each engine would take every core: 2 engines on 2 cores ran 8x slower
+                    # than with a core each, their threads preempting each other mid-matmul.
+                    engine_config = dataclasses.replace(
+                        engine_config, cpu_threads=threads_per_engine(instances))
+                threads = (f", {engine_config.cpu_threads} CPU thread(s) each"
+                           if engine_config.cpu_threads else "")
+                print(f"starting {instances} engine instance(s) on {engine_config.model} "
+                      f"(logs in {log_dir}{threads})", flush=True)
+                token = gateway_config.engine_token or secrets.token_urlsafe(32)
+                gateway_config = dataclasses.replace(gateway_config, engine_token=token)
+                engines = start_engines(engine_config, instances, log_dir, adapters, token,
+                                        adapter_roots)
+                wait_ready(engines, gateway_config.startup_timeout_s)
+                engine_urls = [e.url for e in engines]
+                supervisor = EngineSupervisor(engines)
+                supervisor.start()
+            # uvicorn holds the signals while it serves (a drain), then gives them back.
+            run_gateway(gateway_config, engine_urls, tokenizer_dir, adapters,
+                        banner=ready_banner(gateway_config, tokenizer_dir, adapters),
+                        watch_adapter_dir=watch_adapter_dir, local=local, store=store)
         clean = True
+    except StoppedWhileStarting as stop:  # the operator's stop, not a failure
+        print(f"{stop}: stopped before the gateway listened", file=sys.stderr, flush=True)
+        clean = stopped = True
     finally:
         if local is not None:
             local.shutdown()
@@ -306,7 +314,35 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
             print(f"stopping {len(engines)} engine instance(s) (draining, up to "
                   f"{gateway_config.drain_timeout_s:g}s)", flush=True)
         stop_engines(engines, gateway_config.drain_timeout_s)
-        keep_logs(log_dir, engines, clean)
+        if stopped:  # engines stopped mid-load exit by the signal: no crash to keep logs of
+            shutil.rmtree(log_dir, ignore_errors=True)
+        else:
+            keep_logs(log_dir, engines, clean)
+
+
+class StoppedWhileStarting(BaseException):
+    """SIGTERM or SIGINT before the gateway listened. A BaseException, as KeyboardInterrupt:
+    no `except Exception` on the way (an engine that could not start) may take it."""
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """While engines load: SIGTERM and SIGINT raise StoppedWhileStarting, so the caller's
+    cleanup runs (engines stopped, their log directory removed) instead of the process
+    dying where it stands. Only the main thread can hold signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _: FrameType | None) -> None:
+        raise StoppedWhileStarting(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def start_local_engine(config: EngineConfig, adapters: dict[str, str],

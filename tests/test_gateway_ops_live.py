@@ -341,6 +341,30 @@ def test_engines_started_together_split_the_cores(tiny_model_dir: Path,
     assert process.returncode == 0, "".join(lines)
 
 
+def test_a_stop_while_engines_load_cleans_up(tiny_model_dir: Path, tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    process = subprocess.Popen(serve_command(tiny_model_dir, free_port(), "--instances", "2"),
+                               env=serve_env(tmp), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("starting 2 engine instance(s)"):
+                break
+        engines = children_of(process.pid)
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=120)[0]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, output
+    assert "SIGTERM: stopped before the gateway listened" in output, output
+    assert "Traceback" not in output, output
+    assert not any(map(alive, engines))
+    assert list(tmp.iterdir()) == [], output  # no engine log directory left behind
+
+
 @pytest.fixture
 def broken_model(tiny_model_dir: Path, tmp_path: Path) -> Path:
     """The tiny model with weights that do not load."""

@@ -37,7 +37,14 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
+        try:
+            await super().startup(sockets)
+        except SystemExit:
+            # uvicorn logged why (a port taken since it was checked) and exits the process
+            # from inside the loop; instead the server stops and its caller, seeing it never
+            # started, says so in one line and cleans up (engines it started, temp files).
+            self.should_exit = True
+            return
         if self.started and self.on_listening is not None:
             self.on_listening()
 

@@ -215,6 +215,10 @@ def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = 
     server.on_listening = lambda: log.info("engine %s listening on http://%s:%d", instance_id,
                                            host, port)
     server.run()
+    if not server.started and engine.fatal_error is None:
+        with contextlib.suppress(Exception):  # what was built is let go; the bind is the news
+            engine.shutdown()
+        raise RuntimeError(f"the engine could not listen on {host}:{port}")
     if engine.fatal_error is not None:
         log.critical("engine %s exits: its engine loop died (%s)", instance_id,
                      type(engine.fatal_error).__name__)

@@ -1,0 +1,31 @@
+"""DrainingServer on its own: a real uvicorn server over a minimal ASGI app."""
+
+from __future__ import annotations
+
+import socket
+
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from engine.http.draining import DrainingServer
+
+
+async def _app(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+def test_a_port_taken_after_the_check_stops_the_server_without_exiting() -> None:
+    # Bound between the early port check and the bind (another process was quicker):
+    # uvicorn would exit the process from inside the event loop, with a traceback and
+    # the caller's cleanup (engines started, temp files) skipped.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        server = DrainingServer(uvicorn.Config(_app, host="127.0.0.1", port=port,
+                                               log_level="critical"), drain_timeout_s=1.0)
+        server.run()  # returns: no SystemExit
+    assert not server.started
