@@ -111,10 +111,15 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
         message = _text_length(err) or str(err.get("msg", "invalid")).removeprefix(
             "Value error, ")
         # Our refusals of unsupported fields already name theirs ("use_beam_search is not
-        # supported: ..."): prefixed again, a top-level name would be said twice (a nested
-        # one keeps its path in front).
-        named = err.get("type") == "unsupported_field" and loc[-1:] == (shown,)
-        problem = f"{shown}: {message}" if shown and about is None and not named else message
+        # supported: ..."): prefixed again, the name would be said twice; a nested one gets
+        # its whole path in the name's place.
+        unsupported = err.get("type") == "unsupported_field" and bool(loc)
+        if unsupported and loc[-1:] == (shown,):  # top level: the message names it
+            problem = message
+        elif unsupported and message.startswith(loc[-1] + " "):
+            problem = shown + message[len(loc[-1]):]
+        else:
+            problem = f"{shown}: {message}" if shown and about is None else message
         if problem not in problems:
             problems.append(problem)
     return "; ".join(problems) or "invalid request body", _param(locs)

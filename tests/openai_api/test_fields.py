@@ -223,6 +223,18 @@ def test_the_server_answers_400_naming_the_field(gateway: LiveServer, client: op
     assert error["message"].startswith(f"{name} is not supported: "), error  # named once
 
 
+def test_a_nested_unsupported_field_is_named_once_by_its_path(
+        gateway: LiveServer, client: openai.OpenAI, base_model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=base_model, prompt="Hi", max_tokens=2, extra_body={
+            "structured_outputs": {"structural_tag": "{}"}})
+    error = caught.value.body
+    assert isinstance(error, dict), error
+    assert error["message"].startswith(
+        "structured_outputs.structural_tag is not supported"), error
+    assert error["message"].count("structural_tag") == 1, error
+
+
 def test_the_server_answers_400_naming_an_unknown_field(gateway: LiveServer,
                                                        client: openai.OpenAI,
                                                        base_model: str) -> None:
