@@ -110,6 +110,11 @@ class LLMEngine:
                            dummy_seed=config.seed if config.load_format == "dummy" else None)
         self.runner = ModelRunner(config, model, self.device, self.dtype, self.eos_token_ids)
         auto = " (dtype auto)" if config.dtype == "auto" else ""
+        if auto and self.device.type == "cpu" and self.dtype != torch.float32:
+            # Chosen for speed (AMX): say what it changes, once, where the choice is logged.
+            auto = (" (dtype auto: bfloat16 for this CPU's AMX units; greedy output can "
+                    "differ from float32 where two tokens nearly tie: --dtype float32 for "
+                    "reference parity)")
         log.info("%s in %s on %s%s, %d KV blocks of %d tokens", Path(config.model).name,
                  str(self.dtype).removeprefix("torch."), self.device, auto,
                  self.runner.num_blocks, config.block_size)

@@ -5,6 +5,7 @@ with float32 references on every host; these tests take the rule back.)"""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -41,9 +42,13 @@ def test_auto_on_a_cpu_is_bfloat16_only_with_amx(amx: bool) -> None:
 
 @pytest.mark.parametrize("amx", [True], indirect=True, ids=["amx"])
 def test_an_auto_engine_with_amx_runs_bfloat16_and_samples_float32(
-        amx: bool, tiny_model_dir: Path, tiny_adapters: dict[str, Path]) -> None:
-    engine = LLMEngine.from_model(str(tiny_model_dir), num_kv_blocks=32, max_loras=2,
-                                  max_num_batched_tokens=64)
+        amx: bool, tiny_model_dir: Path, tiny_adapters: dict[str, Path],
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+        engine = LLMEngine.from_model(str(tiny_model_dir), num_kv_blocks=32, max_loras=2,
+                                      max_num_batched_tokens=64)
+    # The choice is said where it is made, with what it changes.
+    assert "--dtype float32 for reference parity" in caplog.text
     runner = engine.runner
     assert engine.dtype == torch.bfloat16
     assert runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
