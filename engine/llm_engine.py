@@ -211,6 +211,7 @@ class LLMEngine:
         if users:
             raise ValueError(f"adapter {name!r} is in use by {len(users)} request(s)")
         self._lora_manager().remove(name)
+        self.kv.pool.drop_pool(name)  # its KV pool goes too, and its /metrics series
 
     def pin_lora(self, name: str, pinned: bool = True) -> None:
         self._lora_manager().pin(name, pinned)
@@ -387,6 +388,7 @@ class LLMEngine:
                 cached_blocks=self.kv.pool.num_cached,
                 switches=tracker.num_switches,
                 pools=self.kv.pools.stats(),
+                retired=self.kv.pools.retired_stats(),
             ),
         )
 

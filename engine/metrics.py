@@ -26,6 +26,9 @@ class StepTiming:
         return self.total - self.forward
 
 
+_NOTHING_RETIRED = PoolStats(0, 0, 0, 0, 0, 0, 0, 0)
+
+
 @dataclass(frozen=True)
 class PrefixCacheStats:
     """Prefix-cache figures: lookups happen once per admitted request. The counters are the
@@ -40,18 +43,24 @@ class PrefixCacheStats:
     """Times "auto" turned caching off or on."""
     pools: dict[str, PoolStats]
     """Per adapter (and "base"): blocks used / cached, evictions, lookups, floor, cap."""
+    retired: PoolStats = _NOTHING_RETIRED
+    """What the pools of unloaded adapters counted (PoolAccounting.forget): still in the
+    global counters, which never go down."""
+
+    def _counted(self) -> list[PoolStats]:
+        return [*self.pools.values(), self.retired]
 
     @property
     def queries(self) -> int:
-        return sum(p.queries for p in self.pools.values())
+        return sum(p.queries for p in self._counted())
 
     @property
     def query_tokens(self) -> int:
-        return sum(p.query_tokens for p in self.pools.values())
+        return sum(p.query_tokens for p in self._counted())
 
     @property
     def hit_tokens(self) -> int:
-        return sum(p.hit_tokens for p in self.pools.values())
+        return sum(p.hit_tokens for p in self._counted())
 
     @property
     def hit_rate(self) -> float:
@@ -60,7 +69,7 @@ class PrefixCacheStats:
 
     @property
     def evictions(self) -> int:
-        return sum(p.evictions for p in self.pools.values())
+        return sum(p.evictions for p in self._counted())
 
 
 @dataclass(frozen=True)

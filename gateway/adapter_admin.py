@@ -42,6 +42,7 @@ from engine.http.errors import ApiError
 from engine.models.shape import ModelShape
 from engine.protocol import EngineClient, EngineRejected, EngineUnavailable, LoadedAdapter
 from gateway.adapter_upload import extract_archive, remove_tree
+from gateway.admin_common import public_id, unavailable
 from gateway.instances import Instance
 from gateway.service import Gateway
 from gateway.store import StateStore
@@ -186,21 +187,22 @@ async def unload_from(instances: list[Instance], record: AdapterRecord) -> None:
 
 async def unload_everywhere(gw: Gateway, name: str) -> tuple[dict[str, str], list[str]]:
     """Ask every engine that reports ``name`` to unload it. Returns each engine's answer and
-    the reachable engines that still hold it afterwards (in use there)."""
+    the reachable engines that still hold it afterwards (in use there), by public id: what
+    the admin answers show (gateway/admin_common.py)."""
     results: dict[str, str] = {}
     for instance in list(gw.pool.instances.values()):
         if name not in instance.adapters:
             continue
+        shown = public_id(gw, instance.instance_id)
         try:
             await instance.client.unload_adapter(name)
-            results[instance.instance_id] = "ok"
+            results[shown] = "ok"
         except EngineRejected as exc:
-            results[instance.instance_id] = ("ok" if exc.status == 404
-                                             else f"refused: {exc.message}")
+            results[shown] = "ok" if exc.status == 404 else f"refused: {exc.message}"
         except EngineUnavailable as exc:
-            results[instance.instance_id] = f"unavailable: {exc}"
+            results[shown] = unavailable(instance.instance_id, exc)
     await gw.pool.poll()
-    held = [i.instance_id for i in gw.pool.instances.values()
+    held = [public_id(gw, i.instance_id) for i in gw.pool.instances.values()
             if reachable(i) and name in i.adapters]
     return results, held
 
@@ -297,12 +299,12 @@ class PendingDeletes:
 
 
 def adapter_status(gw: Gateway, record: AdapterRecord) -> dict[str, Any]:
-    """What GET /admin/adapters/{name} reports."""
+    """What GET /admin/adapters/{name} reports (instances by public id)."""
     instances = {}
     for instance in gw.pool.instances.values():
         state = instance.adapters.get(record.name)
         pool = instance.kv_pools.get(record.name)
-        instances[instance.instance_id] = {
+        instances[public_id(gw, instance.instance_id)] = {
             "registered": state is not None, "resident": bool(state and state.slot is not None),
             "digest": state.digest if state else None,
             "pinned": bool(state and state.pinned),

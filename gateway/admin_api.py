@@ -35,7 +35,7 @@ from engine.models.shape import ModelShape
 from engine.protocol import EngineClient
 from gateway import adapter_admin as lifecycle
 from gateway.adapter_upload import remove_tree
-from gateway.admin_common import NAME_PATTERN, AdminGateway, on_instances, owner_uid
+from gateway.admin_common import NAME_PATTERN, AdminGateway, on_instances, owner_uid, public_id
 from gateway.admin_tenants import build_tenant_router
 from gateway.openai_fields import StrictRequest, Unsupported
 from gateway.openai_text import Text
@@ -98,7 +98,8 @@ class VllmUnloadBody(StrictRequest):
 class PlacementBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     instance: str | None = None
-    """One instance id; None: every healthy instance."""
+    """One instance: its public id (GET /instances), or its URL; None: every healthy
+    instance."""
     pinned: bool = True
 
 
@@ -209,7 +210,7 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
         was_pending = record.deleting
         if not was_pending:
             await gw.pool.poll()  # running_requests as of now, not of the last poll
-            busy = [i.instance_id for i in gw.pool.instances.values()
+            busy = [public_id(gw, i.instance_id) for i in gw.pool.instances.values()
                     if (a := i.adapters.get(name)) is not None and a.running_requests]
             if busy and not force:
                 raise ApiError(409, f"adapter {name!r} is in use on {busy}; retry when idle "

@@ -1,8 +1,14 @@
 """What every admin route shares: the admin-key dependency, name rules, tenant lookups and
-running an action on the engine instances."""
+running an action on the engine instances.
+
+Admin answers name an instance by its opaque id (gateway/exposure.py: the one
+x-loragate-instance and /instances' ``public_id`` carry), never by its URL, and an
+unreachable engine's error text (which quotes its URL) goes to the log, not the answer.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
@@ -11,8 +17,11 @@ from fastapi import Depends, Request
 from engine.http.errors import ApiError
 from engine.protocol import EngineClient, EngineRejected, EngineUnavailable
 from gateway.auth import require_admin
+from gateway.exposure import instance_tag
 from gateway.service import Gateway
 from gateway.tenancy import Tenant
+
+log = logging.getLogger(__name__)
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
@@ -44,19 +53,37 @@ async def owner_uid(gw: Gateway, owner: str | None) -> str:
     return tenant.uid
 
 
-async def on_instances(gw: Gateway, instance_id: str | None,
-                        action: Callable[[EngineClient], Awaitable[Any]]) -> dict[str, str]:
-    targets = [i for i in gw.pool.healthy() if instance_id in (None, i.instance_id)]
-    if instance_id is not None and not targets:
-        raise ApiError(404, f"instance {instance_id!r} is not a healthy instance")
+def public_id(gw: Gateway, instance_id: str) -> str:
+    """The id an admin answer names an instance by ("instance-<12 hex>"), as every response's
+    x-loragate-instance does; GET /instances maps it to the URL for the operator."""
+    return instance_tag(instance_id, gw.config.admin_key)
+
+
+def unavailable(instance_id: str, exc: EngineUnavailable) -> str:
+    """An unreachable engine's entry in an admin answer: its code only ("draining"), as the
+    message names the engine's URL; the whole message is logged."""
+    log.warning("instance %s: %s", instance_id, exc)
+    return "unavailable" if exc.code in (None, "unavailable") else f"unavailable: {exc.code}"
+
+
+async def on_instances(gw: Gateway, instance: str | None,
+                       action: Callable[[EngineClient], Awaitable[Any]]) -> dict[str, str]:
+    """Run action on every healthy instance, or on the one ``instance`` names (its public id,
+    or its URL); each instance's outcome, by public id."""
+    targets = [i for i in gw.pool.healthy()
+               if instance in (None, i.instance_id, public_id(gw, i.instance_id))]
+    if instance is not None and not targets:  # not echoed: it may be a URL
+        raise ApiError(404, "no healthy instance has the id given in instance (GET /instances "
+                       "lists them: public_id)", param="instance")
     results: dict[str, str] = {}
-    for instance in targets:
+    for target in targets:
+        shown = public_id(gw, target.instance_id)
         try:
-            await action(instance.client)
-            results[instance.instance_id] = "ok"
+            await action(target.client)
+            results[shown] = "ok"
         except EngineRejected as exc:
-            results[instance.instance_id] = f"refused: {exc.message}"
+            results[shown] = f"refused: {exc.message}"
         except EngineUnavailable as exc:
-            results[instance.instance_id] = f"unavailable: {exc}"
+            results[shown] = unavailable(target.instance_id, exc)
     await gw.pool.poll()
     return results

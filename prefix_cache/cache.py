@@ -96,6 +96,10 @@ class BlockCache(Protocol):
 
     def publish(self, cursor: int = 0) -> PrefixUpdate: ...
 
+    def drop_pool(self, pool: str) -> None:
+        """``pool``'s adapter was unloaded: evict its cached blocks, forget its figures."""
+        ...
+
 
 @dataclass(slots=True)
 class Block:
@@ -223,6 +227,18 @@ class HashBlockCache:
         self._record(False, h, block.chain_index)
         if self.events is not None:
             self.events.removed(h)
+
+    def drop_pool(self, pool: str) -> None:
+        """The adapter of ``pool`` was unloaded (no request of it is left): its cached blocks
+        could only serve it, so they are evicted and reused first, and its figures go
+        (PoolAccounting.forget), so /metrics shows no series of an adapter that is gone."""
+        if pool == BASE_POOL:  # an adapter named "base" shares the base model's pool
+            return
+        for b in list(self._cached_free.get(pool, ())):
+            self._evict(self._blocks[b])
+            self._free.move_to_end(b, last=False)
+        self._cached_free.pop(pool, None)
+        self.pools.forget(pool)
 
     # ------------------------------------------------------------------ publication
     def _record(self, added: bool, block_hash: int, block_index: int) -> None:

@@ -11,6 +11,9 @@ are never shared across pools (their hashes differ by adapter identity). Each po
     cap     most blocks it may hold in use; at the cap it preempts its own requests first
     share   its fair part of the cache: cached blocks of pools above it are evicted first
             (configured share = cap; otherwise total / number of pools holding blocks)
+
+A pool goes with its adapter (forget): its figures leave stats(), hence /metrics, and its
+lookup and eviction counts move to ``retired``, so the global counters never go down.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 BASE_POOL = "base"
+_COUNTS = ("evictions", "queries", "query_tokens", "hit_tokens")
+"""The monotonic counters of a pool (PoolAccounting attributes and PoolStats fields)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class PoolAccounting:
         self.queries: Counter[str] = Counter()
         self.query_tokens: Counter[str] = Counter()
         self.hit_tokens: Counter[str] = Counter()
+        self.retired: Counter[str] = Counter()
+        """Counts of forgotten pools, by counter name (evictions, queries, ...)."""
 
     def floor(self, pool: str) -> int:
         return self._limits[pool][0] if pool in self._limits else 0
@@ -92,6 +99,24 @@ class PoolAccounting:
         self.queries[pool] += 1
         self.query_tokens[pool] += query_tokens
         self.hit_tokens[pool] += hit_tokens
+
+    def forget(self, pool: str) -> bool:
+        """Drop an unloaded adapter's pool, once it holds no block (the cache evicted its
+        cached ones first); False, keeping it, for base, a configured pool (its limits
+        outlive any adapter) or one that still holds blocks."""
+        if (pool == BASE_POOL or pool in self._limits
+                or self.used[pool] or self.cached[pool]):
+            return False
+        for name in _COUNTS:
+            self.retired[name] += getattr(self, name).pop(pool, 0)
+        self.used.pop(pool, None)
+        self.cached.pop(pool, None)
+        return True
+
+    def retired_stats(self) -> PoolStats:
+        """What forgotten pools counted: the part of the global counters no pool shows."""
+        return PoolStats(0, 0, floor_blocks=0, cap_blocks=0,
+                         **{name: self.retired[name] for name in _COUNTS})
 
     def stats(self) -> dict[str, PoolStats]:
         names = set(self.used) | set(self.cached) | set(self.query_tokens) | set(self._limits)

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.exposure import instance_tag
 from tests.adapter_lifecycle_helpers import (
     ADMIN,
     PROMPT,
@@ -121,13 +122,19 @@ def test_requests_run_on_the_registered_weights_whatever_the_gateway_last_saw(
 
 def test_force_delete_of_a_busy_adapter_is_pending_until_its_requests_end(
         setup: Setup) -> None:
+    tag = instance_tag(setup.engine.url, ADMIN)  # the engine's id: never its URL
     assert upload(setup, "bot", tar_dir(setup.old), "&owner=ta").status_code == 201
     with streaming(setup, "ta", "bot", max_tokens=900) as events:
         next(events)  # A's request is running
-        assert admin(setup, "DELETE", "/admin/adapters/bot").status_code == 409
+        busy = admin(setup, "DELETE", "/admin/adapters/bot")
+        assert busy.status_code == 409
+        assert f"is in use on ['{tag}']" in busy.json()["error"]["message"]
         pending = admin(setup, "DELETE", "/admin/adapters/bot?force=true")
         assert pending.status_code == 202, pending.text
         assert pending.json()["status"] == "pending_delete"
+        assert pending.json()["held_by"] == [tag]
+        assert set(pending.json()["unloaded"]) <= {tag}
+        assert "http://" not in busy.text + pending.text
         assert admin(setup, "GET", "/admin/adapters/bot").json()["status"] == "deleting"
         assert complete(setup, "ta", "bot").status_code == 404  # no new requests
         refused = upload(setup, "bot", tar_dir(setup.new), "&owner=tb")
@@ -139,6 +146,35 @@ def test_force_delete_of_a_busy_adapter_is_pending_until_its_requests_end(
     assert not (setup.uploads / "bot").exists()
     assert upload(setup, "bot", tar_dir(setup.new), "&owner=tb").status_code == 201
     wait_engines_idle(setup.engine.url)
+
+
+def test_admin_answers_name_instances_by_their_opaque_id(setup: Setup) -> None:
+    """Admin bodies name an instance by the id x-loragate-instance and /instances' public_id
+    carry, never by its URL; placement calls take that id (or the URL) in ``instance``."""
+    tag = instance_tag(setup.engine.url, ADMIN)
+    registered = register(setup, "ids", setup.new, owner="tb")
+    assert registered.status_code == 201, registered.text
+    shown = admin(setup, "GET", "/instances").json()
+    assert [i["public_id"] for i in shown] == [tag]
+    served = complete(setup, "tb", "ids")
+    assert served.headers["x-loragate-instance"] == tag
+    wait_engines_idle(setup.engine.url)
+    status = admin(setup, "GET", "/admin/adapters/ids")
+    assert list(registered.json()["instances"]) == list(status.json()["instances"]) == [tag]
+    placements = [
+        admin(setup, "POST", "/admin/adapters/ids/pin", json={"instance": tag}),
+        admin(setup, "POST", "/admin/adapters/ids/pin",
+              json={"instance": setup.engine.url, "pinned": False}),
+        admin(setup, "POST", "/admin/adapters/ids/unload", json={}),
+        admin(setup, "POST", "/admin/adapters/ids/load", json={})]
+    assert [p.json()["instances"] for p in placements] == [{tag: "ok"}] * 4
+    unknown = admin(setup, "POST", "/admin/adapters/ids/load",
+                    json={"instance": "http://10.0.0.1:9"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "instance"
+    deleted = admin(setup, "DELETE", "/admin/adapters/ids")
+    assert deleted.json() == {"name": "ids", "status": "deleted", "unloaded": {tag: "ok"}}
+    for answer in (registered, status, *placements, unknown, deleted):
+        assert "http://" not in answer.text, answer.text
 
 
 def test_engine_holding_other_weights_under_the_name_is_reloaded_or_refused(
@@ -155,7 +191,7 @@ def test_engine_holding_other_weights_under_the_name_is_reloaded_or_refused(
 
         def gateway_sees_the_old_weights() -> bool:
             status = admin(setup, "GET", "/admin/adapters/kept").json()
-            return status["instances"][setup.engine.url]["digest"] not in (
+            return status["instances"][instance_tag(setup.engine.url, ADMIN)]["digest"] not in (
                 None, uploaded.json()["digest"])
 
         poll(gateway_sees_the_old_weights, "a poll to report the engine's other weights")

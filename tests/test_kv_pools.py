@@ -78,3 +78,29 @@ def test_pool_stats_in_engine_config_and_errors() -> None:
     assert (stats.used_blocks, stats.cached_blocks, stats.floor_blocks, stats.cap_blocks) == (
         0, 2, 2, 4)
     assert stats.query_tokens == 9 and stats.hit_rate == 0.0
+
+
+def test_an_unloaded_adapters_pool_goes_and_the_global_counts_stay() -> None:
+    """drop_pool (the engine's remove_lora): the pool's cached blocks are evicted, its
+    figures leave stats() (its /metrics series), its counts stay in the global sums;
+    base and configured pools keep their entries."""
+    kv = KVCacheManager(8, BS, prefix_caching="on", pool_shares=(("kept", 0.0, 0.5),))
+    for request_id, lora, first in (("a", "gone", 0), ("k", "kept", 100)):
+        request = make_request(request_id, 9, lora=lora, first_token=first)
+        assert kv.allocate_slots(request, 9)
+        kv.note_admitted(request, 0)
+        request.num_computed_tokens = 9
+        kv.cache_full_blocks(request)
+        kv.free(request_id)
+    assert kv.pools.stats()["gone"].cached_blocks == 2
+    before = (kv.pools.stats()["gone"].query_tokens, kv.pool.num_cached)
+    kv.pool.drop_pool("gone")
+    kv.pool.drop_pool("kept")
+    kv.pool.drop_pool("base")
+    stats = kv.pools.stats()
+    assert set(stats) == {"kept"}  # configured: its limits stay (its cached blocks do not)
+    assert (stats["kept"].cached_blocks, kv.pool.num_cached) == (0, 0)
+    assert before == (9, 4)
+    retired = kv.pools.retired_stats()
+    assert (retired.query_tokens, retired.evictions) == (9, 2)
+    assert kv.pool.num_free == 8

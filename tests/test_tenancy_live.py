@@ -189,6 +189,10 @@ def test_a_tenant_deleted_while_its_adapters_run_unloads_them_when_their_request
         assert deleted.status_code == 200, deleted.text
         assert deleted.json()["adapters_deleted"] == sorted(names)
         assert deleted.json()["adapters_pending_delete"] == sorted(names)
+        # Each engine's answer by its opaque id (as x-loragate-instance), never its URL.
+        tag = instance_tag(setup.engine.url, ADMIN)
+        assert all(set(answers) <= {tag} for answers in deleted.json()["unloaded"].values())
+        assert "http://" not in forced.text + deleted.text, forced.text + deleted.text
         for name in names:
             assert engine_holds(setup, name)  # their requests still run on them
             # The names stay taken until the engines let the old weights go.

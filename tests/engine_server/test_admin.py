@@ -128,6 +128,29 @@ def test_adapter_register_pin_and_unregister(http: httpx.Client,
     assert error_body(http.post("/adapters/nope/pin", json={"pinned": True}), 404) == missing
 
 
+def test_an_unloaded_adapters_series_leave_the_metrics(http: httpx.Client,
+                                                        adapters: dict[str, Path]) -> None:
+    """Per-pool and per-adapter series go with the adapter; the global counters keep what
+    its requests counted (they never go down)."""
+    assert http.post("/adapters", json={"name": "metered", "path": str(adapters["a0"])}
+                     ).status_code == 200
+    post_generate(http, {"prompt_token_ids": long_prompt(7), "lora": "metered",
+                         "params": {**GREEDY, "max_tokens": 2}})
+    wait_idle(http)
+    during = http.get("/metrics").text
+    assert metric_value(during, 'loragate_kv_pool_cached_blocks{pool="metered"}') > 0
+    assert metric_value(during, 'loragate_kv_pool_used_blocks{pool="metered"}') == 0.0
+    assert metric_value(during, 'loragate_lora_resident{adapter="metered"}') == 1.0
+    queried = metric_value(during, "loragate_prefix_cache_query_tokens_total")
+    assert http.delete("/adapters/metered").status_code == 200
+    after = http.get("/metrics").text
+    assert 'pool="metered"' not in after and '"metered"' not in after, [
+        line for line in after.splitlines() if "metered" in line]
+    assert metric_value(after, "loragate_prefix_cache_query_tokens_total") == queried
+    assert metric_value(after, 'loragate_kv_pool_used_blocks{pool="base"}') == 0.0
+    wait_idle(http)
+
+
 def test_same_name_other_content_replaces_only_an_idle_adapter(
         http: httpx.Client, adapters: dict[str, Path]) -> None:
     body = {"prompt": "hello world", "params": GREEDY}
