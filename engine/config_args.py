@@ -119,6 +119,12 @@ def convert(value: Any, annotation: Any) -> Any:
         return tuple(tuple(v) if isinstance(v, list) else v for v in value)
     if kind is int and isinstance(value, float | bool):
         raise ValueError(f"must be an integer, got {value!r}")
+    if kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:  # Python's own text ("invalid literal for int() with base 10")
+            raise ValueError(f"must be {'an integer' if kind is int else 'a number'}, got "
+                             f"{value!r}") from None
     return kind(value)
 
 

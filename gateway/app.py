@@ -231,7 +231,9 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         ready = len(pool.healthy()) if pool else 0
         status = "draining" if app.state.draining else "ready" if ready else "no_instances"
         return JSONResponse({"status": status, "ready_instances": ready},
-                            status_code=200 if status == "ready" else 503)
+                            status_code=200 if status == "ready" else 503,
+                            headers={"Retry-After": str(config.retry_after_s)}
+                            if status != "ready" else None)
 
     # vLLM's names for the same check (SageMaker's load balancer probes /ping).
     app.add_api_route("/ping", health, methods=["GET", "POST"], include_in_schema=False)

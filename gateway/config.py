@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -136,8 +137,9 @@ class GatewayConfig:
         for name in ("request_timeout_s", "poll_interval_s", "startup_timeout_s",
                      "drain_timeout_s", "state_refresh_s", "header_read_timeout_s",
                      "body_read_timeout_s"):
-            if not getattr(self, name) > 0:  # `not >` also refuses NaN
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:  # `not <` also refuses NaN
+                raise ValueError(f"{name} must be a finite number > 0, got "
+                                 f"{getattr(self, name)}")
         check_token(self.engine_token)  # its message never holds the value: a secret
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")

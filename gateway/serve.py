@@ -15,7 +15,6 @@ run. It reaches them through the environment (argv is visible to every user in `
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -28,10 +27,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import httpx
 import uvicorn
@@ -122,7 +122,8 @@ def threads_per_engine(engines: int) -> int:
 
 def start_engines(config: EngineConfig, count: int, log_dir: Path,
                   adapters: dict[str, str], token: str | None = None,
-                  adapter_roots: Sequence[str] = ()) -> list[EngineProcess]:
+                  adapter_roots: Sequence[str] = (),
+                  drain_timeout_s: float | None = None) -> list[EngineProcess]:
     """`loragate engine` children on free loopback ports, requiring token when one is given;
     adapters registered through their API must lie in adapter_roots (or be one of
     adapters)."""
@@ -144,6 +145,8 @@ def start_engines(config: EngineConfig, count: int, log_dir: Path,
         command = [sys.executable, "-m", "engine.http", "--model", config.model,
                    "--host", "127.0.0.1", "--port", str(port),
                    "--instance-id", f"engine-{index}", *engine_flags(own)]
+        if drain_timeout_s is not None:  # the gateway's: engines drain no longer than it
+            command += ["--drain-timeout-s", repr(drain_timeout_s)]
         for name, path in adapters.items():
             command += ["--lora", f"{name}={path}"]
         with open(log_path, "wb") as out:
@@ -191,11 +194,18 @@ def wait_ready(engines: list[EngineProcess], timeout_s: float,
                 time.sleep(0.2)
 
 
+ENGINE_EXIT_GRACE_S = 10.0
+"""Beyond its drain: what an engine process may take to exit (its server's shutdown, its
+threads joined; 2-4 s on a busy 2-core box) before it is killed, and counted as failed."""
+
+
 def stop_engines(engines: list[EngineProcess], timeout_s: float) -> None:
+    """SIGTERM every engine (each drains for up to timeout_s), then wait for their exits;
+    kill one that has not exited ENGINE_EXIT_GRACE_S later."""
     for engine in engines:
         if engine.process.poll() is None:
             engine.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s + ENGINE_EXIT_GRACE_S
     for engine in engines:
         try:
             engine.process.wait(max(0.1, deadline - time.monotonic()))
@@ -271,8 +281,9 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
     supervisor: EngineSupervisor | None = None
     local: LocalEngine | None = None
     clean = stopped = False
-    try:
-        with stop_signals_raise():  # while engines load: a stop cleans up
+    signals = StopSignals()
+    with signals:  # while engines load, a stop cleans up; while cleaning up, it waits
+        try:
             if not engine_urls and instances == 1 and not engine_process:
                 assert engine_config is not None
                 local = start_local_engine(engine_config, adapters, adapter_roots,
@@ -291,7 +302,7 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
                 token = gateway_config.engine_token or secrets.token_urlsafe(32)
                 gateway_config = dataclasses.replace(gateway_config, engine_token=token)
                 engines = start_engines(engine_config, instances, log_dir, adapters, token,
-                                        adapter_roots)
+                                        adapter_roots, gateway_config.drain_timeout_s)
                 wait_ready(engines, gateway_config.startup_timeout_s)
                 engine_urls = [e.url for e in engines]
                 supervisor = EngineSupervisor(engines)
@@ -300,24 +311,25 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
             run_gateway(gateway_config, engine_urls, tokenizer_dir, adapters,
                         banner=ready_banner(gateway_config, tokenizer_dir, adapters),
                         watch_adapter_dir=watch_adapter_dir, local=local, store=store)
-        clean = True
-    except StoppedWhileStarting as stop:  # the operator's stop, not a failure
-        print(f"{stop}: stopped before the gateway listened", file=sys.stderr, flush=True)
-        clean = stopped = True
-    finally:
-        if local is not None:
-            local.shutdown()
-        if supervisor is not None:
-            supervisor.stop()  # before the engines: their exits now are no crash
-            clean = clean and not any(supervisor.restarts(e) for e in engines)
-        if engines:
-            print(f"stopping {len(engines)} engine instance(s) (draining, up to "
-                  f"{gateway_config.drain_timeout_s:g}s)", flush=True)
-        stop_engines(engines, gateway_config.drain_timeout_s)
-        if stopped:  # engines stopped mid-load exit by the signal: no crash to keep logs of
-            shutil.rmtree(log_dir, ignore_errors=True)
-        else:
-            keep_logs(log_dir, engines, clean)
+            clean = True
+        except StoppedWhileStarting as stop:  # the operator's stop, not a failure
+            print(f"{stop}: stopped before the gateway listened", file=sys.stderr, flush=True)
+            clean = stopped = True
+        finally:
+            signals.stopping = True  # from here a signal changes nothing: cleanup is under way
+            if local is not None:
+                local.shutdown()
+            if supervisor is not None:
+                supervisor.stop()  # before the engines: their exits now are no crash
+                clean = clean and not any(supervisor.restarts(e) for e in engines)
+            if engines:
+                print(f"stopping {len(engines)} engine instance(s) (draining, up to "
+                      f"{gateway_config.drain_timeout_s:g}s)", flush=True)
+            stop_engines(engines, gateway_config.drain_timeout_s)
+            if stopped:  # engines stopped mid-load exit by the signal: no crash to keep
+                shutil.rmtree(log_dir, ignore_errors=True)
+            else:
+                keep_logs(log_dir, engines, clean)
 
 
 class StoppedWhileStarting(BaseException):
@@ -325,24 +337,34 @@ class StoppedWhileStarting(BaseException):
     no `except Exception` on the way (an engine that could not start) may take it."""
 
 
-@contextlib.contextmanager
-def stop_signals_raise() -> Iterator[None]:
-    """While engines load: SIGTERM and SIGINT raise StoppedWhileStarting, so the caller's
-    cleanup runs (engines stopped, their log directory removed) instead of the process
-    dying where it stands. Only the main thread can hold signal handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+class StopSignals:
+    """SIGTERM and SIGINT while `serve` starts and stops (uvicorn holds them while it
+    serves: the drain). Starting: they raise StoppedWhileStarting, so the caller's cleanup
+    runs (engines stopped, their log directory removed) instead of the process dying where
+    it stands. Once ``stopping`` is set (the cleanup began): they change nothing, as a
+    second SIGTERM during the drain changes nothing. Only the main thread can hold signal
+    handlers: elsewhere this does nothing."""
 
-    def stop(signum: int, _: FrameType | None) -> None:
-        raise StoppedWhileStarting(signal.Signals(signum).name)
+    def __init__(self) -> None:
+        self.stopping = False
+        self._previous: dict[int, Any] = {}
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle)
+                              for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def _handle(self, signum: int, _: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.stopping:
+            log.info("%s: already stopping", name)
+            return
+        raise StoppedWhileStarting(name)
 
 
 def start_local_engine(config: EngineConfig, adapters: dict[str, str],

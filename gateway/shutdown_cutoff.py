@@ -20,12 +20,13 @@ from __future__ import annotations
 import asyncio
 import json
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.http.errors import ERROR_CODE_KEY, error_body, error_type
+from engine.http.errors import ERROR_CODE_KEY, error_body
 
 SHUTTING_DOWN = "shutting_down"
-MESSAGE = "the server is shutting down: the request did not finish within the drain timeout"
+MESSAGE = "the server is shutting down: the request did not finish before it stopped"
 
 
 class ShutdownCutoff:
@@ -74,18 +75,16 @@ class ShutdownCutoff:
                 raise  # a hang-up, or uvicorn's own cancellation: not ours to answer
             task.uncancel()
             scope[ERROR_CODE_KEY] = SHUTTING_DOWN  # the response metrics' code label
-            if not started:
-                body = json.dumps(error_body(503, MESSAGE, code=SHUTTING_DOWN)).encode()
-                await send({"type": "http.response.start", "status": 503, "headers": [
-                    (b"content-type", b"application/json"), (b"connection", b"close"),
-                    (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
+            if not started:  # another replica can take it: say so, as a drain's 503 does
+                await JSONResponse(error_body(503, MESSAGE, code=SHUTTING_DOWN),
+                                   status_code=503,
+                                   headers={"Retry-After": "1", "Connection": "close"},
+                                   )(scope, receive, send)
             elif not ended:
                 tail = b""
-                if event_stream:
-                    error = {"message": MESSAGE, "type": error_type(503),
-                             "code": SHUTTING_DOWN}
-                    tail = (b"data: " + json.dumps({"error": error}).encode()
+                if event_stream:  # the error event of a failed stream (openai_stream.py)
+                    tail = (b"data: " + json.dumps(error_body(503, MESSAGE, code=SHUTTING_DOWN),
+                                                   separators=(",", ":")).encode()
                             + b"\n\ndata: [DONE]\n\n")
                 await send({"type": "http.response.body", "body": tail})
         finally:

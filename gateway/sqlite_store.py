@@ -8,8 +8,8 @@ records it changed in one SQLite transaction (in a worker thread, off the event 
 write the file refuses (disk full, read-only) is undone in memory and raises
 StoreUnavailable, so memory and file never disagree.
 
-One gateway per file: the file is locked (flock on ``PATH.lock`` beside the file a symlink
-leads to, so a link to a held file is held too) while a store has it
+One gateway per file: the file itself is locked (flock, so a symlink or hard link to a held
+file is held too) while a store has it
 open, and a second gateway on the same file is refused with a clear error. Gateway
 replicas share state through Redis instead.
 """
@@ -70,9 +70,9 @@ class SqliteStore(MemoryStore):
         super().__init__()
         self.path = path
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        # The lock sits beside the real file: a symlink to a file another gateway holds
-        # (or a path through a linked directory) must find that gateway's lock.
-        self._lock_file = _lock(str(Path(path).resolve()), path)
+        # The lock is on the file itself (its inode): a symlink or a hard link to a file
+        # another gateway holds, or a path through a linked directory, finds that lock.
+        self._lock_file = _lock(path)
         try:
             # One connection, used by one worker thread at a time (self._write_lock).
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
@@ -169,10 +169,11 @@ def _diff(before: Snapshot, after: Snapshot) -> list[tuple[str, str, str | None]
     return changes
 
 
-def _lock(real_path: str, path: str) -> IO[bytes]:
-    """An exclusive lock on REAL_PATH.lock, held while the store is open (path: the name
-    the operator gave, for the message)."""
-    lock_file = open(real_path + ".lock", "ab")  # noqa: SIM115 (held open until close())
+def _lock(path: str) -> IO[bytes]:
+    """An exclusive flock on the database file (created empty if missing: SQLite takes an
+    empty file as a new database), held while the store is open. SQLite's own locks are
+    POSIX record locks, which on Linux never interact with flock."""
+    lock_file = open(path, "ab")  # noqa: SIM115 (held open until close())
     try:
         fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

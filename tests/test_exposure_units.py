@@ -62,7 +62,7 @@ def test_a_refused_value_names_the_flag_or_variable_it_came_from() -> None:
     add_config_args(parser, GatewayConfig)
     args = parser.parse_args(["--drain-timeout-s", "0", "--allowed-hosts", "a*.b"])
     with pytest.raises(ValueError, match=re.escape(
-            "--drain-timeout-s: drain_timeout_s must be > 0, got 0.0")):
+            "--drain-timeout-s: drain_timeout_s must be a finite number > 0, got 0.0")):
         build_config(GatewayConfig, args, {}, {})
     with pytest.raises(ValueError, match=re.escape(
             "LORAGATE_ALLOWED_HOSTS: allowed_hosts: 'a*.b' is not a host name")):
@@ -77,8 +77,9 @@ def test_a_refused_value_names_the_flag_or_variable_it_came_from() -> None:
     ({"allowed_hosts": ("http://x",)}, "allowed_hosts: 'http://x' is not a host name, "
                                        "'*.domain' or '*'"),
     ({"metrics_token": " "}, "metrics_token must not be empty"),
-    ({"body_read_timeout_s": 0}, "body_read_timeout_s must be > 0, got 0"),
-    ({"header_read_timeout_s": -1.0}, "header_read_timeout_s must be > 0, got -1.0"),
+    ({"body_read_timeout_s": 0}, "body_read_timeout_s must be a finite number > 0, got 0"),
+    ({"header_read_timeout_s": -1.0},
+     "header_read_timeout_s must be a finite number > 0, got -1.0"),
     ({"max_header_bytes": 100}, "max_header_bytes must be an integer >= 1024, got 100"),
 ])
 def test_new_fields_refuse_bad_values(changes: dict[str, object], message: str) -> None:

@@ -314,8 +314,10 @@ def test_engines_started_together_split_the_cores(tiny_model_dir: Path,
                                                   tmp_path: Path) -> None:
     port = free_port()
     share = max(1, len(os.sched_getaffinity(0)) // 2)
-    process = subprocess.Popen(serve_command(tiny_model_dir, port, "--instances", "2"),
-                               env=serve_env(tmp_path / "tmp"), stdout=subprocess.PIPE,
+    tmp = tmp_path / "tmp"
+    process = subprocess.Popen(serve_command(tiny_model_dir, port, "--instances", "2",
+                                             "--drain-timeout-s", "3"),
+                               env=serve_env(tmp), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
@@ -331,7 +333,15 @@ def test_engines_started_together_split_the_cores(tiny_model_dir: Path,
             assert f"OMP_NUM_THREADS={share}".encode() in environ
             command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             assert command[command.index(b"--cpu-threads") + 1] == str(share).encode()
+            # They drain no longer than the gateway does.
+            assert command[command.index(b"--drain-timeout-s") + 1] == b"3.0"
         process.send_signal(signal.SIGTERM)
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("stopping 2 engine instance(s)"):
+                process.send_signal(signal.SIGTERM)  # during the cleanup: changes nothing
+                break
         lines.append(process.communicate(timeout=120)[0])
     finally:
         if process.poll() is None:
@@ -339,6 +349,7 @@ def test_engines_started_together_split_the_cores(tiny_model_dir: Path,
             process.wait()
     assert f"{share} CPU thread(s) each" in "".join(lines)
     assert process.returncode == 0, "".join(lines)
+    assert list(tmp.iterdir()) == [], "".join(lines)  # engines exited cleanly: no logs kept
 
 
 def test_a_stop_while_engines_load_cleans_up(tiny_model_dir: Path, tmp_path: Path) -> None:

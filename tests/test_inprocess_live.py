@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.exposure import instance_tag
 from gateway.serve import free_port
 from tests.live_http import instances, metric, poll, sse_events
 from tests.live_servers import LiveServer, _spawn, running
@@ -147,12 +148,15 @@ def test_adapter_admin_reaches_the_in_process_engine(serve: LiveServer) -> None:
         assert response.status_code == 200, response.text
         return dict(response.json())
 
-    assert post("pin", pinned=True) == {"name": "a0", "instances": {"local": "ok"}}
+    # Named by its opaque id, as in /instances and x-loragate-instance: never "local".
+    local_id = _local(serve.url)["public_id"]
+    assert local_id == instance_tag("local", ADMIN)
+    assert post("pin", pinned=True) == {"name": "a0", "instances": {local_id: "ok"}}
     assert adapter()["pinned"] is True
-    post("pin", pinned=False)
-    assert post("unload") == {"name": "a0", "instances": {"local": "ok"}}
+    post("pin", pinned=False, instance=local_id)
+    assert post("unload") == {"name": "a0", "instances": {local_id: "ok"}}
     assert adapter() == {}
-    assert post("load")["instances"] == {"local": "ok"}
+    assert post("load")["instances"] == {local_id: "ok"}
     assert adapter()["digest"]
 
 
@@ -194,6 +198,7 @@ def test_sigterm_drains_and_exits_cleanly(tiny_model_dir: Path, tmp_path: Path) 
             health = poll(lambda: (lambda r: r if r.status_code == 503 else None)(
                 httpx.get(server.url + "/health", timeout=10)), "/health to say draining")
             assert health.json()["status"] == "draining"
+            assert health.headers["retry-after"]
             new = httpx.post(server.url + "/v1/completions", json=_body(tiny_model_dir.name, 2),
                              timeout=10)
             assert (new.status_code, new.json()["error"]["code"]) == (503, "draining")
@@ -229,11 +234,34 @@ def test_requests_left_at_the_drain_deadline_end_as_a_shutdown(tiny_model_dir: P
         assert len(seen) < 1000
         answer = whole.result()
         assert (answer.status_code, answer.json()["error"]["code"]) == (503, "shutting_down")
+        assert answer.headers["retry-after"] == "1"  # another replica can take it
         assert server.process.wait(60) == 0
     log = server.log()
     assert "2 request(s) still running are ended with a 'shutting_down' error" in log, log
     assert "Traceback" not in log and "CancelledError" not in log, log
     assert " 499 " not in log, log  # neither request is logged as a client that left
+
+
+def test_a_second_ctrl_c_ends_the_drain_at_once_and_cleanly(tiny_model_dir: Path,
+                                                             tmp_path: Path) -> None:
+    port = free_port()
+    server = _spawn(["serve", "--model", str(tiny_model_dir), "--port", str(port),
+                     "--num-kv-blocks", "64"], tmp_path / "serve.log", port)
+    with running(server):
+        with httpx.stream("POST", server.url + "/v1/completions",
+                          json=_body(tiny_model_dir.name, 1000, True), timeout=60) as response:
+            events = sse_events(response)
+            seen = [next(events)]
+            server.process.send_signal(signal.SIGINT)
+            poll(lambda: httpx.get(server.url + "/health", timeout=10).status_code == 503,
+                 "the drain to begin")
+            server.process.send_signal(signal.SIGINT)  # the operator insists
+            seen += list(events)
+        assert seen[-1] == "[DONE]"
+        assert seen[-2]["error"]["code"] == "shutting_down", seen[-2]
+        assert server.process.wait(60) == 0
+    log = server.log()
+    assert "Traceback" not in log and "CancelledError" not in log, log
 
 
 def _children(pid: int) -> list[int]:

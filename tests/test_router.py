@@ -223,11 +223,12 @@ def test_gateway_config_defaults_are_valid() -> None:
                                         "got 0"),
     ({"eject_after_failures": 0}, "eject_after_failures must be an integer >= 1, got 0"),
     ({"max_attempts": 1.5}, "max_attempts must be an integer >= 1, got 1.5"),
-    ({"request_timeout_s": 0}, "request_timeout_s must be > 0, got 0"),
-    ({"request_timeout_s": math.nan}, "request_timeout_s must be > 0, got nan"),
-    ({"poll_interval_s": -1.0}, "poll_interval_s must be > 0, got -1.0"),
-    ({"startup_timeout_s": 0.0}, "startup_timeout_s must be > 0, got 0.0"),
-    ({"drain_timeout_s": -5}, "drain_timeout_s must be > 0, got -5"),
+    ({"request_timeout_s": 0}, "request_timeout_s must be a finite number > 0, got 0"),
+    ({"request_timeout_s": math.nan}, "request_timeout_s must be a finite number > 0, got nan"),
+    ({"poll_interval_s": -1.0}, "poll_interval_s must be a finite number > 0, got -1.0"),
+    ({"startup_timeout_s": 0.0}, "startup_timeout_s must be a finite number > 0, got 0.0"),
+    ({"drain_timeout_s": -5}, "drain_timeout_s must be a finite number > 0, got -5"),
+    ({"drain_timeout_s": math.inf}, "drain_timeout_s must be a finite number > 0, got inf"),
     ({"retry_after_s": -1}, "retry_after_s must be >= 0, got -1"),
     ({"prefix_weight": -0.5}, "prefix_weight, load_weight, imbalance and routed_prefix_ttl_s "
                               "must be >= 0"),
@@ -309,9 +310,9 @@ def test_field_docstrings_become_flag_help(monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.parametrize(("argv", "env", "file_text", "message"), [
     (["--port", "abc"], {}, None,
-     "--port: invalid literal for int() with base 10: 'abc'"),
+     "--port: must be an integer, got 'abc'"),
     ([], {"LORAGATE_MAX_IN_FLIGHT_PER_INSTANCE": "1.5"}, None,
-     "LORAGATE_MAX_IN_FLIGHT_PER_INSTANCE: invalid literal for int() with base 10: '1.5'"),
+     "LORAGATE_MAX_IN_FLIGHT_PER_INSTANCE: must be an integer, got '1.5'"),
     ([], {"LORAGATE_ROUTING": "random"}, None,
      "LORAGATE_ROUTING: must be one of score, round_robin, got 'random'"),
     ([], {"LORAGATE_PORT": ""}, None, "LORAGATE_PORT: needs a value, got ''"),
@@ -319,9 +320,9 @@ def test_field_docstrings_become_flag_help(monkeypatch: pytest.MonkeyPatch) -> N
      "LORAGATE_REQUEST_TIMEOUT_S: needs a value, got 'none'"),
     ([], {}, "max_attempts = 2.5\n", "config file key max_attempts: must be an integer, got 2.5"),
     ([], {}, "poll_interval_s = 'fast'\n",
-     "config file key poll_interval_s: could not convert string to float: 'fast'"),
+     "config file key poll_interval_s: must be a number, got 'fast'"),
     # Converted fine, refused by GatewayConfig itself: the message names the value.
-    ([], {}, "port = 70000\n", "port must be in 1..65535, got 70000"),
+    ([], {}, "port = 70000\n", "config file key port: port must be in 1..65535, got 70000"),
 ])
 def test_bad_values_raise_value_error_naming_the_source(
         tmp_path: Path, argv: list[str], env: dict[str, str], file_text: str | None,

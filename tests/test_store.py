@@ -354,7 +354,9 @@ def test_sqlite_store_lock_holds_through_links(tmp_path: Path) -> None:
     store = SqliteStore(str(path))
     (tmp_path / "file-link.db").symlink_to(path)
     (tmp_path / "dir-link").symlink_to(tmp_path / "real")
-    for other in (tmp_path / "file-link.db", tmp_path / "dir-link" / "state.db"):
+    (tmp_path / "hard-link.db").hardlink_to(path)
+    for other in (tmp_path / "file-link.db", tmp_path / "dir-link" / "state.db",
+                  tmp_path / "hard-link.db"):
         with pytest.raises(ValueError, match=f"the state file {other} is in use"):
             SqliteStore(str(other))
     run(store.close())

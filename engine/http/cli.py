@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                                                     draining=lambda: engine.draining))
     serve(config, args.host, args.port, args.instance_id,
           adapters=adapters, background=background,
-          token=token, adapter_roots=roots)
+          token=token, adapter_roots=roots, drain_timeout_s=args.drain_timeout_s)
     return 0
 
 
@@ -109,6 +110,22 @@ def add_engine_access_args(parser: argparse.ArgumentParser) -> None:
                              "--lora and (serve) the upload directory count too")
 
 
+DRAIN_ENV = "LORAGATE_DRAIN_TIMEOUT_S"
+
+
+def drain_seconds(text: str) -> float:
+    """A drain timeout: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}"
+                                         ) from None
+    if not 0 < value < math.inf:  # refuses NaN too
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got "
+                                         f"{text!r}")
+    return value
+
+
 REGISTER_ENV = "LORAGATE_REGISTER_REDIS_URL"
 ADVERTISE_ENV = "LORAGATE_ADVERTISE_URL"
 
@@ -123,6 +140,11 @@ def add_arguments(engine: argparse.ArgumentParser) -> None:
                         help="address to listen on (default 127.0.0.1)")
     engine.add_argument("--port", type=int, default=8100,
                         help="port to listen on (default 8100)")
+    engine.add_argument("--drain-timeout-s", type=drain_seconds,
+                        default=os.environ.get(DRAIN_ENV, "30"), metavar="SECONDS",
+                        help="on SIGTERM, how long requests in flight may take to finish; "
+                             "those still running then end with a shutdown error "
+                             f"(default 30; env {DRAIN_ENV})")
     engine.add_argument("--instance-id", default=None,
                         help="name in metrics and routing logs (default HOST:PORT)")
     engine.add_argument("--register-redis-url", default=os.environ.get(REGISTER_ENV),

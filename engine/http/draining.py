@@ -4,6 +4,7 @@ the engine and the gateway."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import socket
@@ -29,6 +30,8 @@ class DrainingServer(uvicorn.Server):
     """Called once the listener is bound (after the app's startup: a model loaded)."""
     on_deadline: Callable[[], object] | None = None
     DRAIN_POLL_S = 0.1
+    FORCED_SHUTDOWN_S = 2.0
+    """How long the app's own shutdown may take after a forced exit (a second SIGINT)."""
     DEADLINE_GRACE_S = 1.0
     """How long requests ended by on_deadline get to send their last bytes."""
 
@@ -63,6 +66,13 @@ class DrainingServer(uvicorn.Server):
         # uvicorn's own wait takes whole seconds: what is left, rounded up.
         self.config.timeout_graceful_shutdown = max(0, math.ceil(deadline - time.monotonic()))
         await super().shutdown(sockets)
+        if self.force_exit:
+            # uvicorn skips the app's shutdown on a forced exit: its background tasks would
+            # then be cancelled as the loop closes, and the lifespan's cancellation logged
+            # as a traceback. Run it, bounded: the forced exit stays quick.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.FORCED_SHUTDOWN_S):
+                    await self.lifespan.shutdown()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.on_drain is not None and not self.should_exit:
