@@ -15,6 +15,7 @@ run. It reaches them through the environment (argv is visible to every user in `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -134,26 +135,36 @@ def start_engines(config: EngineConfig, count: int, log_dir: Path,
         env[ROOTS_ENV] = os.pathsep.join(adapter_roots)
     if config.cpu_threads is not None:  # every thread of the process, not only the engine's
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(config.cpu_threads)
-    engines = []
-    for index in range(count):
-        port = free_port()
-        log_path = log_dir / f"engine-{index}.log"
-        # Each engine its own KV event sockets (one config serves them all).
-        own = dataclasses.replace(
-            config, kv_events_endpoint=for_instance(config.kv_events_endpoint, index),
-            kv_events_replay_endpoint=for_instance(config.kv_events_replay_endpoint, index))
-        command = [sys.executable, "-m", "engine.http", "--model", config.model,
-                   "--host", "127.0.0.1", "--port", str(port),
-                   "--instance-id", f"engine-{index}", *engine_flags(own)]
-        if drain_timeout_s is not None:  # the gateway's: engines drain no longer than it
-            command += ["--drain-timeout-s", repr(drain_timeout_s)]
-        for name, path in adapters.items():
-            command += ["--lora", f"{name}={path}"]
-        with open(log_path, "wb") as out:
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-        engines.append(EngineProcess(f"http://127.0.0.1:{port}", process, log_path, command,
-                                     env))
+    engines: list[EngineProcess] = []
+    try:
+        for index in range(count):
+            engines.append(_start_engine(config, index, log_dir, adapters, env,
+                                         drain_timeout_s))
+    except BaseException:  # a stop (or a failure) midway: the caller never gets the list
+        stop_engines(engines, 1.0)
+        raise
     return engines
+
+
+def _start_engine(config: EngineConfig, index: int, log_dir: Path, adapters: dict[str, str],
+                  env: dict[str, str], drain_timeout_s: float | None) -> EngineProcess:
+    """Engine number ``index`` of start_engines, on a free loopback port."""
+    port = free_port()
+    log_path = log_dir / f"engine-{index}.log"
+    # Each engine its own KV event sockets (one config serves them all).
+    own = dataclasses.replace(
+        config, kv_events_endpoint=for_instance(config.kv_events_endpoint, index),
+        kv_events_replay_endpoint=for_instance(config.kv_events_replay_endpoint, index))
+    command = [sys.executable, "-m", "engine.http", "--model", config.model,
+               "--host", "127.0.0.1", "--port", str(port),
+               "--instance-id", f"engine-{index}", *engine_flags(own)]
+    if drain_timeout_s is not None:  # the gateway's: engines drain no longer than it
+        command += ["--drain-timeout-s", repr(drain_timeout_s)]
+    for name, path in adapters.items():
+        command += ["--lora", f"{name}={path}"]
+    with open(log_path, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return EngineProcess(f"http://127.0.0.1:{port}", process, log_path, command, env)
 
 
 PROGRESS_EVERY_S = 5.0
@@ -301,8 +312,10 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
                       f"(logs in {log_dir}{threads})", flush=True)
                 token = gateway_config.engine_token or secrets.token_urlsafe(32)
                 gateway_config = dataclasses.replace(gateway_config, engine_token=token)
-                engines = start_engines(engine_config, instances, log_dir, adapters, token,
-                                        adapter_roots, gateway_config.drain_timeout_s)
+                with signals.deferred():  # a stop mid-spawn would lose a child it started
+                    engines = start_engines(engine_config, instances, log_dir, adapters,
+                                            token, adapter_roots,
+                                            gateway_config.drain_timeout_s)
                 wait_ready(engines, gateway_config.startup_timeout_s)
                 engine_urls = [e.url for e in engines]
                 supervisor = EngineSupervisor(engines)
@@ -348,6 +361,19 @@ class StopSignals:
     def __init__(self) -> None:
         self.stopping = False
         self._previous: dict[int, Any] = {}
+        self._deferring = False
+        self._deferred: str | None = None
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A stop arriving in this block is raised when it ends (not inside it)."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._deferred is not None and not self.stopping:
+            raise StoppedWhileStarting(self._deferred)
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -363,6 +389,9 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.stopping:
             log.info("%s: already stopping", name)
+            return
+        if self._deferring:
+            self._deferred = name
             return
         raise StoppedWhileStarting(name)
 

@@ -372,7 +372,8 @@ def test_a_stop_while_engines_load_cleans_up(tiny_model_dir: Path, tmp_path: Pat
     assert process.returncode == 0, output
     assert "SIGTERM: stopped before the gateway listened" in output, output
     assert "Traceback" not in output, output
-    assert not any(map(alive, engines))
+    survivors = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in engines if alive(pid)]
+    assert not survivors, (survivors, output)
     assert list(tmp.iterdir()) == [], output  # no engine log directory left behind
 
 
