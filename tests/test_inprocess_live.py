@@ -185,9 +185,7 @@ def test_uploads_and_the_adapter_roots_hold_in_process(serve: LiveServer,
 
 
 def test_sigterm_drains_and_exits_cleanly(tiny_model_dir: Path, tmp_path: Path) -> None:
-    port = free_port()
-    server = _spawn(["serve", "--model", str(tiny_model_dir), "--port", str(port),
-                     "--num-kv-blocks", "64"], tmp_path / "serve.log", port)
+    server = _serve_alone(tiny_model_dir, tmp_path)
     with running(server):
         with httpx.stream("POST", server.url + "/v1/completions",
                           json=_body(tiny_model_dir.name, 1000, True), timeout=60) as response:
@@ -215,10 +213,7 @@ def test_sigterm_drains_and_exits_cleanly(tiny_model_dir: Path, tmp_path: Path) 
 
 def test_requests_left_at_the_drain_deadline_end_as_a_shutdown(tiny_model_dir: Path,
                                                                tmp_path: Path) -> None:
-    port = free_port()
-    server = _spawn(["serve", "--model", str(tiny_model_dir), "--port", str(port),
-                     "--num-kv-blocks", "64", "--drain-timeout-s", "0.5"],
-                    tmp_path / "serve.log", port)
+    server = _serve_alone(tiny_model_dir, tmp_path, "--drain-timeout-s", "0.5")
     with running(server), concurrent.futures.ThreadPoolExecutor(1) as pool:
         whole = pool.submit(httpx.post, server.url + "/v1/completions",
                             json=_body(tiny_model_dir.name, 1000), timeout=60)
@@ -244,9 +239,7 @@ def test_requests_left_at_the_drain_deadline_end_as_a_shutdown(tiny_model_dir: P
 
 def test_a_second_ctrl_c_ends_the_drain_at_once_and_cleanly(tiny_model_dir: Path,
                                                              tmp_path: Path) -> None:
-    port = free_port()
-    server = _spawn(["serve", "--model", str(tiny_model_dir), "--port", str(port),
-                     "--num-kv-blocks", "64"], tmp_path / "serve.log", port)
+    server = _serve_alone(tiny_model_dir, tmp_path)
     with running(server):
         with httpx.stream("POST", server.url + "/v1/completions",
                           json=_body(tiny_model_dir.name, 1000, True), timeout=60) as response:
@@ -262,6 +255,13 @@ def test_a_second_ctrl_c_ends_the_drain_at_once_and_cleanly(tiny_model_dir: Path
         assert server.process.wait(60) == 0
     log = server.log()
     assert "Traceback" not in log and "CancelledError" not in log, log
+
+
+def _serve_alone(model_dir: Path, tmp_path: Path, *flags: str) -> LiveServer:
+    """A `loragate serve` of its own (a test that stops it), its engine in its process."""
+    port = free_port()
+    return _spawn(["serve", "--model", str(model_dir), "--port", str(port),
+                   "--num-kv-blocks", "64", *flags], tmp_path / "serve.log", port)
 
 
 def _children(pid: int) -> list[int]:
