@@ -355,8 +355,9 @@ class StopSignals:
     serves: the drain). Starting: they raise StoppedWhileStarting, so the caller's cleanup
     runs (engines stopped, their log directory removed) instead of the process dying where
     it stands. Once ``stopping`` is set (the cleanup began): they change nothing, as a
-    second SIGTERM during the drain changes nothing. Only the main thread can hold signal
-    handlers: elsewhere this does nothing."""
+    second SIGTERM during the drain changes nothing, up to the process's exit (`serve` is
+    the process's main: it returns only for the process to end). Only the main thread can
+    hold signal handlers: elsewhere this does nothing."""
 
     def __init__(self) -> None:
         self.stopping = False
@@ -382,8 +383,13 @@ class StopSignals:
         return self
 
     def __exit__(self, *_: object) -> None:
+        # Once the cleanup began, the process is exiting: a signal now is ignored by the
+        # kernel (SIG_IGN, which the interpreter's shutdown keeps, where it resets Python
+        # handlers to the default: a signal while torch's objects are freed, up to 1.5 s,
+        # would then kill it with the signal's status instead of 0). Before that (not
+        # reached from serve), the previous handlers come back.
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if self.stopping else handler)
 
     def _handle(self, signum: int, _: FrameType | None) -> None:
         name = signal.Signals(signum).name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 
 import uvicorn
@@ -29,3 +30,24 @@ def test_a_port_taken_after_the_check_stops_the_server_without_exiting() -> None
                                                log_level="critical"), drain_timeout_s=1.0)
         server.run()  # returns: no SystemExit
     assert not server.started
+
+
+def test_serves_signals_are_ignored_once_its_cleanup_began() -> None:
+    from gateway.serve import StoppedWhileStarting, StopSignals
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with StopSignals() as signals:  # starting: a stop raises, so the cleanup runs
+            try:
+                signal.raise_signal(signal.SIGTERM)
+            except StoppedWhileStarting as stop:
+                assert str(stop) == "SIGTERM"
+            signals.stopping = True
+            signal.raise_signal(signal.SIGTERM)  # cleaning up: changes nothing
+        # Exiting: the kernel ignores them, as the interpreter's shutdown would otherwise
+        # reset Python's handlers to the default (a late SIGTERM killing a clean exit).
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
