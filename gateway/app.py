@@ -31,7 +31,7 @@ from starlette.types import Scope
 from transformers import AutoTokenizer
 
 from engine.http.draining import stop_background
-from engine.http.errors import ERROR_CODE_KEY, ApiError, install_error_handlers
+from engine.http.errors import ERROR_CODE_KEY, ApiError, answer, install_error_handlers
 from engine.models.loader import load_hf_config
 from engine.models.shape import ModelShape
 from gateway.access_log import AccessLog
@@ -176,9 +176,9 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     @app.exception_handler(StoreUnavailable)
     async def _store_down(request: Request, exc: StoreUnavailable) -> JSONResponse:
         log.warning("state store unavailable: %s", exc)  # the message holds no credentials
-        request.scope[ERROR_CODE_KEY] = "store_unavailable"
-        return ApiError(503, "state store unavailable; retry later", code="store_unavailable",
-                        headers={"Retry-After": str(config.retry_after_s)}).response()
+        return answer(request, ApiError(503, "state store unavailable; retry later",
+                                        code="store_unavailable",
+                                        headers={"Retry-After": str(config.retry_after_s)}))
     app.include_router(build_router(lambda: app.state.gateway, tokenizer))
     app.include_router(build_admin_router(tokenizer_dir, pending_deletes))
 

@@ -173,9 +173,8 @@ async def _serve(gateway: Gateway, req: _Call,
         return await _respond(gateway, jobs, req, fmt)
     except BaseException as exc:
         gateway.settle(claim, 0, _outcome(exc))
-        status = exc.status if isinstance(exc, ApiError) else 500
-        if isinstance(exc, asyncio.CancelledError):  # cut off at shutdown, or the client left
-            status = 503 if gateway.stopping else 499
+        status = exc.status if isinstance(exc, ApiError) else \
+            gateway.cancelled_status() if isinstance(exc, asyncio.CancelledError) else 500
         instance = jobs[0].instance_id if jobs else None
         gateway.metrics.requests.labels(req.endpoint, str(status), label,
                                         instance or "none").inc()

@@ -101,16 +101,16 @@ async def sse(gateway: Gateway, jobs: list[Job], streams: BatchStream, fmt: Resp
                 timer.tick(chunk)
                 if chunk.error is not None:
                     status = str(chunk.error.status)
-                    yield _event({"error": _own_error(chunk.error)})
+                    yield sse_event({"error": _own_error(chunk.error)})
                     break
                 for event in fmt.stream_events(chunk, usage, index):
-                    yield _event(event)
+                    yield sse_event(event)
         timer.done()
         if usage != "none" and status == "200":
-            yield _event(fmt.usage_event())
-        yield b"data: [DONE]\n\n"
+            yield sse_event(fmt.usage_event())
+        yield SSE_DONE
     except (asyncio.CancelledError, GeneratorExit):
-        status = "503" if gateway.stopping else "499"  # cut off at shutdown, or left
+        status = str(gateway.cancelled_status())
         raise
     finally:  # the claim is settled by the response (ClosingStream), which closes this
         gateway.metrics.requests.labels(job.endpoint, status, job.adapter or "base",
@@ -124,7 +124,12 @@ def _own_error(error: EngineError) -> dict[str, str]:
             "code": error.code or "engine_error"}
 
 
-def _event(payload: dict[str, Any]) -> bytes:
+SSE_DONE = b"data: [DONE]\n\n"
+"""The last event of every stream, after an error event too."""
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One SSE event of a JSON payload."""
     # allow_nan=False: a bare NaN is not JSON; the formatter makes every float finite, so
     # this fails loudly rather than send what clients cannot parse.
     return b"data: " + json.dumps(payload, separators=(",", ":"), allow_nan=False

@@ -69,6 +69,11 @@ class Gateway:
         self.resolver: Callable[[Gateway, str], Awaitable[bool]] | None = None
         """Loads an unknown model name as an adapter (opt-in; True when it did)."""
 
+    def cancelled_status(self) -> int:
+        """The status a request whose work was cancelled counts as: 503 when the server
+        cut it off at its drain deadline (``stopping``), else 499 (its client left)."""
+        return 503 if self.stopping else 499
+
     def _forget_replaced_usage(self, snapshot: Snapshot) -> None:
         """An adapter deleted or registered again (through any replica) starts its usage
         counts from zero."""

@@ -18,12 +18,12 @@ engine request as a hang-up would).
 from __future__ import annotations
 
 import asyncio
-import json
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.http.errors import ERROR_CODE_KEY, error_body
+from gateway.openai_stream import SSE_DONE, sse_event
 
 SHUTTING_DOWN = "shutting_down"
 MESSAGE = "the server is shutting down: the request did not finish before it stopped"
@@ -82,10 +82,8 @@ class ShutdownCutoff:
                                    )(scope, receive, send)
             elif not ended:
                 tail = b""
-                if event_stream:  # the error event of a failed stream (openai_stream.py)
-                    tail = (b"data: " + json.dumps(error_body(503, MESSAGE, code=SHUTTING_DOWN),
-                                                   separators=(",", ":")).encode()
-                            + b"\n\ndata: [DONE]\n\n")
+                if event_stream:  # as a stream that failed ends (openai_stream.py)
+                    tail = sse_event(error_body(503, MESSAGE, code=SHUTTING_DOWN)) + SSE_DONE
                 await send({"type": "http.response.body", "body": tail})
         finally:
             self._running.discard(task)

@@ -9,9 +9,8 @@ write the file refuses (disk full, read-only) is undone in memory and raises
 StoreUnavailable, so memory and file never disagree.
 
 One gateway per file: the file itself is locked (flock, so a symlink or hard link to a held
-file is held too) while a store has it
-open, and a second gateway on the same file is refused with a clear error. Gateway
-replicas share state through Redis instead.
+file is held too) while a store has it open, and a second gateway on the same file is
+refused with a clear error. Gateway replicas share state through Redis instead.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def test_a_port_taken_after_the_check_stops_the_server_without_exiting() -> None
 
 
 def test_serves_signals_are_ignored_once_its_cleanup_began() -> None:
-    from gateway.serve import StoppedWhileStarting, StopSignals
+    from gateway.stop_signals import StoppedWhileStarting, StopSignals
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

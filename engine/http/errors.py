@@ -167,24 +167,29 @@ def _param(locs: list[tuple[str, ...]]) -> str | None:
     return names[-1] if names else None
 
 
+def answer(request: Request, error: ApiError) -> JSONResponse:
+    """The response of an error handler: the error, its code noted in the scope for the
+    response metrics (ERROR_CODE_KEY)."""
+    request.scope[ERROR_CODE_KEY] = error.code
+    return error.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Render ApiError, EngineError, validation errors, HTTP errors and crashes in OpenAI's
     schema."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        request.scope[ERROR_CODE_KEY] = exc.code
-        return exc.response()
+        return answer(request, exc)
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
-        request.scope[ERROR_CODE_KEY] = exc.code
         headers = None
         if isinstance(exc, EngineUnavailable):  # nothing ran: worth a retry, here or elsewhere
             headers = {"Retry-After": "1"}
             if exc.code == "draining":  # this server is going: reconnect elsewhere
                 headers["Connection"] = "close"
-        return ApiError.of(exc, headers).response()
+        return answer(request, ApiError.of(exc, headers))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
