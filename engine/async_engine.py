@@ -22,7 +22,8 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
-from engine.adapter_roots import AdapterPathRefused, AdapterRoots
+from engine.adapter_commands import AdapterChanged, AdapterCommands, changed_message
+from engine.adapter_roots import AdapterRoots
 from engine.config import EngineConfig
 from engine.engine_thread import EngineDeadError, EngineInternalError, EngineThread, OutputStream
 from engine.invalid_field import field_of
@@ -47,15 +48,6 @@ from lora.adapter_info import AdapterInfo
 
 T = TypeVar("T")
 TIMED_OUT_MESSAGE = "the request passed its deadline"
-
-
-class _AdapterChanged(ValueError):
-    """A request's adapter does not hold the weights its caller meant (GenerateRequest.
-    adapter_digest): refused, never run on others."""
-
-
-def _changed(name: str) -> str:
-    return f"adapter {name!r} does not hold the weights asked for on this engine"
 
 
 class AsyncEngine:
@@ -87,8 +79,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         # A flood of slow compiles waits there while cached requests go straight in.
         self._preparing = PreparingThread()
-        self.last_adapters: list[AdapterInfo] = engine.list_loras()
-        """Adapters as of the last command that read them (for metrics scrapes)."""
+        self._adapters = AdapterCommands(engine, self.call)
 
     @classmethod
     def from_config(cls, config: EngineConfig,
@@ -107,20 +98,20 @@ class AsyncEngine:
             if request.adapter is not None and request.adapter_digest is not None:
                 # Early (a request for weights not here is not prepared for nothing); the
                 # check that holds is the one at admission (_admit).
-                self._check_digest(request.adapter, request.adapter_digest)
+                self._adapters.check_digest(request.adapter, request.adapter_digest)
             admitted = await self._make_off_loop(
                 list(request.prompt_token_ids), request.params, request.request_id,
                 request.priority, request.adapter, request.cache_salt, request.tenant)
             if self.draining:  # began while it was prepared
                 raise EngineUnavailable("engine is draining", code="draining")
             stream = await self._admit(admitted, request.adapter_digest)
-        except _AdapterChanged as exc:
+        except AdapterChanged as exc:
             raise EngineRejected(str(exc), "adapter_changed") from None
         except ValueError as exc:
             if request.adapter is not None and request.adapter_digest is not None and \
-                    self._digest_of(request.adapter) != request.adapter_digest:
+                    self._adapters.digest_of(request.adapter) != request.adapter_digest:
                 # Unloaded while it was prepared: what the caller must hear is that.
-                raise EngineRejected(_changed(request.adapter), "adapter_changed") from None
+                raise EngineRejected(changed_message(request.adapter), "adapter_changed") from None
             raise EngineRejected(str(exc), None, 400, param=field_of(exc)) from None
         chunks = self._chunks(admitted.request_id, stream, request.deadline)
         return ChunkStream(chunks, lambda: self._drop(admitted.request_id))
@@ -138,66 +129,24 @@ class AsyncEngine:
         return await self.call(lambda: self._state(cursor))
 
     async def adapters(self) -> list[AdapterInfo]:
-        return await self.call(self._list_adapters)
+        return await self.call(self._adapters.listed)
 
     async def load_adapter(self, name: str, path: str) -> LoadedAdapter:
-        """Validate a PEFT directory off the engine thread (inside the adapter roots, if
-        any), then register it: an adapter of the same name and other content replaces the
-        registered one only when no request (running, queued or preempted) uses it, so no
-        request of the new content runs on the old weights (EngineRejected, 409)."""
-        resolved = path
-        if self.adapter_roots is not None:
-            try:
-                resolved = str(self.adapter_roots.check(path))
-            except AdapterPathRefused as exc:
-                raise EngineRejected(str(exc), None, 400, param="path") from None
-        try:
-            adapter = await asyncio.to_thread(self.engine.validate_lora, name, resolved)
-        except ValueError as exc:
-            # Validation messages name the directory: the caller learns what is wrong with
-            # the adapter, not where the engine's files are.
-            raise EngineRejected(_without_paths(str(exc), path, resolved), None, 400,
-                                 param="path") from None
-        except OSError:
-            raise EngineRejected("the adapter's files could not be read", None, 400,
-                                 param="path") from None
-
-        def add() -> None:
-            held = {a.name: a.digest for a in self.engine.list_loras()}
-            if held.get(adapter.name, adapter.digest) != adapter.digest:
-                self.engine.remove_lora(adapter.name)  # ValueError while a request uses it
-            self.engine.add_lora(adapter)
-            self._list_adapters()
-
-        try:
-            await self.call(add)
-        except ValueError as exc:
-            raise EngineRejected(str(exc), "adapter_in_use") from None
-        return LoadedAdapter(adapter.name, adapter.digest, adapter.rank)
+        """See AdapterCommands.load (inside ``adapter_roots``, if any)."""
+        return await self._adapters.load(name, path, self.adapter_roots)
 
     async def unload_adapter(self, name: str, digest: str | None = None) -> None:
-        """Unregister an adapter: 404 if unknown (or, with ``digest``, holding other
-        weights: those stay), 409 while any request uses it."""
-        def remove() -> None:
-            self._known_adapter(name)
-            if digest is not None and self._digest_of(name) != digest:
-                raise EngineRejected(f"adapter {name!r} holds other weights", None, 404)
-            try:
-                self.engine.remove_lora(name)
-            except ValueError as exc:
-                raise EngineRejected(str(exc), None, 409) from None
-            self._list_adapters()
-        await self.call(remove)
+        """See AdapterCommands.unload."""
+        await self._adapters.unload(name, digest)
 
     async def pin_adapter(self, name: str, pinned: bool) -> None:
-        """Keep an adapter in its device slot (or let it go again)."""
-        def pin() -> None:
-            self._known_adapter(name)
-            try:
-                self.engine.pin_lora(name, pinned)
-            except ValueError as exc:
-                raise EngineRejected(str(exc), None, 404) from None
-        await self.call(pin)
+        """See AdapterCommands.pin."""
+        await self._adapters.pin(name, pinned)
+
+    @property
+    def last_adapters(self) -> list[AdapterInfo]:
+        """Adapters as of the last command that read them (for metrics scrapes)."""
+        return self._adapters.last
 
     # ------------------------------------------------------------ in-process API
     async def generate(
@@ -296,7 +245,7 @@ class AsyncEngine:
     async def _admit(self, request: Request, adapter_digest: str | None = None
                      ) -> OutputStream:
         """Register the request's output queue and add it on the engine thread; ValueError
-        (duplicate id, a refusal by the scheduler, _AdapterChanged: its adapter does not hold
+        (duplicate id, a refusal by the scheduler, AdapterChanged: its adapter does not hold
         ``adapter_digest`` now) or EngineDeadError if it did not enter."""
         if not self._thread.is_alive():
             raise EngineDeadError("the engine thread is not running")
@@ -307,7 +256,7 @@ class AsyncEngine:
         def add() -> None:
             # Checked in the same engine-thread call as the add: no load can come between.
             if adapter_digest is not None and request.lora_name is not None:
-                self._check_digest(request.lora_name, adapter_digest)
+                self._adapters.check_digest(request.lora_name, adapter_digest)
             self.engine.add(request)
         try:
             await self.call(add)
@@ -380,30 +329,6 @@ class AsyncEngine:
         if out is not None:
             self._thread.deliver([out])
 
-    def _list_adapters(self) -> list[AdapterInfo]:
-        self.last_adapters = self.engine.list_loras()
-        return self.last_adapters
-
-    def _digest_of(self, name: str) -> str | None:
-        """The digest of the weights registered under ``name`` (None: none are; any
-        thread)."""
-        if self.engine.lora is None:
-            return None
-        try:
-            return self.engine.lora.identity(name)[1]
-        except ValueError:
-            return None
-
-    def _check_digest(self, name: str, digest: str) -> None:
-        """_AdapterChanged unless ``name`` holds the weights of ``digest`` (any thread: the
-        manager's registry is read under its lock)."""
-        if self._digest_of(name) != digest:
-            raise _AdapterChanged(_changed(name))
-
-    def _known_adapter(self, name: str) -> None:
-        if name not in {a.name for a in self._list_adapters()}:
-            raise EngineRejected(f"unknown adapter {name!r}", None, 404)
-
     def _state(self, cursor: int) -> EngineState:
         llm, config = self.engine, self.engine.config
         stats = llm.stats()
@@ -419,14 +344,8 @@ class AsyncEngine:
             prefix_hit_rate=stats.prefix_cache.hit_rate,
             kv_pools={name: PoolSummary(p.used_blocks, p.cached_blocks, p.evictions,
                                         p.hit_rate) for name, p in stats.kv_pools.items()},
-            adapters=self._list_adapters(), prefix=llm.publish_prefixes(cursor),
+            adapters=self._adapters.listed(), prefix=llm.publish_prefixes(cursor),
             kv_events=None if config.kv_events_endpoint is None else
             (config.kv_events_endpoint, config.kv_events_replay_endpoint),
             sampling_defaults=llm.sampling_defaults)
 
-
-def _without_paths(message: str, *paths: str) -> str:
-    """message with every given path (longest first: one may contain another) as <path>."""
-    for path in sorted({p for p in paths if p}, key=len, reverse=True):
-        message = message.replace(repr(path), "<path>").replace(path, "<path>")
-    return message

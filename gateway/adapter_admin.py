@@ -3,7 +3,7 @@ and deletion that waits for the engines.
 
 Identity: an adapter on an engine is its name plus the content digest of its weights
 (lora.adapter). The gateway records the digest when it validates an adapter, and a request
-runs only on an engine that reports the same digest (Gateway.ensure_adapter).
+runs only on an engine that reports the same digest (AdapterPlacement.ensure).
 
 Deletion: a name is free again only once no reachable engine holds it, so the old weights
 can never answer for a new adapter registered under the same name. DELETE marks the record
@@ -171,7 +171,7 @@ async def load_where_reachable(gw: Gateway, record: AdapterRecord) -> list[Insta
 async def unload_from(instances: list[Instance], record: AdapterRecord) -> None:
     """Best effort: undo a load that will not be recorded. Only the record's weights are
     unloaded: a registration of that name that won meanwhile may have replaced them (and
-    where this takes away what a recorded adapter needs, the gateway's ensure_adapter
+    where this takes away what a recorded adapter needs, AdapterPlacement.ensure
     loads it again: requests carry the digest they mean)."""
     for instance in instances:
         try:

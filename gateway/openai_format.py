@@ -6,27 +6,23 @@ chunks arrive, emits stream events on the way, and builds the final object at th
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from engine.prompt_logprobs import PromptLogprob
 from engine.protocol import StreamChunk
+from gateway.logprob_format import LOGPROB_FLOOR, Endpoint, Entry, LogprobFormatter, finite_logprob
 from gateway.openai_protocol import StreamUsage
 from gateway.text_offsets import TextOffsets
 from gateway.token_bytes import TokenBytes
 from gateway.tool_calls import ToolPlan
 
-Endpoint = Literal["completions", "chat"]
 # Engine finish reasons -> OpenAI's ("abort" and "error" never reach a successful response).
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
-LOGPROB_FLOOR = -9999.0
-"""What a logprob of -inf (or NaN) is reported as: OpenAI's own value for "impossible"; a
-bare -Infinity or NaN is not JSON, and strict parsers refuse the whole response."""
 
 
 def _finish(reason: str | None, calls: list[dict[str, Any]], named: bool) -> str | None:
@@ -42,14 +38,6 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def finite_logprob(value: float) -> float:
-    """`value` as JSON can carry it: non-finite values become LOGPROB_FLOOR, a logprob
-    never exceeds 0, and nothing goes below the floor."""
-    if not math.isfinite(value):
-        return LOGPROB_FLOOR
-    return min(0.0, max(LOGPROB_FLOOR, value))
-
-
 @dataclass
 class PromptEcho:
     """What a choice's prompt contributes to its response: its token ids (as the engine
@@ -57,11 +45,6 @@ class PromptEcho:
 
     token_ids: list[int]
     text: str = ""
-
-
-Entry = tuple[int, dict[int, float] | None]
-"""A token and its logprob map ({token: logprob}, the token's own included); None for the
-first prompt token, which nothing predicts."""
 
 
 @dataclass
@@ -119,8 +102,8 @@ class ResponseFormatter:
         self.tokenizer = tokenizer
         self.top_logprobs = top_logprobs
         self.return_token_ids = return_token_ids
-        self.tokens_as_ids = tokens_as_ids
-        self.token_bytes = token_bytes or TokenBytes(tokenizer)
+        self.logprobs = LogprobFormatter(endpoint, tokenizer, top_logprobs, tokens_as_ids,
+                                         token_bytes or TokenBytes(tokenizer), prompt_logprobs)
         self.echo = echo
         self.prompt_logprobs = prompt_logprobs
         self.drop_output = drop_output
@@ -223,78 +206,6 @@ class ResponseFormatter:
         vLLM name the prompt tokens served from a cache."""
         return _usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
-    # ------------------------------------------------------------------ logprobs
-    def _token(self, token_id: int) -> str:
-        if self.tokens_as_ids:
-            return f"token_id:{token_id}"
-        return str(self.tokenizer.decode([token_id]))
-
-    def _bytes(self, token_id: int) -> list[int]:
-        return list(self.token_bytes(token_id))
-
-    def _alternatives(self, step: dict[int, float]) -> list[tuple[int, float]]:
-        ranked = sorted(step.items(), key=lambda kv: kv[1], reverse=True)
-        return ranked[: self.top_logprobs or 0]
-
-    def _completion_logprobs(self, entries: list[Entry], offsets: list[int]
-                             ) -> dict[str, Any]:
-        tokens: list[str] = []
-        token_logprobs: list[float | None] = []
-        tops: list[dict[str, float] | None] = []
-        for token_id, step in entries:
-            token = self._token(token_id)
-            tokens.append(token)
-            token_logprobs.append(None if step is None else step.get(token_id))
-            if step is None:
-                tops.append(None)
-            else:  # the chosen token always among them, as OpenAI: up to logprobs + 1
-                top = {self._token(t): lp for t, lp in self._alternatives(step)}
-                if token_id in step:
-                    top.setdefault(token, step[token_id])
-                tops.append(top)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-                "text_offset": offsets}
-
-    def _chat_logprobs(self, entries: list[Entry]) -> dict[str, Any]:
-        content = []
-        for token_id, step in entries:
-            assert step is not None, "chat never echoes its prompt"
-            token = self._token(token_id)
-            content.append({
-                "token": token, "logprob": step.get(token_id),
-                "bytes": self._bytes(token_id),
-                "top_logprobs": [{"token": self._token(t), "logprob": lp,
-                                  "bytes": self._bytes(t)}
-                                 for t, lp in self._alternatives(step)],
-            })
-        return {"content": content}
-
-    def _logprobs(self, entries: list[Entry], offsets: list[int]) -> dict[str, Any] | None:
-        if self.top_logprobs is None:
-            return None
-        if self.endpoint == "chat":
-            return self._chat_logprobs(entries)
-        return self._completion_logprobs(entries, offsets)
-
-    def _vllm_prompt_logprobs(self, choice: _Choice) -> list[dict[str, Any] | None] | None:
-        """vLLM's prompt_logprobs: per position, the prompt token's and the k most likely
-        tokens' {logprob, rank, decoded_token}, keyed by token id."""
-        if self.prompt_logprobs is None:
-            return None
-        out: list[dict[str, Any] | None] = []
-        for entry in choice.prompt_logprobs or [None] * len(choice.prompt.token_ids):
-            if entry is None:
-                out.append(None)
-                continue
-            position = {str(t): {"logprob": finite_logprob(lp), "rank": rank,
-                                 "decoded_token": self._token(t)}
-                        for rank, (t, lp) in enumerate(entry.top[:self.prompt_logprobs], 1)}
-            position[str(entry.token_id)] = {"logprob": finite_logprob(entry.logprob),
-                                             "rank": entry.rank,
-                                             "decoded_token": self._token(entry.token_id)}
-            out.append(position)
-        return out
-
     # ------------------------------------------------------------------- objects
     def final(self) -> dict[str, Any]:
         kind = "chat.completion" if self.endpoint == "chat" else "text_completion"
@@ -302,7 +213,7 @@ class ResponseFormatter:
                                     "model": self.model, "choices": []}
         for index, choice in enumerate(self._kept()):
             text = "".join(choice.text)
-            logprobs = self._logprobs(choice.entries, choice.offsets)
+            logprobs = self.logprobs.generated(choice.entries, choice.offsets)
             if self.endpoint == "chat":
                 content, calls = self._calls(choice, text)
                 message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -369,7 +280,8 @@ class ResponseFormatter:
             if first:
                 where["prompt_token_ids"] = list(choice.prompt.token_ids)
         if self.prompt_logprobs is not None and first:
-            where["prompt_logprobs"] = self._vllm_prompt_logprobs(choice)
+            where["prompt_logprobs"] = self.logprobs.prompt(choice.prompt_logprobs,
+                                                            choice.prompt.token_ids)
 
     def stream_events(self, chunk: StreamChunk, usage: StreamUsage, index: int = 0
                       ) -> list[dict[str, Any]]:
@@ -384,7 +296,8 @@ class ResponseFormatter:
             return []
         first = not choice.started
         choice.started = True
-        logprobs = self._logprobs(entries, choice.offsets[len(choice.offsets) - len(entries):])
+        new_offsets = choice.offsets[len(choice.offsets) - len(entries):]
+        logprobs = self.logprobs.generated(entries, new_offsets)
         opening: list[dict[str, Any]] = []
         if self.endpoint == "chat":
             if first:  # as OpenAI and vLLM: the role alone, and the prompt's fields, first

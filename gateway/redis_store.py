@@ -25,7 +25,6 @@ unknown fields of an otherwise valid record are ignored.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -41,9 +40,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 
 from engine.http.registry import REGISTRY_KEY, register
+from gateway import redis_scripts
 from gateway import sliding_window as sw
 from gateway.redact import redact_text, redact_url
 from gateway.store import Admission, Snapshot, StoreUnavailable
+from gateway.store_records import adapter_record, key_record, record_id, tenant_record
 from gateway.tenancy import AdapterRecord, ApiKey, Tenant
 
 log = logging.getLogger(__name__)
@@ -55,71 +56,6 @@ WATCH_ATTEMPTS = 20
 """delete_tenant and swap_adapter retry their optimistic transactions this often while other
 writes race them."""
 
-# live(key, oldest): drop the seconds before `oldest`, return the sum of the rest and the
-# rest as {second, amount} pairs. wait(...): seconds until `need` more fits under `limit`,
-# the oldest seconds leaving first, each at second + span (sliding_window.wait_s).
-_LIB = """
-local function live(key, oldest)
-  local flat = redis.call('HGETALL', key)
-  local total, kept, dead = 0, {}, {}
-  for i = 1, #flat, 2 do
-    local second, amount = tonumber(flat[i]), tonumber(flat[i + 1])
-    if second == nil or amount == nil or second < oldest then
-      dead[#dead + 1] = flat[i]
-    else
-      total = total + amount
-      kept[#kept + 1] = {second, amount}
-    end
-  end
-  if #dead > 0 then redis.call('HDEL', key, unpack(dead)) end
-  return total, kept
-end
-local function wait(kept, total, need, limit, now, span)
-  table.sort(kept, function(a, b) return a[1] < b[1] end)
-  for _, bucket in ipairs(kept) do
-    total = total - bucket[2]
-    if total + need <= limit then return math.max(1, math.ceil(bucket[1] + span - now)) end
-  end
-  return span
-end
-local now = tonumber(ARGV[1])
-local second = math.floor(now)
-local oldest = second - tonumber(ARGV[2])
-local span = tonumber(ARGV[3])
-"""
-# KEYS: keys table, req hash, tok hash. ARGV: now, window, span, key hash ('' for none),
-# rpm, tpm (-1: unlimited). Returns {1, second} or {-1 rpm | -2 tpm | -3 revoked, wait}.
-_ADMIT = _LIB + """
-if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[1], ARGV[4]) == 0 then return {-3, 0} end
-local rpm, tpm = tonumber(ARGV[5]), tonumber(ARGV[6])
-local used, used_buckets = live(KEYS[3], oldest)
-if tpm >= 0 and used >= tpm then return {-2, wait(used_buckets, used, 1, tpm, now, span)} end
-local made, buckets = live(KEYS[2], oldest)
-if rpm >= 0 and made >= rpm then return {-1, wait(buckets, made, 1, rpm, now, span)} end
-redis.call('HINCRBY', KEYS[2], string.format('%d', second), 1)
-redis.call('EXPIRE', KEYS[2], span + 1)
-return {1, second}
-"""
-# KEYS: tok hash. ARGV: now, window, span, tokens, tpm. Returns {1, second} or {-2, wait}.
-_RESERVE = _LIB + """
-local need, tpm = tonumber(ARGV[4]), tonumber(ARGV[5])
-local used, buckets = live(KEYS[1], oldest)
-if used + need > tpm then return {-2, wait(buckets, used, need, tpm, now, span)} end
-redis.call('HINCRBY', KEYS[1], string.format('%d', second), need)
-redis.call('EXPIRE', KEYS[1], span + 1)
-return {1, second}
-"""
-# KEYS: req or tok hash. ARGV: now, window, span, second, amount (negative: give back).
-# Adds to that second while it is in the window; a second never goes below zero.
-_ADD = _LIB + """
-local at = tonumber(ARGV[4])
-if at < oldest then return 0 end
-local field = string.format('%d', at)
-local value = redis.call('HINCRBY', KEYS[1], field, tonumber(ARGV[5]))
-if value <= 0 then redis.call('HDEL', KEYS[1], field) end
-redis.call('EXPIRE', KEYS[1], span + 1)
-return value
-"""
 _REFUSED = {-1: "rpm", -2: "tpm", -3: "revoked"}
 
 
@@ -172,9 +108,9 @@ class RedisStore:
             # redis-py's message may quote pieces of the URL, credentials included.
             raise ValueError(f"invalid Redis URL {self.url}: check its scheme, host, port "
                              f"and database") from None
-        self._admit = self._redis.register_script(_ADMIT)
-        self._reserve = self._redis.register_script(_RESERVE)
-        self._add = self._redis.register_script(_ADD)
+        self._admit = self._redis.register_script(redis_scripts.ADMIT)
+        self._reserve = self._redis.register_script(redis_scripts.RESERVE)
+        self._add = self._redis.register_script(redis_scripts.ADD)
         self._warned: set[tuple[str, str, str]] = set()
 
     def _k(self, name: str) -> str:
@@ -199,9 +135,9 @@ class RedisStore:
             pipe.hgetall(self._k("adapters"))
             version, tenants, keys, adapters = await self._call(pipe.execute())
         return Snapshot(version=int(version or 0),
-                        tenants=self._records("tenants", tenants, _tenant),
-                        keys=self._records("keys", keys, _key),
-                        adapters=self._records("adapters", adapters, _adapter))
+                        tenants=self._records("tenants", tenants, tenant_record),
+                        keys=self._records("keys", keys, key_record),
+                        adapters=self._records("adapters", adapters, adapter_record))
 
     def _records(self, table: str, raw: dict[str, str], build: Builder[R]) -> dict[str, R]:
         records = {}
@@ -219,8 +155,8 @@ class RedisStore:
             if not isinstance(data, dict):
                 raise ValueError("not a JSON object")
             record, unknown = build(data)
-            if _id_of(record) != name:
-                raise ValueError(f"it is stored under another id ({_id_of(record)!r})")
+            if record_id(record) != name:
+                raise ValueError(f"it is stored under another id ({record_id(record)!r})")
         except (ValueError, TypeError) as exc:
             self._warn_once(table, name, value, f"skipping unreadable {table} record "
                             f"{name!r}: {redact_text(str(exc))}")
@@ -289,7 +225,8 @@ class RedisStore:
 
         async def change(pipe: Any) -> bool:
             raw = await self._call(pipe.hget(table, name))
-            current = None if raw is None else self._parse("adapters", name, raw, _adapter)
+            current = None if raw is None else self._parse("adapters", name, raw,
+                                                            adapter_record)
             if current != expected:
                 await self._call(pipe.reset())
                 return False
@@ -371,37 +308,6 @@ def _admission(code: int, value: int, now: float) -> Admission:
     if code > 0:
         return Admission(True, value)
     return Admission(False, sw.second_of(now), _REFUSED[code], value)
-
-
-def _known(cls: type, data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The fields cls knows, and the names of the others (sorted)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in data.items() if k in names}, sorted(set(data) - names)
-
-
-def _tenant(data: dict[str, Any]) -> tuple[Tenant, list[str]]:
-    known, unknown = _known(Tenant, data)
-    known.setdefault("uid", "")  # written before uids: keep its old salt and ownership
-    return Tenant(**known), unknown
-
-
-def _key(data: dict[str, Any]) -> tuple[ApiKey, list[str]]:
-    known, unknown = _known(ApiKey, data)
-    return ApiKey(**known), unknown
-
-
-def _adapter(data: dict[str, Any]) -> tuple[AdapterRecord, list[str]]:
-    known, unknown = _known(AdapterRecord, data)
-    shared = known.get("shared_with") or []
-    if not isinstance(shared, list) or not all(isinstance(t, str) for t in shared):
-        raise ValueError(f"shared_with must be a list of tenant ids, got {shared!r}")
-    return AdapterRecord(**{**known, "shared_with": tuple(shared)}), unknown
-
-
-def _id_of(record: Tenant | ApiKey | AdapterRecord) -> str:
-    if isinstance(record, Tenant):
-        return record.tenant_id
-    return record.key_hash if isinstance(record, ApiKey) else record.name
 
 
 def _field(value: str, name: str) -> Any:

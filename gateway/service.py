@@ -14,7 +14,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
-from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -29,6 +28,7 @@ from engine.protocol import (
     EngineUnavailable,
     StreamChunk,
 )
+from gateway.adapter_placement import AdapterPlacement
 from gateway.auth import Principal, StateView, authenticate
 from gateway.config import GatewayConfig
 from gateway.instances import Instance, InstancePool
@@ -39,7 +39,6 @@ from gateway.route_inputs import candidates, note_prefix_outcome, prefix_chain
 from gateway.router import Router
 from gateway.store import Snapshot
 from gateway.tenancy import AdapterRecord, derive_cache_salt
-from lora.adapter_info import AdapterInfo
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +65,7 @@ class Gateway:
         self._registrations = {name: _registration(record)
                                for name, record in view.snapshot.adapters.items()}
         view.listeners.append(self._forget_replaced_usage)
+        self.placement = AdapterPlacement(view, config.retry_after_s)
         self.resolver: Callable[[Gateway, str], Awaitable[bool]] | None = None
         """Loads an unknown model name as an adapter (opt-in; True when it did)."""
 
@@ -166,93 +166,6 @@ class Gateway:
         self._later(self.limiter.release(ticket, tokens if outcome == "served" else 0,
                                          outcome != "failed"))
 
-    async def ensure_adapter(self, instance: Instance, adapter: str) -> str | None:
-        """Make the instance hold the registered content of the adapter before a request
-        runs there: registered lazily on first use, and reloaded when the instance holds
-        other weights under that name (its digest differs from the record's: an adapter
-        deleted and registered again). Never runs a request on other weights: 503 (retry)
-        while the engine's old adapter of that name is still in use, 500 if the files
-        changed since registration. A record without a digest (command line) is trusted
-        by name. EngineUnavailable passes through (the caller tries another instance).
-        Returns the record's digest: the weights a request must run on.
-
-        The record is read again once a load ends: an adapter deleted (or replaced)
-        through another replica while this one loaded it would otherwise stay on the
-        engine with no record that ever unloads it, and the request would run on it."""
-        record = self._live_record(adapter)
-        state = instance.adapters.get(adapter)
-        if state is not None and record.digest in (None, state.digest):
-            return record.digest
-        try:
-            info = await instance.client.load_adapter(adapter, record.path)
-        except EngineRejected as exc:
-            await self.view.fresh()
-            self._live_record(adapter, record)  # deleted meanwhile: its files may be gone
-            # The engine's reason may name paths: logged, not sent to the tenant.
-            log.error("instance %s refused adapter %s: %s", instance.instance_id, adapter,
-                      exc.message)
-            if exc.status == 409:
-                raise self._adapter_busy(adapter) from None
-            raise ApiError(500, f"adapter {adapter!r} could not be loaded on an engine",
-                           code="adapter_load_failed") from None
-        digest = info.digest
-        instance.adapters[adapter] = AdapterInfo(adapter, record.path, digest, info.rank,
-                                                 True, None, False, 0)
-        await self.view.fresh()
-        try:
-            self._live_record(adapter, record)
-        except ApiError:
-            log.warning("adapter %s was deleted or replaced while %s loaded it; unloading "
-                        "it there", adapter, instance.instance_id)
-            instance.adapters.pop(adapter, None)
-            with contextlib.suppress(EngineRejected, EngineUnavailable):
-                await instance.client.unload_adapter(adapter, digest)
-            raise
-        if record.digest is not None and digest != record.digest:
-            log.error("adapter %s on %s: the files at %s changed since it was registered",
-                      adapter, instance.instance_id, record.path)
-            raise ApiError(500, f"adapter {adapter!r} could not be loaded: its files changed "
-                           f"since it was registered", code="adapter_load_failed")
-        return record.digest
-
-    def _live_record(self, adapter: str, expected: AdapterRecord | None = None
-                     ) -> AdapterRecord:
-        """The adapter's record as the view holds it: 404 when it is gone or being deleted,
-        503 (retry) when it is no longer ``expected`` (registered again meanwhile)."""
-        record = self.view.snapshot.adapters.get(adapter)
-        if record is None or record.deleting:
-            raise ApiError(404, f"The model '{adapter}' does not exist",
-                           code="model_not_found", param="model")
-        if expected is not None and (record.path, record.digest) != (expected.path,
-                                                                     expected.digest):
-            raise self._adapter_busy(adapter)
-        return record
-
-    def _adapter_busy(self, adapter: str) -> ApiError:
-        return ApiError(503, f"adapter {adapter!r} is being replaced on an engine; retry "
-                        f"shortly", code="adapter_busy",
-                        headers={"Retry-After": str(self.config.retry_after_s)})
-
-    async def _open_on(self, instance: Instance, job: Job) -> ChunkStream:
-        """Open the job on the instance, with its adapter's registered weights. What the
-        gateway knows the instance holds may be stale (a registration that lost a race
-        unloads its own weights, which may have replaced these): the engine refuses a
-        request whose weights it does not hold ("adapter_changed"), and the adapter is
-        loaded there again, once."""
-        if job.adapter is None:
-            return await instance.client.open(job.request)
-        for _attempt in range(2):
-            digest = await self.ensure_adapter(instance, job.adapter)
-            try:
-                return await instance.client.open(replace(job.request, adapter_digest=digest))
-            except EngineRejected as exc:
-                if exc.code != "adapter_changed":
-                    raise
-                log.warning("adapter %s on %s: not the registered weights; loading them "
-                            "again (%s)", job.adapter, instance.instance_id, exc.message)
-                instance.adapters.pop(job.adapter, None)
-        raise self._adapter_busy(job.adapter)
-
     def max_model_len(self) -> int:
         lengths = [i.max_model_len for i in self.pool.healthy() if i.max_model_len]
         return min(lengths) if lengths else 0
@@ -330,7 +243,7 @@ class Gateway:
             instance.in_flight += 1
             try:
                 async with instance.watched(self._deadline(job)):
-                    return instance, await self._open_on(instance, job)
+                    return instance, await self.placement.open_on(instance, job)
             except EngineUnavailable as exc:
                 instance.in_flight -= 1
                 # A frozen engine may run it when it wakes: nobody would read it.

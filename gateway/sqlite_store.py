@@ -25,8 +25,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
 
-from gateway.redis_store import _adapter, _key, _tenant
 from gateway.store import MemoryStore, Snapshot, StoreUnavailable
+from gateway.store_records import adapter_record, key_record, tenant_record
 from gateway.tenancy import AdapterRecord, ApiKey, Tenant
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,8 @@ CREATE TABLE IF NOT EXISTS records (
 );
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
-_BUILDERS: dict[str, Any] = {"tenants": _tenant, "keys": _key, "adapters": _adapter}
+_BUILDERS: dict[str, Any] = {
+    "tenants": tenant_record, "keys": key_record, "adapters": adapter_record}
 
 
 def loragate_home() -> Path:

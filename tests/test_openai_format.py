@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.protocol import StreamChunk
-from gateway.openai_format import LOGPROB_FLOOR, Endpoint, PromptEcho, ResponseFormatter
+from gateway.logprob_format import LOGPROB_FLOOR
+from gateway.openai_format import Endpoint, PromptEcho, ResponseFormatter
 from gateway.token_bytes import TokenBytes
 from gateway.tool_calls import Function, ToolPlan
 
