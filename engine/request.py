@@ -96,6 +96,14 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
+    def _stop_token_kind(self, token_id: int) -> str | None:
+        """"eos" for an end-of-sequence id (unless ignore_eos), "stop_id" for a
+        stop_token_ids entry, None for any other token; an id that is both is "eos"."""
+        params = self.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "eos"
+        return "stop_id" if token_id in params.stop_token_ids else None
+
     @property
     def ended_by_stop_token(self) -> bool:
         """It finished on a stop token (an end-of-sequence id unless ignore_eos, or one of
@@ -103,9 +111,7 @@ class Request:
         (as in vLLM; its id stays in the output ids)."""
         if self.finish_reason != "stop" or not self.output_token_ids:
             return False
-        last, params = self.output_token_ids[-1], self.sampling_params
-        return last in params.stop_token_ids or (not params.ignore_eos
-                                                 and last in self.eos_token_ids)
+        return self._stop_token_kind(self.output_token_ids[-1]) is not None
 
     @property
     def stop_token(self) -> int | None:
@@ -113,18 +119,13 @@ class Request:
         vLLM reports as no stop_reason, or any other ending)."""
         if not self.ended_by_stop_token:
             return None
-        last, params = self.output_token_ids[-1], self.sampling_params
-        if not params.ignore_eos and last in self.eos_token_ids:
-            return None
-        return last
+        last = self.output_token_ids[-1]
+        return last if self._stop_token_kind(last) == "stop_id" else None
 
     def check_token_stop(self) -> str | None:
         """Finish reason implied by the last token and the length limit (not stop strings)."""
-        last = self.output_token_ids[-1]
         params = self.sampling_params
-        if not params.ignore_eos and last in self.eos_token_ids:
-            return "stop"
-        if last in params.stop_token_ids:
+        if self._stop_token_kind(self.output_token_ids[-1]) is not None:
             return "stop"
         if len(self.output_token_ids) >= params.max_tokens:
             return "length"
