@@ -45,6 +45,7 @@ from gateway.openai_format import Endpoint, PromptEcho, ResponseFormatter
 from gateway.openai_protocol import RANDOM_SEED, SEED_LIMIT, CompletionRequest, SamplingFields
 from gateway.openai_stream import ClosingStream, collect, next_or_disconnect, sse
 from gateway.prompts import PromptEncoder
+from gateway.responses_api import build_responses_router
 from gateway.service import Gateway
 from gateway.token_bytes import TokenBytes
 
@@ -114,6 +115,7 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                      param, top, body.prompt_logprobs, body.structured_constraint())
         return await _serve(get_gateway(), call, encode, fmt)
 
+    router.include_router(build_responses_router(chat_completions))
     return router
 
 

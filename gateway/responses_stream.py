@@ -1,0 +1,204 @@
+"""A chat stream's events as the Responses API's: ``response.created`` and
+``response.in_progress`` first; for the message, ``output_item.added``,
+``content_part.added``, an ``output_text.delta`` per piece of content (with its tokens'
+logprobs when asked), ``output_text.done``, ``content_part.done``, ``output_item.done``;
+then for each call ``output_item.added``, ``function_call_arguments.delta`` / ``.done``,
+``output_item.done``; last ``response.completed`` (or ``response.incomplete`` when cut at
+max_output_tokens) with the whole response and its usage. Every event carries its ``type``
+and a ``sequence_number`` counting from 0, and is sent as a named SSE event (``event:
+<type>``); there is no ``[DONE]``, as OpenAI sends none for this API.
+
+The chat path's stream (gateway/openai_stream.py) is the source: it holds back text that may
+be a call and sends whole calls at the end, and with ``include_usage`` (which the
+translated request asks for) ends with a usage event. An engine failure there (its
+``error`` event) becomes an ``error`` event, then ``response.failed``. The translator only
+reads what the chat stream yields: closing the response (a client that hangs up) closes the
+chat stream beneath, which aborts the engine request as a chat stream's hang-up does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterable
+from typing import Any
+
+from gateway.openai_stream import sse_event
+from gateway.responses_format import (
+    ResponseEcho,
+    ended_status,
+    function_call_item,
+    message_item,
+    new_id,
+    output_text,
+    usage,
+)
+
+FAILURE_CODES = {"rate_limit_error": "rate_limit_exceeded",
+                 "invalid_request_error": "invalid_prompt"}
+"""A chat error's type -> the code of a failed response's error (OpenAI's few codes; the
+error event before it carries the chat error's own code)."""
+STREAM_FAILED = {"message": "the response stream ended before its last event",
+                 "code": "engine_error"}
+
+
+class ResponseEvents:
+    """The Responses events of one request's chat stream (see the module docstring)."""
+
+    def __init__(self, echo: ResponseEcho) -> None:
+        self.echo = echo
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        """Items in output order; each is replaced by its final form once done."""
+        self.message: int | None = None
+        """The open message item's output index."""
+        self.text: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []
+        self.unsent: list[dict[str, Any]] = []
+        """Logprobs that came with no text yet (they go with the next delta)."""
+        self.finish: str | None = None
+        self.ended = False
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return event
+
+    def opening(self) -> list[dict[str, Any]]:
+        response = self.echo.response("in_progress", [])
+        return [self._event("response.created", response=response),
+                self._event("response.in_progress", response=response)]
+
+    def on_chat(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events of one chat stream payload (a chunk, the usage, or an error)."""
+        if self.ended:
+            return []
+        if "error" in payload:
+            return self.failed(payload["error"])
+        events: list[dict[str, Any]] = []
+        for choice in payload.get("choices") or []:
+            delta = choice.get("delta") or {}
+            self.unsent += (choice.get("logprobs") or {}).get("content") or []
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            if choice.get("finish_reason") is not None:
+                self.finish = choice["finish_reason"]
+                events += self._close_message()
+            for call in delta.get("tool_calls") or []:
+                events += self._call(call["function"]["name"], call["function"]["arguments"])
+        if payload.get("usage") and not payload.get("choices"):
+            events += self._completed(payload["usage"])
+        return events
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        if self.message is not None:
+            return []
+        self.message = len(self.output)
+        item = message_item(new_id("msg"), "in_progress", [])
+        self.output.append(item)
+        return [self._event("response.output_item.added", output_index=self.message,
+                            item=item),
+                self._event("response.content_part.added", **self._where(),
+                            part=output_text("", []))]
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        events = self._open_message()
+        self.text.append(text)
+        self.logprobs += self.unsent
+        events.append(self._event("response.output_text.delta", **self._where(), delta=text,
+                                  logprobs=self.unsent))
+        self.unsent = []
+        return events
+
+    def _where(self) -> dict[str, Any]:
+        assert self.message is not None
+        return {"item_id": self.output[self.message]["id"], "output_index": self.message,
+                "content_index": 0}
+
+    def _close_message(self) -> list[dict[str, Any]]:
+        if self.message is None:
+            return []
+        where, text = self._where(), "".join(self.text)
+        self.logprobs += self.unsent
+        part = output_text(text, self.logprobs)
+        item = message_item(where["item_id"], ended_status(self.finish), [part])
+        self.output[self.message] = item
+        self.message = None
+        return [self._event("response.output_text.done", **where, text=text,
+                            logprobs=self.logprobs),
+                self._event("response.content_part.done", **where, part=part),
+                self._event("response.output_item.done", output_index=where["output_index"],
+                            item=item)]
+
+    def _call(self, name: str, arguments: str) -> list[dict[str, Any]]:
+        index = len(self.output)
+        item_id, call_id = new_id("fc"), new_id("call")
+        self.output.append(function_call_item(item_id, call_id, name, arguments, "completed"))
+        where = {"item_id": item_id, "output_index": index}
+        return [self._event("response.output_item.added", output_index=index,
+                            item=function_call_item(item_id, call_id, name, "",
+                                                    "in_progress")),
+                self._event("response.function_call_arguments.delta", **where,
+                            delta=arguments),
+                self._event("response.function_call_arguments.done", **where, name=name,
+                            arguments=arguments),
+                self._event("response.output_item.done", output_index=index,
+                            item=self.output[index])]
+
+    def _completed(self, chat_usage: dict[str, Any]) -> list[dict[str, Any]]:
+        events = []
+        if not self.output:  # nothing said and no call: an empty message, as a whole one
+            events += self._open_message() + self._close_message()
+        self.ended = True
+        status = ended_status(self.finish)
+        response = self.echo.response(status, self.output, usage(chat_usage))
+        return [*events, self._event(f"response.{status}", response=response)]
+
+    def failed(self, error: dict[str, Any]) -> list[dict[str, Any]]:
+        """An error event with the chat stream's own error, then response.failed with the
+        output so far."""
+        self.ended = True
+        if self.message is not None:  # what it said before the failure, marked so
+            item = self.output[self.message]
+            self.output[self.message] = {**item, "status": "incomplete", "content": [
+                output_text("".join(self.text), self.logprobs + self.unsent)]}
+        message = str(error.get("message") or "the request failed")
+        code = error.get("code")
+        failure = {"code": FAILURE_CODES.get(str(error.get("type")), "server_error"),
+                   "message": message}
+        return [self._event("error", code=code, message=message, param=None),
+                self._event("response.failed", response=self.echo.response(
+                    "failed", self.output, error=failure))]
+
+    def closing(self) -> list[dict[str, Any]]:
+        """The events owed when the chat stream ended without a last event (none if it
+        had one): the client must not take a cut stream for a finished one."""
+        return [] if self.ended else self.failed(STREAM_FAILED)
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    """One named SSE event."""
+    return b"event: " + event["type"].encode() + b"\n" + sse_event(event)
+
+
+def chat_payloads(raw: bytes | str | memoryview) -> list[dict[str, Any]]:
+    """The JSON payloads of what the chat stream yielded (``data:`` lines; not [DONE])."""
+    data = raw.encode() if isinstance(raw, str) else bytes(raw)
+    payloads = []
+    for line in data.split(b"\n"):
+        if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+            payloads.append(json.loads(line[6:]))
+    return payloads
+
+
+async def response_events(chat: AsyncIterable[bytes | str | memoryview], echo: ResponseEcho
+                          ) -> AsyncGenerator[bytes, None]:
+    """The Responses SSE stream of a chat SSE stream."""
+    events = ResponseEvents(echo)
+    for event in events.opening():
+        yield sse(event)
+    async for raw in chat:
+        for payload in chat_payloads(raw):
+            for event in events.on_chat(payload):
+                yield sse(event)
+    for event in events.closing():
+        yield sse(event)
