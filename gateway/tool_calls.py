@@ -31,6 +31,10 @@ from engine.structured_output import StructuredOutput
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN_TAG) + r"\s*(.*?)\s*" + re.escape(CLOSE_TAG), re.DOTALL)
+_CUT_CALL = re.compile(r'\s*\[\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)',
+                       re.DOTALL)
+"""The first call of a forced array cut short: its name (a JSON string) and the text of its
+arguments so far."""
 Mode = Literal["none", "auto", "required", "named"]
 
 
@@ -142,14 +146,26 @@ class ToolPlan:
         return text, []
 
     def parse_cut(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, OpenAI tool_calls) of an output cut at max_tokens: under ``required``
-        the calls its array completed before the cut (a small model may repeat its call until
-        the budget ends; the call cut short is dropped), else none."""
+        """(content, OpenAI tool_calls) of an output cut at max_tokens. A forced call stays
+        a call, as OpenAI returns it: a named function's arguments are the text so far (not
+        JSON yet); under ``required``, the calls the array completed before the cut (a small
+        model may repeat its call until the budget ends: the call cut short is dropped), or,
+        when none did, the cut call with its arguments so far once its name is whole, else
+        no call and no content (the array is the grammar's, never the answer's text).
+        Under ``auto`` the text is content."""
+        if self.mode == "named":
+            return None, [_raw_call(self.named or "", text)]
         if self.mode != "required":
             return text, []
         found = [_call(c["name"], c["arguments"]) for c in _array_prefix(text)
                  if self._is_call(c)]
-        return (None, found) if found else (text, [])
+        if found:
+            return None, found
+        started = _CUT_CALL.match(text)
+        name = _json(started.group(1)) if started else None
+        if started and name in {f.name for f in self.functions}:
+            return None, [_raw_call(name, started.group(2))]
+        return None, []
 
     def outside_calls(self, text: str) -> str:
         """The text without its call blocks (auto's content, before stripping)."""
@@ -235,8 +251,13 @@ def _skip_space(text: str, at: int) -> int:
 
 
 def _call(name: str, arguments: Any) -> dict[str, Any]:
+    return _raw_call(name, json.dumps(arguments))
+
+
+def _raw_call(name: str, arguments: str) -> dict[str, Any]:
+    """A call whose arguments are given as text (cut short, they may not be JSON yet)."""
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments)}}
+            "function": {"name": name, "arguments": arguments}}
 
 
 def template_takes_tools(chat_template: str | None) -> bool:

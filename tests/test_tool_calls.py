@@ -109,17 +109,26 @@ def test_a_required_call_keeps_each_functions_refs_pointing_into_its_own_schema(
 
 
 @pytest.mark.parametrize("comma", [",", ", ", " ,\n  "])  # ", ": the grammar's separator
-def test_a_forced_array_cut_short_keeps_the_calls_it_completed(comma: str) -> None:
+def test_a_forced_call_cut_short_stays_a_call(comma: str) -> None:
     required = ToolPlan((WEATHER, ADD), "required")
     whole = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
     cut = f'[{whole}{comma}{whole.replace("1", "5")}{comma}{{"name": "get_weather", "argu'
     content, found = required.parse_cut(cut)
     assert content is None
     assert _calls(found) == [("add", {"a": 1, "b": 2}), ("add", {"a": 5, "b": 2})]
-    for nothing in ('[{"name":"add","argum', "[", ""):  # no call completed: content
-        assert required.parse_cut(nothing) == (nothing, [])
+    # No call completed: the cut call once its name is whole, with its arguments so far;
+    # never the grammar's array as content.
+    content, found = required.parse_cut('[{"name": "get_weather", "arguments": {"ci')
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"])
+                                for c in found] == [("get_weather", '{"ci')]
+    for nothing in ('[{"name":"add","argum', '[{"name": "unknown", "arguments": {',
+                    '[{"na', "[", ""):
+        assert required.parse_cut(nothing) == (None, [])
     named = ToolPlan((WEATHER, ADD), "named", "get_weather")
-    assert named.parse_cut('{"city": "Ro') == ('{"city": "Ro', [])
+    content, found = named.parse_cut('{"city": "Ro')
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"])
+                                for c in found] == [("get_weather", '{"city": "Ro')]
+    assert ToolPlan((WEATHER, ADD), "auto").parse_cut('{"city": "Ro') == ('{"city": "Ro', [])
 
 
 @pytest.mark.parametrize("text, sendable", [

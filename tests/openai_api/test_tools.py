@@ -14,6 +14,7 @@ import httpx
 import openai
 import pydantic
 import pytest
+from transformers import PreTrainedTokenizerBase
 
 from tests.live_servers import LiveServer
 
@@ -49,14 +50,17 @@ def test_required_always_calls_a_tool(client: openai.OpenAI, base_model: str,
             parallel_tool_calls=parallel, max_tokens=120, temperature=0.9, seed=seed)
         choice = reply.choices[0]
         calls = choice.message.tool_calls or []
-        if choice.finish_reason == "length":  # cut short: only the calls it completed
-            assert (choice.message.content is None) == bool(calls)
+        if choice.finish_reason == "length":  # cut short: still calls, never the array
+            assert choice.message.content is None
         else:
             assert choice.finish_reason == "tool_calls" and choice.message.content is None
             assert calls and (parallel or len(calls) == 1)
         for call in calls:
             assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
-            assert _valid(call.function.name, call.function.arguments)
+            assert call.function.name in {t["function"]["name"] for t in TOOLS}
+            # Cut before any call completed: the one cut short, its arguments so far.
+            if choice.finish_reason != "length" or len(calls) > 1:
+                assert _valid(call.function.name, call.function.arguments)
 
 
 class Room(enum.StrEnum):
@@ -106,6 +110,44 @@ def test_a_named_choice_calls_that_tool_streamed_or_not(client: openai.OpenAI,
     assert all(not d.delta.content for d in deltas)
     # The call's text is held back, and nothing is sent meanwhile: the role, then the call.
     assert len(deltas) == 2 and deltas[0].delta.role == "assistant"
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_a_forced_call_cut_at_max_tokens_is_still_a_call(
+        client: openai.OpenAI, base_model: str, tokenizer: PreTrainedTokenizerBase,
+        choice: str) -> None:
+    """As OpenAI answers it: the call with its arguments so far, never the constrained text
+    as content, streamed or not."""
+    tool_choice: Any = {"type": "function", "function": {"name": "get_time"}} \
+        if choice == "named" else "required"
+    args: dict[str, Any] = {"model": base_model, "messages": ASK, "tools": TOOLS,
+                            "tool_choice": tool_choice, "temperature": 0}
+    # The cut: inside a named call's arguments; for required, one token after the first
+    # call's name and '"arguments": ' (greedy: the uncut answer's tokens tell where).
+    cut = 3
+    if choice == "required":
+        whole = client.chat.completions.create(**args, max_tokens=120,
+                                               extra_body={"return_token_ids": True})
+        ids = whole.choices[0].model_extra["token_ids"]
+        cut = next(k for k in range(1, len(ids)) if '"arguments":' in
+                   tokenizer.decode(ids[:k - 1])) + 1
+    args["max_tokens"] = cut
+    reply = client.chat.completions.create(**args)
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "length" and message.content is None
+    [call] = message.tool_calls or []
+    assert call.function.name in {t["function"]["name"] for t in TOOLS}
+    if choice == "named":
+        assert call.function.name == "get_time"
+        assert reply.usage is not None and reply.usage.completion_tokens == 3
+        assert call.function.arguments.startswith("{")
+    deltas = [e.choices[0] for e in client.chat.completions.create(**args, stream=True)
+              if e.choices]
+    streamed = [c for d in deltas for c in d.delta.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in streamed if c.function] == \
+        [(call.function.name, call.function.arguments)]
+    assert deltas[-1].finish_reason == "length"
+    assert all(not d.delta.content for d in deltas)
 
 
 def test_a_history_with_calls_and_results_is_served(client: openai.OpenAI,
