@@ -40,6 +40,9 @@ from gateway.store import Admission, MemoryStore, StateStore, StoreUnavailable
 from gateway.tenancy import Tenant
 
 log = logging.getLogger(__name__)
+NEVER_RETRY = {"x-should-retry": "false"}
+"""On a refusal that waiting never changes: the openai SDK (and the clients built on it)
+retries a 429 unless this header says not to, and each retry costs the tenant a request."""
 FailurePolicy = Literal["open", "closed"]
 T = TypeVar("T")
 
@@ -133,7 +136,7 @@ class RateLimiter:
                            f"token limit: its prompt plus max_tokens come to {tokens} tokens, "
                            f"and the tenant may use {tpm} tokens per minute; lower "
                            f"max_tokens or shorten the prompt", code="tpm_exceeded",
-                           param="max_tokens")
+                           param="max_tokens", headers=dict(NEVER_RETRY))
         now = self.clock()
         store, admission = await self._decide(ticket.store, lambda s: s.reserve(
             tenant.tenant_id, tokens, tpm, now))

@@ -31,8 +31,8 @@ from engine.structured_output import StructuredOutput
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN_TAG) + r"\s*(.*?)\s*" + re.escape(CLOSE_TAG), re.DOTALL)
-_CUT_CALL = re.compile(r'\s*\[\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)',
-                       re.DOTALL)
+_CUT_CALL = re.compile(r'\s*\[\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,'
+                       r'\s*"arguments"\s*:\s*(.*)', re.DOTALL)
 """The first call of a forced array cut short: its name (a JSON string) and the text of its
 arguments so far."""
 Mode = Literal["none", "auto", "required", "named"]

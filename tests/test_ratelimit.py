@@ -198,6 +198,7 @@ def test_a_reservation_over_the_whole_tpm_is_refused_as_never_fitting(
             429, "tpm_exceeded", "max_tokens")
         assert "can never fit" in refused.message and "max_tokens" in refused.message
         assert "Retry-After" not in refused.headers  # waiting never helps
+        assert refused.headers["x-should-retry"] == "false"  # the openai SDK's retries
         assert isinstance(await take(lim, principal, 300), Ticket)  # nothing was taken
 
     run(scenario())
