@@ -47,10 +47,11 @@ ERROR_STATUS: dict[str, int] = {
 
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 408: "timeout_error", 409: "conflict_error",
+    404: "invalid_request_error", 408: "timeout_error", 409: "conflict_error",
     413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
     502: "server_error", 503: "service_unavailable", 504: "timeout_error"}
-"""HTTP status -> the ``type`` of OpenAI's error schema."""
+"""HTTP status -> the ``type`` of OpenAI's error schema (a 404, such as model_not_found, is
+an invalid_request_error there too)."""
 
 
 def error_type(status: int) -> str:

@@ -56,7 +56,7 @@ def test_error_status_comes_from_the_code_unless_given() -> None:
     assert {code: EngineError("m", code).status for code in ERROR_STATUS} == ERROR_STATUS
     refused = EngineRejected.from_json({"message": "unknown adapter 'x'", "code": None}, 404)
     assert (type(refused), refused.status, refused.type, refused.code) == (
-        EngineRejected, 404, "not_found_error", None)
+        EngineRejected, 404, "invalid_request_error", None)
 
 
 def test_engine_state_round_trips() -> None:

@@ -122,7 +122,7 @@ def test_adapter_register_pin_and_unregister(http: httpx.Client,
     assert {a["name"] for a in http.get("/adapters").json()} == {"a0", "a1"}
     gone = error_body(http.post("/generate", json={**body, "lora": "a1-copy"}), 400)
     assert gone["message"] == "unknown adapter 'a1-copy'"
-    missing = {"message": "unknown adapter 'nope'", "type": "not_found_error", "param": None,
+    missing = {"message": "unknown adapter 'nope'", "type": "invalid_request_error", "param": None,
                "code": None}
     assert error_body(http.delete("/adapters/nope"), 404) == missing
     assert error_body(http.post("/adapters/nope/pin", json={"pinned": True}), 404) == missing

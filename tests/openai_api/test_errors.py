@@ -52,7 +52,7 @@ def test_unknown_model_is_404_model_not_found(client: openai.OpenAI, gateway: Li
                   _bad_chat(client, base_model, model="nope", stream=stream)):
         assert isinstance(error, openai.NotFoundError)
         assert _body(error) == {"message": "The model 'nope' does not exist",
-                                "type": "not_found_error", "param": "model",
+                                "type": "invalid_request_error", "param": "model",
                                 "code": "model_not_found"}
     assert_healthy(gateway, client, base_model)
 
