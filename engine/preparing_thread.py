@@ -7,7 +7,10 @@ two); its own, not the loop's default pool, which serves other work of the proce
 
 Fair between tenants: work queues per tenant, and the thread takes one item from each
 tenant with queued work in turn. A tenant flooding it with new grammars waits behind its
-own flood; another tenant's grammar waits for at most one item of each other tenant.
+own flood; another tenant's grammar waits for at most one item of each other tenant. The
+tenant whose item runs takes its place in the turn order again only when that item ends,
+so a tenant arriving meanwhile goes first: behind a flood of slow compiles it waits for the
+one that runs, not for the next one too.
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ class PreparingThread:
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
-        # Invariant: a key is in _turns exactly when its queue in _queues is non-empty.
+        # Invariant: a key is in _turns exactly when its queue in _queues is non-empty and
+        # it is not _running's (that one is put back when its item ends).
         self._queues: dict[str | None, deque[_Item]] = {}
         self._turns: deque[str | None] = deque()
+        self._running: list[str | None] = []
+        """The tenant whose item runs now (none or one)."""
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="loragate-prepare",
                                         daemon=True)
@@ -53,7 +59,8 @@ class PreparingThread:
             queue = self._queues.get(tenant)
             if queue is None:
                 queue = self._queues[tenant] = deque()
-                self._turns.append(tenant)
+                if tenant not in self._running:
+                    self._turns.append(tenant)
             queue.append((work, future))
             self._changed.notify()
         try:
@@ -96,20 +103,30 @@ class PreparingThread:
             tenant = self._turns.popleft()
             queue = self._queues[tenant]
             item = queue.popleft()
-            if queue:
-                self._turns.append(tenant)  # its next item after every other tenant's
-            else:
+            if not queue:
                 del self._queues[tenant]
+            self._running[:] = [tenant]
             return item
+
+    def _ended(self) -> None:
+        """The running item ended: its tenant's next item, if any, after every tenant's
+        now in the turn order (those that arrived while it ran included)."""
+        with self._changed:
+            tenant = self._running.pop()
+            if tenant in self._queues:
+                self._turns.append(tenant)
 
     def _serve(self) -> None:
         while (item := self._next()) is not None:
             work, future = item
-            if not future.set_running_or_notify_cancel():
-                continue  # its caller went away while it was queued
             try:
-                result = work()
-            except BaseException as exc:  # delivered to the caller, whatever it is
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+                if not future.set_running_or_notify_cancel():
+                    continue  # its caller went away while it was queued
+                try:
+                    result = work()
+                except BaseException as exc:  # delivered to the caller, whatever it is
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            finally:
+                self._ended()
