@@ -168,7 +168,9 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
 
     app = FastAPI(title="loragate", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible gateway over loragate engine instances.",
-                  docs_url=None, redoc_url=None)
+                  # No 307 to the path without its slash: starlette builds its Location from
+                  # the Host header, which a client chooses (an open redirect).
+                  docs_url=None, redoc_url=None, redirect_slashes=False)
     install_docs(app)  # /docs with local assets (offline)
     app.state.draining = False
     install_error_handlers(app)

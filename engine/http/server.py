@@ -84,7 +84,9 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
 
     # No /docs: Swagger UI would load from a CDN (blank offline), and this API is the
     # gateway's, not a user's; /openapi.json still describes it.
-    app = FastAPI(title="loragate engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # redirect_slashes off: a 307's Location would come from the client's Host header.
+    app = FastAPI(title="loragate engine", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  redirect_slashes=False)
     install_error_handlers(app)
     if token is not None:
         app.add_middleware(TokenAuth, token=token)

@@ -310,3 +310,19 @@ def test_a_compressed_body_is_415_not_a_parse_error(gateway: LiveServer,
                        headers={"Content-Type": "application/json",
                                 "Content-Encoding": "identity"})
     assert plain.status_code == 200, plain.text
+
+
+@pytest.mark.parametrize("server, path", [("gateway", "/v1/models/"),
+                                          ("gateway", "/v1/chat/completions/"),
+                                          ("engine", "/health/")])
+def test_a_trailing_slash_is_404_never_a_redirect_built_from_the_host_header(
+        gateway: LiveServer, engine: LiveServer, server: str, path: str) -> None:
+    """Starlette would answer 307 with a Location on the client's own Host (an open
+    redirect); a path is served as registered or not at all."""
+    url = (gateway if server == "gateway" else engine).url + path
+    # This gateway answers loopback names only (a key-protected one takes any host).
+    host = "localhost:9" if server == "gateway" else "evil.example.com"
+    answer = httpx.request("POST" if "chat" in path else "GET", url, timeout=30.0,
+                           headers={"Host": host}, follow_redirects=False)
+    assert answer.status_code == 404, answer.text
+    assert "location" not in answer.headers and host not in answer.text
