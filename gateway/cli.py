@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -69,13 +71,25 @@ def _serve(args: argparse.Namespace) -> int:
     engine_cli.setup_logging()
     warn_unknown("loragate serve", GatewayConfig, EngineConfig)
     model = args.model
-    trainer = None
-    if model is None and not args.engine:
+    trainers: list[subprocess.Popen[bytes]] = []
+    demo = model is None and not args.engine
+    if demo:
         from engine.default_model import ensure_default_model  # converting needs torch
 
         model = str(ensure_default_model(DEMO_HOME))
-        # Its demo style adapters are trained in the background on first start.
+
+    def train() -> bool:
+        """Its demo style adapters are trained in the background on first start (once the
+        configuration, the port and the state store passed their checks)."""
         trainer = start_training(Path(model), DEMO_HOME / "logs" / "demo-adapters.log")
+        if trainer is None:
+            return False
+        trainers.append(trainer)
+        # Reaped as soon as it exits: no zombie beside a gateway that runs for weeks.
+        threading.Thread(target=trainer.wait, name="loragate-trainer-reaper",
+                         daemon=True).start()
+        return True
+
     if model is None:
         raise ValueError("--engine needs --model too: the gateway tokenizes with the model's "
                          "tokenizer (a local copy of the model directory is enough)")
@@ -104,11 +118,12 @@ def _serve(args: argparse.Namespace) -> int:
                          f"--allow-unauthenticated")
     try:
         serve(gateway_config, engine_config, args.instances, args.engine, model, adapters,
-              roots, watch_adapter_dir=adapter_dir if trainer is not None else None,
-              engine_process=args.engine_process)
+              roots, watch_adapter_dir=adapter_dir if demo else None,
+              engine_process=args.engine_process, start_training=train if demo else None)
     finally:
-        if trainer is not None and trainer.poll() is None:
-            trainer.terminate()  # the next start trains what is still missing
+        for trainer in trainers:
+            if trainer.poll() is None:
+                trainer.terminate()  # the next start trains what is still missing
     return 0
 
 

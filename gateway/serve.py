@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +48,7 @@ from gateway.config import GatewayConfig
 from gateway.engine_supervisor import EngineSupervisor
 from gateway.http_protocol import guarded_protocol
 from gateway.local_engine import LocalEngine
+from gateway.ready_banner import ready_banner
 from gateway.stop_signals import StoppedWhileStarting, StopSignals
 from gateway.store import StateStore
 
@@ -271,12 +272,14 @@ def start_drain(app: FastAPI, timeout_s: float) -> None:
 def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, instances: int,
           engine_urls: list[str], tokenizer_dir: str, adapters: dict[str, str],
           adapter_roots: Sequence[str] = (), watch_adapter_dir: str | None = None,
-          engine_process: bool = False) -> None:
+          engine_process: bool = False, start_training: Callable[[], bool] | None = None
+          ) -> None:
     """Start local engines (unless engine_urls are given, or instances is 0: then engines
     come from the Redis registry) and the gateway in front: one in this process unless
     engine_process, else engine processes, which get the gateway's engine token (a fresh
     random one when it has none). Local engines load adapters only from adapter_roots (and
-    the directories of ``adapters``)."""
+    the directories of ``adapters``). ``start_training`` runs once the checks passed; False:
+    nothing trains into watch_adapter_dir, which is then not watched."""
     # Configuration before the network: each refusal names the first problem.
     load_hf_config(tokenizer_dir)  # a missing or foreign model directory
     check_engine_sources(gateway_config, engine_urls, has_local_engine=instances > 0)
@@ -284,6 +287,8 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
     # Before any model loads: a state file another gateway holds, or a Redis server that
     # does not answer, is one line now rather than a traceback after the engines' load.
     store = open_store(gateway_config, check=True)
+    if start_training is not None and not start_training():
+        watch_adapter_dir = None
     engines: list[EngineProcess] = []
     log_dir = Path(tempfile.mkdtemp(prefix="loragate-engines-"))
     supervisor: EngineSupervisor | None = None
@@ -374,25 +379,3 @@ def keep_logs(log_dir: Path, engines: list[EngineProcess], clean: bool) -> None:
     else:
         shutil.rmtree(log_dir, ignore_errors=True)  # nothing was written there
 
-
-def ready_banner(config: GatewayConfig, tokenizer_dir: str, adapters: dict[str, str]) -> str:
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
-    base = f"http://{f'[{host}]' if ':' in host else host}:{config.port}"
-    model = config.served_model_name or os.path.basename(tokenizer_dir.rstrip("/"))
-    # The admin key itself never goes to the terminal (or to a log that keeps it).
-    auth = ("    -H \"Authorization: Bearer $LORAGATE_ADMIN_KEY\" \\\n"
-            if config.admin_key else "")
-    lines = [f"loragate gateway listening on {base} (OpenAI API under {base}/v1)",
-             f"models: {model} (base){''.join(', ' + a for a in sorted(adapters))}",
-             "try:",
-             f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\",
-             f"{auth}    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
-             f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32, "
-             f"\"temperature\": 0}}'"]
-    if config.admin_key:
-        lines.append("  (with LORAGATE_ADMIN_KEY set to the admin key; tenants use their own "
-                     "keys)")
-    if adapters:
-        lines.append(f"  (set \"model\" to an adapter name, e.g. \"{sorted(adapters)[0]}\", "
-                     f"to use it)")
-    return "\n".join(lines)
