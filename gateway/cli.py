@@ -33,9 +33,10 @@ def is_loopback(host: str) -> bool:
 def served_adapters(specs: Sequence[str], adapter_dir: str | None, model: str,
                     attached: bool) -> tuple[dict[str, str], str | None]:
     """(name -> path, the adapter directory) that `serve` registers: those named by --lora /
-    --adapter-dir, else the model directory's own `adapters/`, unless the gateway attaches
-    to running engines (--engine): those load only from their own adapter roots, so the
-    model's adapters are served there only when named (and the engines allow them)."""
+    --adapter-dir, else the model directory's own `adapters/`, unless the engines are not
+    the gateway's own (--engine, or --instances 0 with engines from the Redis registry):
+    those load only from their own adapter roots, so the model's adapters are served there
+    only when named (and the engines allow them)."""
     adapters = parse_adapters(specs, adapter_dir, local=not attached)
     own = Path(model) / "adapters"
     if not adapters and adapter_dir is None and not attached and own.is_dir():
@@ -72,11 +73,16 @@ def _serve(args: argparse.Namespace) -> int:
     warn_unknown("loragate serve", GatewayConfig, EngineConfig)
     model = args.model
     trainers: list[subprocess.Popen[bytes]] = []
-    demo = model is None and not args.engine
-    if demo:
+    # Engines not started here (--engine, or --instances 0: the Redis registry's).
+    attached = bool(args.engine) or args.instances == 0
+    if model is None and not args.engine:
         from engine.default_model import ensure_default_model  # converting needs torch
 
         model = str(ensure_default_model(DEMO_HOME))
+        # Its demo adapters are trained here for this gateway's own engines only.
+        demo = not attached
+    else:
+        demo = False
 
     def train() -> bool:
         """Its demo style adapters are trained in the background on first start (once the
@@ -94,7 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--engine needs --model too: the gateway tokenizes with the model's "
                          "tokenizer (a local copy of the model directory is enough)")
     adapters, adapter_dir = served_adapters(args.lora, args.adapter_dir, model,
-                                            attached=bool(args.engine))
+                                            attached=attached)
     gateway_config, engine_config = _configs(args, model)
     if gateway_config.adapter_upload_dir:  # recorded in adapter paths the engines load
         gateway_config = dataclasses.replace(
