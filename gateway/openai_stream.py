@@ -117,10 +117,11 @@ async def sse(gateway: Gateway, jobs: list[Job], streams: BatchStream, fmt: Resp
                                         job.instance_id or "none").inc()
 
 
-def _own_error(error: EngineError) -> dict[str, str]:
-    """The error event of this request's stream: its own message, type and code only (the
-    fields OpenAI's schema has; nothing else an engine chunk might carry is passed on)."""
-    return {"message": error.message, "type": error.type,
+def _own_error(error: EngineError) -> dict[str, str | None]:
+    """The error event of this request's stream: its own message, type, param and code only
+    (OpenAI's error schema, as a whole response's error has it; nothing else an engine chunk
+    might carry is passed on)."""
+    return {"message": error.message, "type": error.type, "param": error.param,
             "code": error.code or "engine_error"}
 
 

@@ -179,7 +179,9 @@ def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Serv
                 result.instance, len(result.events), result.events[-4:])
             error = result.events[-2]["error"]
             assert error["message"].startswith("the engine instance failed mid-response"), error
-            assert (error["type"], error["code"]) == ("server_error", "engine_error")
+            # OpenAI's error schema, as a whole response's: param present (null here).
+            assert (error["type"], error["param"], error["code"]) == (
+                "server_error", None, "engine_error")
         else:  # survivor's own, and the victim's queued ones retried on the survivor
             assert_completed(result.events, max_tokens)
     assert len(started_on_victim) == 2
@@ -191,7 +193,7 @@ def test_engine_crash_fails_started_streams_and_retries_the_others(servers: Serv
     assert (lone.status, lone.instance, lone.truncated) == (200, instance_tag(victim.url), False)
     assert lone.events == [{"error": {
         "message": "no engine instance is ready; retry later", "type": "service_unavailable",
-        "code": "unavailable"}}, "[DONE]"]
+        "param": None, "code": "unavailable"}}, "[DONE]"]
     retries = metric(httpx.get(gw.url + "/metrics").text, "loragate_gateway_retries_total",
                      reason="EngineStreamBroken")
     assert retries - retries_before == 2  # the two queued streams (the whole response's
