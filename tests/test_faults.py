@@ -320,7 +320,8 @@ def test_request_timeout_answers_504_and_frees_engine_blocks(servers: Servers) -
         events = list(sse_events(streamed))
     assert events[-1] == "[DONE]"
     assert events[-2] == {"error": {"message": "request timed out after 0.25s",
-                                    "type": "timeout_error", "code": "timeout"}}
+                                    "type": "timeout_error", "param": None,
+                                    "code": "timeout"}}
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
     wait_engines_idle(engine.url)
 
