@@ -35,7 +35,14 @@ from engine.models.shape import ModelShape
 from engine.protocol import EngineClient
 from gateway import adapter_admin as lifecycle
 from gateway.adapter_upload import remove_tree
-from gateway.admin_common import NAME_PATTERN, AdminGateway, on_instances, owner_uid, public_id
+from gateway.admin_common import (
+    NAME_PATTERN,
+    AdminGateway,
+    check_shared_with,
+    on_instances,
+    owner_uid,
+    public_id,
+)
 from gateway.admin_tenants import build_tenant_router
 from gateway.openai_fields import StrictRequest, Unsupported
 from gateway.openai_text import Text
@@ -195,6 +202,7 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
             lifecycle.check_owner(changes["owner"], public)
         if "shared_with" in changes:
             changes["shared_with"] = tuple(changes["shared_with"] or ())
+            await check_shared_with(gw, changes["shared_with"])
         record = replace(current, **changes)
         if "owner" in changes:
             record = replace(record, owner_uid=await owner_uid(gw, record.owner))
@@ -339,6 +347,7 @@ async def record_adapter(gw: Gateway, record: AdapterRecord) -> JSONResponse:
     or an engine refuses it. It is loaded on the engines that answer before it is recorded
     (lifecycle.load_where_reachable), and unloaded from them again when it is not."""
     await lifecycle.check_name_free(gw, record.name)
+    await check_shared_with(gw, record.shared_with)
     record = replace(record, owner_uid=await owner_uid(gw, record.owner))
     loaded = await lifecycle.load_where_reachable(gw, record)
     try:

@@ -9,7 +9,7 @@ unreachable engine's error text (which quotes its URL) goes to the log, not the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -51,6 +51,16 @@ async def owner_uid(gw: Gateway, owner: str | None) -> str:
     if tenant is None:
         raise ApiError(400, f"owner: tenant {owner!r} does not exist", param="owner")
     return tenant.uid
+
+
+async def check_shared_with(gw: Gateway, tenant_ids: Iterable[str]) -> None:
+    """400 naming shared_with unless every tenant exists: a share with a tenant created
+    later under that id would hand it the adapter unasked."""
+    tenants = (await gw.view.store.snapshot()).tenants
+    unknown = sorted(set(tenant_ids) - set(tenants))
+    if unknown:
+        raise ApiError(400, f"shared_with: no such tenant: {', '.join(map(repr, unknown))}",
+                       param="shared_with")
 
 
 def public_id(gw: Gateway, instance_id: str) -> str:

@@ -174,6 +174,25 @@ def test_patch_makes_an_adapter_public_only_when_told_so(setup: Setup) -> None:
     wait_engines_idle(setup.engine.url)
 
 
+def test_shares_name_existing_tenants_only(setup: Setup) -> None:
+    """A share with a tenant id that does not exist would go to whoever is created under it
+    later: a 400 naming shared_with, at registration and on a change."""
+    refused = register(setup, "ghost-share", setup.new, owner="ta",
+                       shared_with=["tb", "nosuch"])
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "shared_with" and "'nosuch'" in error["message"]
+    assert admin(setup, "GET", "/admin/adapters/ghost-share").status_code == 404
+    assert register(setup, "real-share", setup.new, owner="ta",
+                    shared_with=["tb"]).status_code == 201
+    patched = admin(setup, "PATCH", "/admin/adapters/real-share",
+                    json={"shared_with": ["tb", "nosuch"]})
+    assert patched.status_code == 400 and patched.json()["error"]["param"] == "shared_with"
+    assert admin(setup, "GET", "/admin/adapters/real-share").json()["shared_with"] == ["tb"]
+    assert complete(setup, "tb", "real-share").status_code == 200
+    wait_engines_idle(setup.engine.url)
+
+
 @pytest.mark.parametrize(("method", "path", "body", "param"), [
     ("POST", "/admin/adapters", r'{"name": "nul", "path": "/tmp/a\u0000b", "owner": "ta"}',
      "path"),
