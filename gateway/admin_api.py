@@ -144,9 +144,13 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
                            param="name")
         lifecycle.check_owner(owner, public)
         await lifecycle.check_name_free(gw, name)
-        target = uploads / name
+        # A directory of its own per upload: names are the store's to decide (two gateways
+        # with different stores may share this directory, and a directory a stopped gateway
+        # left behind never blocks a name).
+        upload_id = uuid.uuid4().hex
+        target = uploads / f"{name}.{upload_id[:16]}"
         await owner_uid(gw, owner)  # before unpacking anything
-        if target.exists() or name in uploading:
+        if name in uploading:
             raise ApiError(409, f"adapter {name!r} already exists")
         rank = lifecycle.max_rank(gw)
         cap = lifecycle.unpacked_cap(shape, rank)
@@ -158,10 +162,7 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
             staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=uploads))
             adapter = await asyncio.to_thread(lifecycle.unpack_and_validate, body, staging,
                                               name, shape, rank, cap)
-            try:  # fails if another replica's upload of the name got there first
-                staging.rename(target)
-            except OSError:
-                raise ApiError(409, f"adapter {name!r} already exists") from None
+            staging.rename(target)
             staging = None
         except ValueError as exc:
             raise ApiError(400, f"adapter upload refused: {exc}") from None
@@ -172,8 +173,8 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
             if staging is not None:
                 await asyncio.to_thread(remove_tree, staging)
         record = AdapterRecord(name, str(target), owner, digest=adapter.digest,
-                               upload_id=uuid.uuid4().hex)
-        try:
+                               upload_id=upload_id)
+        try:  # of two uploads racing for the name (on any replica), one is recorded
             return await record_adapter(gw, record)
         except BaseException:
             await asyncio.to_thread(remove_tree, target)

@@ -124,6 +124,8 @@ def test_force_delete_of_a_busy_adapter_is_pending_until_its_requests_end(
         setup: Setup) -> None:
     tag = instance_tag(setup.engine.url, ADMIN)  # the engine's id: never its URL
     assert upload(setup, "bot", tar_dir(setup.old), "&owner=ta").status_code == 201
+    bot = Path(admin(setup, "GET", "/admin/adapters/bot").json()["path"])
+    assert bot.parent == setup.uploads.resolve()
     with streaming(setup, "ta", "bot", max_tokens=900) as events:
         next(events)  # A's request is running
         busy = admin(setup, "DELETE", "/admin/adapters/bot")
@@ -140,11 +142,13 @@ def test_force_delete_of_a_busy_adapter_is_pending_until_its_requests_end(
         refused = upload(setup, "bot", tar_dir(setup.new), "&owner=tb")
         assert refused.status_code == 409
         assert refused.json()["error"]["code"] == "adapter_deleting"
-        assert (setup.uploads / "bot" / "adapter_model.safetensors").is_file()
+        assert (bot / "adapter_model.safetensors").is_file()
     # A's request ends (the client went away): the delete completes by itself.
     poll(functools.partial(deleted, setup, "bot"), "the pending delete to complete")
-    assert not (setup.uploads / "bot").exists()
+    assert not bot.exists()
     assert upload(setup, "bot", tar_dir(setup.new), "&owner=tb").status_code == 201
+    # A directory of its own per upload: the new one never reuses the old one's.
+    assert Path(admin(setup, "GET", "/admin/adapters/bot").json()["path"]) != bot
     wait_engines_idle(setup.engine.url)
 
 
@@ -218,13 +222,14 @@ def test_delete_removes_only_directories_its_upload_created(setup: Setup) -> Non
         assert admin(setup, "DELETE", f"/admin/adapters/{name}").status_code == 200
         assert (path / "adapter_model.safetensors").is_file()
     assert upload(setup, "up", tar_dir(setup.new), "&owner=tb").status_code == 201
-    assert register(setup, "up-alias", setup.uploads / "up", owner="tb").status_code == 201
+    up = Path(admin(setup, "GET", "/admin/adapters/up").json()["path"])
+    assert register(setup, "up-alias", up, owner="tb").status_code == 201
     assert admin(setup, "DELETE", "/admin/adapters/up-alias").status_code == 200
-    assert (setup.uploads / "up" / "adapter_model.safetensors").is_file()
+    assert (up / "adapter_model.safetensors").is_file()
     assert complete(setup, "tb", "up").status_code == 200
     wait_engines_idle(setup.engine.url)
     assert admin(setup, "DELETE", "/admin/adapters/up").status_code == 200
-    assert not (setup.uploads / "up").exists()  # the last record of the upload went
+    assert not up.exists()  # the last record of the upload went
 
 
 # ------------------------------------------------------------------- engine startup

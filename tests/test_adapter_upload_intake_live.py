@@ -141,7 +141,8 @@ def test_dot_member_archive_is_accepted(setup: Setup) -> None:
     # What `tar -C adapter -czf adapter.tgz .` writes: a "." member, then "./..." members.
     response = upload(setup, "dotted", tar_dir(setup.new, arcname="."), "&owner=tb")
     assert response.status_code == 201, response.text
-    assert sorted(p.name for p in (setup.uploads / "dotted").iterdir()) == sorted(
+    dotted = Path(admin(setup, "GET", "/admin/adapters/dotted").json()["path"])
+    assert sorted(p.name for p in dotted.iterdir()) == sorted(
         p.name for p in setup.new.iterdir())
 
 
@@ -171,6 +172,21 @@ def test_patch_makes_an_adapter_public_only_when_told_so(setup: Setup) -> None:
     public = admin(setup, "PATCH", "/admin/adapters/private-one", json={"public": True})
     assert public.status_code == 200 and public.json()["owner"] is None
     assert complete(setup, "tb", "private-one").status_code == 200
+    wait_engines_idle(setup.engine.url)
+
+
+def test_a_directory_left_in_the_uploads_never_blocks_a_name(setup: Setup) -> None:
+    """What a gateway with another state store (or one stopped mid-upload, or an earlier
+    run that kept its state in memory) left there is not this store's record: the name is
+    the store's to give."""
+    left = setup.uploads / "left-behind"
+    left.mkdir(parents=True)
+    (left / "adapter_config.json").write_text("{}")
+    response = upload(setup, "left-behind", tar_dir(setup.new), "&owner=tb")
+    assert response.status_code == 201, response.text
+    assert Path(response.json()["path"]) != left.resolve()
+    assert (left / "adapter_config.json").read_text() == "{}"  # not another's to remove
+    assert complete(setup, "tb", "left-behind").status_code == 200
     wait_engines_idle(setup.engine.url)
 
 
