@@ -41,11 +41,11 @@ from gateway.exposure import instance_tag
 from gateway.info_api import build_info_router
 from gateway.job import Claim, Job, Outcome, new_request_id
 from gateway.openai_chat_protocol import ChatCompletionRequest
-from gateway.openai_format import Endpoint, PromptEcho, ResponseFormatter
+from gateway.openai_format import PromptEcho, ResponseFormatter
 from gateway.openai_protocol import RANDOM_SEED, SEED_LIMIT, CompletionRequest, SamplingFields
 from gateway.openai_stream import ClosingStream, collect, next_or_disconnect, sse
 from gateway.prompts import PromptEncoder
-from gateway.responses_api import build_responses_router
+from gateway.responses_api import RESPONSES_PATH, build_responses_router
 from gateway.service import Gateway
 from gateway.token_bytes import TokenBytes
 
@@ -111,7 +111,10 @@ def build_router(get_gateway: Callable[[], Gateway], tokenizer: PreTrainedTokeni
                                 body.return_tokens_as_token_ids, token_bytes, echo=body.echo,
                                 prompt_logprobs=body.prompt_logprobs, tools=body.tool_plan())
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        call = _Call(body, request, principal, claim, "chat", body.requested_max_tokens(),
+        # The Responses API is served by this route (gateway/responses_api.py): its requests
+        # are counted as its own.
+        served_as = "responses" if request.url.path == RESPONSES_PATH else "chat"
+        call = _Call(body, request, principal, claim, served_as, body.requested_max_tokens(),
                      param, top, body.prompt_logprobs, body.structured_constraint())
         return await _serve(get_gateway(), call, encode, fmt)
 
@@ -128,7 +131,8 @@ class _Call:
     principal: Principal
     claim: Claim
     """Taken by AdmittedRoute before the body was parsed."""
-    endpoint: Endpoint
+    endpoint: str
+    """Its metrics label: completions, chat or responses."""
     max_tokens: int | None
     max_tokens_param: str
     logprobs: int | None

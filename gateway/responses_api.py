@@ -35,6 +35,7 @@ from gateway.responses_format import ResponseEcho, from_chat_completion
 from gateway.responses_protocol import RENAMED, ResponsesRequest
 from gateway.responses_stream import response_events
 
+RESPONSES_PATH = "/v1/responses"
 ChatRoute = Callable[[ChatCompletionRequest, Request, Principal, Claim], Awaitable[Response]]
 """The chat completions route's handler (gateway/openai_api.py)."""
 
@@ -48,7 +49,7 @@ def build_responses_router(chat: ChatRoute) -> APIRouter:
     router = APIRouter()
     admitted = APIRouter(route_class=AdmittedRoute)  # admitted before the body, as chat
 
-    @admitted.post("/v1/responses")
+    @admitted.post(RESPONSES_PATH)
     async def create_response(body: ResponsesRequest, request: Request, principal: Caller,
                               claim: Admitted) -> Response:
         chat_body = body.chat_request()

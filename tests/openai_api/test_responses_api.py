@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.responses_format import ResponseEcho
 from gateway.responses_stream import response_events
+from tests.live_http import metric
 from tests.live_servers import LiveServer
 from tests.openai_api.helpers import (
     CONTEXT,
@@ -81,6 +82,8 @@ def test_input_forms_give_the_chat_requests_tokens_and_usage(
 
 
 def test_the_response_object_has_openais_shape(gateway: LiveServer, base_model: str) -> None:
+    counted = metric(httpx.get(gateway.url + "/metrics", timeout=30.0).text,
+                     "loragate_gateway_requests_total", endpoint="responses", status="200")
     answer = _post(gateway, {"model": base_model, "input": "hello world", "store": False,
                              "max_output_tokens": 4, "temperature": 0, "ignore_eos": True,
                              "metadata": {"run": "7"}, "user": "u1", "truncation": "disabled"})
@@ -107,6 +110,10 @@ def test_the_response_object_has_openais_shape(gateway: LiveServer, base_model: 
         "top_p": None, "text": {"format": {"type": "text"}, "verbosity": "medium"},
         "tool_choice": "auto", "tools": [], "truncation": "disabled", "store": False,
         "previous_response_id": None, "user": "u1"}
+    # Counted as a Responses request, not as the chat request that served it.
+    assert metric(httpx.get(gateway.url + "/metrics", timeout=30.0).text,
+                  "loragate_gateway_requests_total", endpoint="responses",
+                  status="200") == counted + 1
 
 
 def test_a_stream_joins_to_the_whole_response(client: openai.OpenAI, gateway: LiveServer,
