@@ -19,7 +19,7 @@ can never answer for a new adapter registered under the same name. DELETE marks 
 An engine that cannot be reached keeps what it had; the digest check stops it from serving
 those weights for a later adapter of the same name.
 
-Upload directories: ``uploads/<name>``, created by an upload and marked by the record's
+Upload directories: ``uploads/<name>.<id>``, one per upload, marked by the record's
 ``upload_id``; a registration by path of that directory shares the upload id. A directory
 is removed when the last record carrying it is deleted, and only if its parent is exactly
 the uploads directory: a directory registered by path (an operator's) is never removed.

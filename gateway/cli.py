@@ -99,6 +99,8 @@ def _serve(args: argparse.Namespace) -> int:
     if model is None:
         raise ValueError("--engine needs --model too: the gateway tokenizes with the model's "
                          "tokenizer (a local copy of the model directory is enough)")
+    if demo:  # trained into once serve's checks pass: watched and loadable from the start
+        (Path(model) / "adapters").mkdir(exist_ok=True)
     adapters, adapter_dir = served_adapters(args.lora, args.adapter_dir, model,
                                             attached=attached)
     gateway_config, engine_config = _configs(args, model)

@@ -17,7 +17,6 @@ its ``input_items`` and ``cancel`` answer 404.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Awaitable, Callable
 from typing import NoReturn
 
@@ -32,7 +31,7 @@ from gateway.caller import Caller
 from gateway.job import Claim
 from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.responses_format import ResponseEcho, from_chat_completion
-from gateway.responses_protocol import RENAMED, ResponsesRequest
+from gateway.responses_protocol import ResponsesRequest, as_named_here
 from gateway.responses_stream import response_events
 
 RESPONSES_PATH = "/v1/responses"
@@ -83,8 +82,5 @@ def build_responses_router(chat: ChatRoute) -> APIRouter:
 
 def _rename_param(exc: ApiError | EngineError) -> None:
     """An error about a field the translation renamed names it as the client sent it."""
-    old = exc.param
-    new = RENAMED.get(old or "")
-    if old and new:
-        exc.param = new
-        exc.message = re.sub(rf"\b{re.escape(old)}\b", new, exc.message)
+    if exc.param:
+        exc.param, exc.message = as_named_here(exc.param, exc.message)

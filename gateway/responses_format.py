@@ -12,6 +12,7 @@ max_output_tokens.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -117,6 +118,16 @@ def ended_status(finish_reason: str | None) -> Status:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
+def call_status(arguments: str) -> Status:
+    """A call whose arguments are whole JSON is completed; one cut at max_output_tokens
+    (its arguments so far) is incomplete."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return "incomplete"
+    return "completed"
+
+
 def from_chat_completion(echo: ResponseEcho, completion: dict[str, Any]) -> dict[str, Any]:
     """The response object of a whole chat completion (one choice)."""
     choice = completion["choices"][0]
@@ -129,6 +140,7 @@ def from_chat_completion(echo: ResponseEcho, completion: dict[str, Any]) -> dict
         output.append(message_item(new_id("msg"), status, [
             output_text(message.get("content") or "", logprobs)]))
     output += [function_call_item(new_id("fc"), new_id("call"), call["function"]["name"],
-                                  call["function"]["arguments"], "completed")
+                                  call["function"]["arguments"],
+                                  call_status(call["function"]["arguments"]))
                for call in calls]
     return echo.response(status, output, usage(completion["usage"]))

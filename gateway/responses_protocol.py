@@ -14,6 +14,7 @@ chat's.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -146,8 +147,8 @@ class ResponsesRequest(StrictRequest):
     """Chat's max_completion_tokens."""
     stream: StrictBool = False
     text: TextConfig | None = None
-    tools: Annotated[list[FunctionTool], Field(min_length=1, max_length=MAX_TOOLS)] | None \
-        = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    """Empty as none (the openai-agents SDK sends [] for an agent without tools)."""
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     include: Annotated[list[Literal["message.output_text.logprobs"]],
                        Field(max_length=8)] | None = None
@@ -250,7 +251,7 @@ class ResponsesRequest(StrictRequest):
             body.update(stream=True, stream_options={"include_usage": True})
         if self.text is not None and self.text.format is not None:
             body["response_format"] = self.text.format.to_chat()
-        if self.tools is not None:
+        if self.tools:
             body["tools"] = [tool.to_chat() for tool in self.tools]
         if isinstance(self.tool_choice, FunctionChoice):
             body["tool_choice"] = {"type": "function",
@@ -273,9 +274,19 @@ def _refusal(exc: ValidationError) -> InvalidField:
     about = field_of((error.get("ctx") or {}).get("error"))
     loc = [str(part) for part in error.get("loc", ())]
     name = about or (loc[0] if loc else "input")
-    field = RENAMED.get(name, name)
-    message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    field, message = as_named_here(name, str(error.get("msg", "invalid")).removeprefix(
+        "Value error, "))
     return InvalidField(field, message if about is not None else f"{field}: {message}")
+
+
+def as_named_here(param: str, message: str) -> tuple[str, str]:
+    """A chat error's param and message, naming the field as this API does (``input``, not
+    ``messages``) where the translation renamed it."""
+    new = RENAMED.get(param)
+    if new is None:
+        return param, message
+    # The first mention only: it names the field ("messages holds 4097 messages").
+    return new, re.sub(rf"\b{re.escape(param)}\b", new, message, count=1)
 
 
 def _metadata_problem(value: Any) -> str | None:

@@ -25,6 +25,7 @@ from typing import Any
 from gateway.openai_stream import sse_event
 from gateway.responses_format import (
     ResponseEcho,
+    call_status,
     ended_status,
     function_call_item,
     message_item,
@@ -32,6 +33,7 @@ from gateway.responses_format import (
     output_text,
     usage,
 )
+from gateway.responses_protocol import as_named_here
 
 FAILURE_CODES = {"rate_limit_error": "rate_limit_exceeded",
                  "invalid_request_error": "invalid_prompt"}
@@ -132,7 +134,8 @@ class ResponseEvents:
     def _call(self, name: str, arguments: str) -> list[dict[str, Any]]:
         index = len(self.output)
         item_id, call_id = new_id("fc"), new_id("call")
-        self.output.append(function_call_item(item_id, call_id, name, arguments, "completed"))
+        self.output.append(function_call_item(item_id, call_id, name, arguments,
+                                              call_status(arguments)))
         where = {"item_id": item_id, "output_index": index}
         return [self._event("response.output_item.added", output_index=index,
                             item=function_call_item(item_id, call_id, name, "",
@@ -162,10 +165,13 @@ class ResponseEvents:
             self.output[self.message] = {**item, "status": "incomplete", "content": [
                 output_text("".join(self.text), self.logprobs + self.unsent)]}
         message = str(error.get("message") or "the request failed")
-        code = error.get("code")
+        code, param = error.get("code"), error.get("param")
+        if isinstance(param, str):
+            param, message = as_named_here(param, message)
         failure = {"code": FAILURE_CODES.get(str(error.get("type")), "server_error"),
                    "message": message}
-        return [self._event("error", code=code, message=message, param=None),
+        return [self._event("error", code=code, message=message,
+                            param=param if isinstance(param, str) else None),
                 self._event("response.failed", response=self.echo.response(
                     "failed", self.output, error=failure))]
 

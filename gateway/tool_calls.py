@@ -150,7 +150,7 @@ class ToolPlan:
         a call, as OpenAI returns it: a named function's arguments are the text so far (not
         JSON yet); under ``required``, the calls the array completed before the cut (a small
         model may repeat its call until the budget ends: the call cut short is dropped), or,
-        when none did, the cut call with its arguments so far once its name is whole, else
+        when none did, the cut call with its arguments so far once they began, else
         no call and no content (the array is the grammar's, never the answer's text).
         Under ``auto`` the text is content."""
         if self.mode == "named":

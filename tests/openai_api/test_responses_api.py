@@ -159,6 +159,11 @@ def test_errors_before_the_first_byte_are_chats_named_as_this_api_names_them(
     error = too_many.json()["error"]
     assert too_many.status_code == 400 and error["param"] == "max_output_tokens"
     assert error["message"].startswith(f"max_output_tokens ({CONTEXT + 1})")
+    # A bound chat checks, in this API's words (the system message of instructions counts).
+    crowded = _post(gateway, {"model": base_model, "instructions": "x", "stream": stream,
+                              "input": [{"role": "user", "content": "hi"}] * 4096})
+    assert crowded.status_code == 400 and crowded.json()["error"]["param"] == "input"
+    assert crowded.json()["error"]["message"] == "input holds 4097 messages, more than 4096"
 
 
 @pytest.mark.parametrize(("changes", "param"), [

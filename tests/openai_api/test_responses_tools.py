@@ -85,6 +85,34 @@ def test_a_named_call_streams_as_function_call_events(client: openai.OpenAI,
     assert found == [[("get_time", arguments)]] * 2 and _valid(name, arguments)
 
 
+def test_a_call_cut_at_max_output_tokens_is_an_incomplete_item(client: openai.OpenAI,
+                                                               base_model: str) -> None:
+    request: dict[str, Any] = {"model": base_model, "input": ASK, "tools": TOOLS,
+                               "tool_choice": {"type": "function", "name": "get_time"},
+                               "max_output_tokens": 3, "temperature": 0}
+    whole = client.responses.create(**request)
+    # The SDK's stream helper keeps a final response only from response.completed; the
+    # response.incomplete event carries it here, as OpenAI sends it.
+    *_, last = client.responses.create(**request, stream=True)
+    assert last.type == "response.incomplete"
+    final = last.response
+    for reply in (whole, final):
+        assert reply.status == "incomplete"
+        (call,) = reply.output
+        assert isinstance(call, ResponseFunctionToolCall) and call.name == "get_time"
+        assert call.status == "incomplete" and call.arguments.startswith("{")
+    assert whole.output[0].arguments == final.output[0].arguments
+
+
+def test_an_empty_tools_list_is_no_tools(client: openai.OpenAI, base_model: str) -> None:
+    """As the openai-agents SDK sends it for an agent without tools."""
+    request: dict[str, Any] = {"model": base_model, "input": ASK, "max_output_tokens": 4,
+                               "temperature": 0}
+    plain = client.responses.create(**request)
+    empty = client.responses.create(**request, tools=[])
+    assert empty.output_text == plain.output_text and empty.tools == []
+
+
 def test_tool_choice_none_ignores_the_tools(client: openai.OpenAI, base_model: str) -> None:
     request: dict[str, Any] = {"model": base_model, "input": ASK, "max_output_tokens": 4,
                                "temperature": 0}
