@@ -32,7 +32,8 @@ from gateway.job import Claim
 from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.responses_format import ResponseEcho, from_chat_completion
 from gateway.responses_protocol import ResponsesRequest, as_named_here
-from gateway.responses_stream import response_events
+from gateway.responses_stream import ResponseEvents, response_events
+from gateway.shutdown_cutoff import CUT_TAIL_KEY
 
 RESPONSES_PATH = "/v1/responses"
 ChatRoute = Callable[[ChatCompletionRequest, Request, Principal, Claim], Awaitable[Response]]
@@ -61,7 +62,9 @@ def build_responses_router(chat: ChatRoute) -> APIRouter:
         if isinstance(answer, StreamingResponse):
             # The same response (its headers, and the closing that aborts the engine
             # request on a hang-up), with the chat events translated as they pass.
-            answer.body_iterator = response_events(answer.body_iterator, echo)
+            events = ResponseEvents(echo)
+            answer.body_iterator = response_events(answer.body_iterator, events)
+            request.scope[CUT_TAIL_KEY] = events.cut_tail  # a shutdown's cut, as its events
             return answer
         completion = json.loads(bytes(answer.body))
         return JSONResponse(from_chat_completion(echo, completion), headers={

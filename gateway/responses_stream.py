@@ -175,10 +175,16 @@ class ResponseEvents:
                 self._event("response.failed", response=self.echo.response(
                     "failed", self.output, error=failure))]
 
-    def closing(self) -> list[dict[str, Any]]:
+    def closing(self, error: dict[str, Any] = STREAM_FAILED) -> list[dict[str, Any]]:
         """The events owed when the chat stream ended without a last event (none if it
-        had one): the client must not take a cut stream for a finished one."""
-        return [] if self.ended else self.failed(STREAM_FAILED)
+        had one), failing with ``error``: the client must not take a cut stream for a
+        finished one."""
+        return [] if self.ended else self.failed(error)
+
+    def cut_tail(self, error_body: dict[str, Any]) -> bytes:
+        """The end of this stream when the server cuts it (ShutdownCutoff's CUT_TAIL_KEY):
+        the closing events, failing with the error of ``error_body``."""
+        return b"".join(sse(event) for event in self.closing(error_body["error"]))
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -196,10 +202,9 @@ def chat_payloads(raw: bytes | str | memoryview) -> list[dict[str, Any]]:
     return payloads
 
 
-async def response_events(chat: AsyncIterable[bytes | str | memoryview], echo: ResponseEcho
-                          ) -> AsyncGenerator[bytes, None]:
-    """The Responses SSE stream of a chat SSE stream."""
-    events = ResponseEvents(echo)
+async def response_events(chat: AsyncIterable[bytes | str | memoryview],
+                          events: ResponseEvents) -> AsyncGenerator[bytes, None]:
+    """The Responses SSE stream of a chat SSE stream, told as ``events`` (new)."""
     for event in events.opening():
         yield sse(event)
     async for raw in chat:

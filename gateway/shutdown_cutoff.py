@@ -7,7 +7,9 @@ at the drain deadline, or on a forced exit) cancels each request's task itself, 
 request then ends as a shutdown:
 
 - not started: a 503 ``shutting_down`` error (with ``Connection: close``);
-- an SSE stream: an error event (code ``shutting_down``), then ``data: [DONE]``;
+- an SSE stream: an error event (code ``shutting_down``), then ``data: [DONE]``; or, where
+  the route left its own ending in the scope (``CUT_TAIL_KEY``: the Responses API's named
+  events), that ending;
 - any other started body: ended where it is (its length or framing tells the client).
 
 Its cost per request is a set insertion: no task, no wait (cancelling the request's own
@@ -27,6 +29,9 @@ from gateway.openai_stream import SSE_DONE, sse_event
 
 SHUTTING_DOWN = "shutting_down"
 MESSAGE = "the server is shutting down: the request did not finish before it stopped"
+CUT_TAIL_KEY = "loragate.cut_tail"
+"""Where a streaming route leaves, in the ASGI scope, a callable giving the bytes that end its
+stream when it is cut (given the error body); unset: chat's error event and ``[DONE]``."""
 
 
 class ShutdownCutoff:
@@ -82,9 +87,15 @@ class ShutdownCutoff:
                                    )(scope, receive, send)
             elif not ended:
                 tail = b""
-                if event_stream:  # as a stream that failed ends (openai_stream.py)
-                    tail = sse_event(error_body(503, MESSAGE, code=SHUTTING_DOWN)) + SSE_DONE
+                if event_stream:  # as a stream that failed ends
+                    tail = scope.get(CUT_TAIL_KEY, _chat_tail)(
+                        error_body(503, MESSAGE, code=SHUTTING_DOWN))
                 await send({"type": "http.response.body", "body": tail})
         finally:
             self._running.discard(task)
             self._cut.discard(task)
+
+
+def _chat_tail(error: dict[str, object]) -> bytes:
+    """The end of a cut chat or completions stream (as openai_stream.py ends a failed one)."""
+    return sse_event(error) + SSE_DONE

@@ -217,22 +217,33 @@ def test_requests_left_at_the_drain_deadline_end_as_a_shutdown(tiny_model_dir: P
     with running(server), concurrent.futures.ThreadPoolExecutor(1) as pool:
         whole = pool.submit(httpx.post, server.url + "/v1/completions",
                             json=_body(tiny_model_dir.name, 1000), timeout=60)
+        responses_body = {"model": tiny_model_dir.name, "input": "hi", "stream": True,
+                          "max_output_tokens": 1000, "ignore_eos": True, "temperature": 0}
         with httpx.stream("POST", server.url + "/v1/completions",
-                          json=_body(tiny_model_dir.name, 1000, True), timeout=60) as response:
-            events = sse_events(response)
-            seen = [next(events)]
+                          json=_body(tiny_model_dir.name, 1000, True), timeout=60) as response, \
+                httpx.stream("POST", server.url + "/v1/responses", json=responses_body,
+                             timeout=60) as named:
+            events, named_events = sse_events(response), sse_events(named)
+            seen, told = [next(events)], [next(named_events)]
             server.process.send_signal(signal.SIGTERM)
             seen += list(events)
+            told += list(named_events)
         # Not a silent cut: an error event that says why, then the stream's end.
         assert seen[-1] == "[DONE]"
         assert seen[-2]["error"]["code"] == "shutting_down", seen[-2]
         assert len(seen) < 1000
+        # The Responses stream ends in its own framing: an error event, then
+        # response.failed, numbered on from the events before them, and no [DONE].
+        assert [e["type"] for e in told[-2:]] == ["error", "response.failed"], told[-2:]
+        assert told[-2]["code"] == "shutting_down"
+        assert told[-1]["response"]["status"] == "failed"
+        assert [e["sequence_number"] for e in told] == list(range(len(told)))
         answer = whole.result()
         assert (answer.status_code, answer.json()["error"]["code"]) == (503, "shutting_down")
         assert answer.headers["retry-after"] == "1"  # another replica can take it
         assert server.process.wait(60) == 0
     log = server.log()
-    assert "2 request(s) still running are ended with a 'shutting_down' error" in log, log
+    assert "3 request(s) still running are ended with a 'shutting_down' error" in log, log
     assert "Traceback" not in log and "CancelledError" not in log, log
     assert " 499 " not in log, log  # neither request is logged as a client that left
 

@@ -20,7 +20,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from transformers import PreTrainedTokenizerBase
 
 from gateway.responses_format import ResponseEcho
-from gateway.responses_stream import response_events
+from gateway.responses_stream import ResponseEvents, response_events
 from tests.live_http import metric
 from tests.live_servers import LiveServer
 from tests.openai_api.helpers import (
@@ -246,8 +246,8 @@ def test_a_hang_up_mid_stream_frees_the_engine(gateway: LiveServer, engine: Live
 
 
 def test_a_chat_stream_cut_short_ends_as_a_failed_response() -> None:
-    """The translator never lets a stream end without a last event (e.g. a chat stream cut
-    by a shutdown): the client must not take it for a finished one."""
+    """The translator never lets a stream end without a last event (a chat stream that
+    stops short): the client must not take it for a finished one."""
 
     async def cut() -> AsyncIterator[bytes]:
         yield b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
@@ -255,7 +255,7 @@ def test_a_chat_stream_cut_short_ends_as_a_failed_response() -> None:
     async def run() -> list[dict[str, Any]]:
         echo = ResponseEcho("resp_1", 0, {"model": "m"})
         return [json.loads(raw.split(b"\ndata: ")[1]) async for raw in
-                response_events(cut(), echo)]
+                response_events(cut(), ResponseEvents(echo))]
 
     events = asyncio.run(run())
     assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
