@@ -202,7 +202,8 @@ class ChatCompletionRequest(SamplingFields):
         = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
-    """False: at most one call per answer (enforced when tool_choice is required)."""
+    """False: at most one call per answer (required: the grammar allows one; auto: the first
+    call the model wrote is kept)."""
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.CHAT
 
     @model_validator(mode="before")

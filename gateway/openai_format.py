@@ -314,11 +314,20 @@ class ResponseFormatter:
             forced = self.tools is not None and self.tools.mode in ("required", "named")
             delta: dict[str, Any] = {"content": None if (calls or forced) and not text
                                      else text}
-            if calls:
-                delta["tool_calls"] = calls
-                finish = _finish(finish, calls, self._named)
             body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": finish}
+            if calls:
+                # The calls in a chunk of their own, the finish in the next with an empty
+                # delta, as OpenAI ends a choice: clients close a call's arguments when a
+                # later chunk comes (the openai SDK's arguments.done event).
+                delta["tool_calls"] = calls
+                body["finish_reason"] = None
+                calls_event = self._event(body, usage, choice)
+                self._add_prompt_fields(calls_event, body, choice, new_ids, first)
+                opening.append(calls_event)
+                first, new_ids = False, []
+                body = {"index": index, "delta": {}, "logprobs": None,
+                        "finish_reason": _finish(finish, calls, self._named)}
         else:
             body = {"index": index, "text": text, "logprobs": logprobs,
                     "finish_reason": finish}

@@ -58,6 +58,8 @@ class ResponseEvents:
         self.unsent: list[dict[str, Any]] = []
         """Logprobs that came with no text yet (they go with the next delta)."""
         self.finish: str | None = None
+        self.calls: list[dict[str, Any]] = []
+        """Chat tool-call deltas not yet told (they are told once the finish comes)."""
         self.ended = False
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -82,11 +84,16 @@ class ResponseEvents:
             self.unsent += (choice.get("logprobs") or {}).get("content") or []
             if delta.get("content"):
                 events += self._text(delta["content"])
+            self.calls += delta.get("tool_calls") or []
             if choice.get("finish_reason") is not None:
+                # The calls come in the chunk before the finish: the message before them
+                # closes first (its status is the finish's), then each call is an item.
                 self.finish = choice["finish_reason"]
                 events += self._close_message()
-            for call in delta.get("tool_calls") or []:
-                events += self._call(call["function"]["name"], call["function"]["arguments"])
+                for call in self.calls:
+                    events += self._call(call["function"]["name"],
+                                         call["function"]["arguments"])
+                self.calls = []
         if payload.get("usage") and not payload.get("choices"):
             events += self._completed(payload["usage"])
         return events

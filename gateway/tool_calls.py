@@ -6,7 +6,7 @@ its text becomes OpenAI ``tool_calls``.
   them in a system message instead, with the format to answer in, so the model sees them
   either way.
 - ``tool_choice``: ``none`` (plain text), ``auto`` (the model decides; calls are parsed out
-  of its text), ``required`` (the output is constrained to a JSON array of calls, each
+  of its text; the first only when ``parallel_tool_calls`` is false), ``required`` (the output is constrained to a JSON array of calls, each
   ``{"name", "arguments"}`` valid against its function's parameters; one call when
   ``parallel_tool_calls`` is false) or a named function (the output is constrained to that
   function's arguments). The constraints are structured outputs, so a forced call always
@@ -134,15 +134,18 @@ class ToolPlan:
             return (None, found) if found else (text, [])
         if self.mode != "auto":
             return text, []
+        # Calls not parallel: the first only, as vLLM keeps it (the others' blocks are
+        # dropped from the content with it).
+        most = None if self.parallel else 1
         found = [_call(c["name"], c.get("arguments", c.get("parameters")))
                  for c in map(_json, _BLOCK.findall(text)) if self._is_call(c)]
         if found:
-            return self._beside_calls(text) or None, found
+            return self._beside_calls(text) or None, found[:most]
         whole = _json(text)
         candidates = whole if isinstance(whole, list) else [whole]
         if candidates and all(self._is_call(c) for c in candidates):
             return None, [_call(c["name"], c.get("arguments", c.get("parameters")))
-                          for c in candidates]
+                          for c in candidates[:most]]
         return text, []
 
     def parse_cut(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:

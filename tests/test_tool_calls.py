@@ -39,6 +39,14 @@ def test_hermes_blocks_and_the_content_around_them() -> None:
     assert _calls(found) == [("get_weather", {"city": "Oslo"}), ("add", {"a": 1, "b": 2})]
     assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function"
                for c in found)
+    # Calls not parallel: the first one only (as vLLM), the content the same.
+    single = ToolPlan((WEATHER, ADD), "auto", parallel=False)
+    content, found = single.parse(text)
+    assert content == "Let me check. "
+    assert _calls(found) == [("get_weather", {"city": "Oslo"})]
+    bare = '[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]'
+    assert _calls(single.parse(bare)[1]) == [("add", {"a": 1})]
+    assert len(AUTO.parse(bare)[1]) == 2
 
 
 @pytest.mark.parametrize("text, calls", [

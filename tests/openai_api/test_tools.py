@@ -108,8 +108,15 @@ def test_a_named_choice_calls_that_tool_streamed_or_not(client: openai.OpenAI,
         == [(0, "get_time", call.function.arguments)]
     assert deltas[-1].finish_reason == "stop"
     assert all(not d.delta.content for d in deltas)
-    # The call's text is held back, and nothing is sent meanwhile: the role, then the call.
-    assert len(deltas) == 2 and deltas[0].delta.role == "assistant"
+    # The call's text is held back, and nothing is sent meanwhile: the role, then the call,
+    # then the finish in a chunk of its own (as OpenAI ends a choice: the openai SDK closes
+    # a call's arguments when a later chunk comes).
+    assert len(deltas) == 3 and deltas[0].delta.role == "assistant"
+    assert deltas[1].finish_reason is None and deltas[1].delta.tool_calls
+    assert deltas[2].delta.tool_calls is None and deltas[2].delta.content is None
+    with client.chat.completions.stream(**args) as stream:
+        done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+    assert [(e.name, e.arguments) for e in done] == [("get_time", call.function.arguments)]
 
 
 @pytest.mark.parametrize("choice", ["named", "required"])
