@@ -237,22 +237,32 @@ class SamplingFields(StrictRequest):
 
     @model_validator(mode="after")
     def _one_constraint(self) -> SamplingFields:
-        given = [name for name, spec in self._constraints() if spec is not None]
+        chosen = [(name, spec) for name, spec in self._constraints() if spec is not None]
+        given = [name for name, _ in chosen]
         if len(given) > 1:
             raise InvalidField(given[-1], f"one structured output constraint per request, "
                                           f"got {', '.join(given)}")
+        compact = self.structured_outputs is not None and \
+            self.structured_outputs.disable_any_whitespace
+        if compact and not any(spec.kind in ("json", "json_object") for _, spec in chosen):
+            raise InvalidField("disable_any_whitespace", "structured_outputs."
+                               "disable_any_whitespace applies to JSON output: give a JSON "
+                               "schema or json_object (in structured_outputs, "
+                               "response_format or guided_json)")
         return self
 
     def _constraints(self) -> list[tuple[str, StructuredOutput | None]]:
         """Each structured-output field and the constraint it asks for (None: none); a
         constraint that cannot be is an InvalidField naming its field."""
         fmt, so = self.response_format, self.structured_outputs
-        from_format = None if fmt is None else fmt.constraint()
+        whitespace = so is None or not so.disable_any_whitespace
+        from_format = None if fmt is None else fmt.constraint(whitespace)
         from_vllm = None if so is None else so.constraint()
         return [
             ("response_format", from_format), ("structured_outputs", from_vllm),
             ("guided_json", None if self.guided_json is None else
-             field_constraint("guided_json", "json", self.guided_json)),
+             field_constraint("guided_json", "json", self.guided_json,
+                              any_whitespace=whitespace)),
             ("guided_regex", None if self.guided_regex is None else
              field_constraint("guided_regex", "regex", self.guided_regex)),
             ("guided_choice", None if self.guided_choice is None else

@@ -63,12 +63,14 @@ class ResponseFormat(BaseModel):
                                "and only then")
         return self
 
-    def constraint(self) -> StructuredOutput | None:
+    def constraint(self, any_whitespace: bool = True) -> StructuredOutput | None:
         """The constraint this format asks for (None: plain text)."""
         if self.type == "json_object":
-            return StructuredOutput("json_object", param="response_format")
+            return StructuredOutput("json_object", any_whitespace=any_whitespace,
+                                    param="response_format")
         if self.json_schema is not None:
-            return field_constraint("response_format", "json", self.json_schema.schema_)
+            return field_constraint("response_format", "json", self.json_schema.schema_,
+                                    any_whitespace=any_whitespace)
         return None
 
 
@@ -82,7 +84,8 @@ class StructuredOutputs(StrictRequest):
     grammar: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
     json_object: StrictBool | None = None
     disable_any_whitespace: StrictBool = False
-    """JSON kinds: compact JSON only (no whitespace between tokens)."""
+    """Compact JSON only (no whitespace between tokens), for the request's JSON constraint
+    whichever field gives it (response_format, guided_json too, as vLLM merges them)."""
     disable_additional_properties: StrictBool = False
     """Either value: xgrammar (as vLLM runs it) never generates a property the schema does not
     name unless the schema allows others."""

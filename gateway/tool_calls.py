@@ -6,8 +6,9 @@ its text becomes OpenAI ``tool_calls``.
   them in a system message instead, with the format to answer in, so the model sees them
   either way.
 - ``tool_choice``: ``none`` (plain text), ``auto`` (the model decides; calls are parsed out
-  of its text; the first only when ``parallel_tool_calls`` is false), ``required`` (the output is constrained to a JSON array of calls, each
-  ``{"name", "arguments"}`` valid against its function's parameters; one call when
+  of its text; the first only when ``parallel_tool_calls`` is false), ``required`` (the
+  output is constrained to a JSON array of calls, each ``{"name", "arguments"}`` valid
+  against its function's parameters; one call when
   ``parallel_tool_calls`` is false) or a named function (the output is constrained to that
   function's arguments). The constraints are structured outputs, so a forced call always
   parses and validates. Under ``auto``, a function with ``strict`` puts the output under a

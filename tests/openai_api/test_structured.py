@@ -90,6 +90,24 @@ def test_json_matches_its_schema(client: openai.OpenAI, base_model: str,
         assert text.lstrip().startswith("{")
 
 
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}},
+    {"response_format": {"type": "json_object"}},
+    {"guided_json": SCHEMA},
+    {"structured_outputs": {"json": SCHEMA}},
+])
+def test_compact_json_whichever_field_asks_for_json(client: openai.OpenAI, base_model: str,
+                                                     extra: dict[str, Any]) -> None:
+    """structured_outputs.disable_any_whitespace holds the request's JSON to compact form,
+    wherever the JSON constraint comes from (vLLM merges response_format into its
+    structured outputs): the random model, free to, fills its budget with whitespace."""
+    so = {**extra.get("structured_outputs", {}), "disable_any_whitespace": True}
+    text, _ = _chat(client, base_model, **{**extra, "structured_outputs": so})
+    # No free whitespace: only the one space after each ':' and ',' that xgrammar's compact
+    # form writes (as json.dumps does).
+    assert text == json.dumps(json.loads(text)), text
+
+
 def test_a_grammar_and_a_streamed_constraint(client: openai.OpenAI, base_model: str) -> None:
     grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
     text, finish = _chat(client, base_model, guided_grammar=grammar)
@@ -117,6 +135,8 @@ def test_json_object_is_an_object(client: openai.OpenAI, base_model: str) -> Non
     {"structured_outputs": {"regex": "a+", "choice": ["a"]}},
     {"response_format": {"type": "json_schema"}},                  # no schema
     {"guided_regex": "a+", "ignore_eos": True},                    # never ends
+    {"structured_outputs": {"disable_any_whitespace": True}},     # no JSON to compact
+    {"guided_regex": "a+", "structured_outputs": {"disable_any_whitespace": True}},
 ])
 def test_bad_structured_output_requests_are_400(gateway: LiveServer, base_model: str,
                                                 body: dict[str, Any]) -> None:
