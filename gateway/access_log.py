@@ -1,7 +1,7 @@
 """One INFO line per HTTP request on the ``loragate.access`` logger.
 
     POST /v1/completions 200 tenant=acme adapter=a0 prompt_tokens=12 completion_tokens=8
-    ttft_ms=35.1 duration_ms=120.4 user=u-123
+    ttft_ms=35.1 duration_ms=120.4 request_id=gw-6f1c... user=u-123
 
 AccessLog is a pure ASGI middleware (no per-chunk cost on streams) that times the request
 from its arrival to the last byte of its response, and hands every response's status to
@@ -11,6 +11,10 @@ its client left before the last byte (a stream abandoned mid-way) is status 0 th
 that know more (the tenant, the adapter, token counts, when the first token came) fill the
 AccessRecord they find with ``record_of(request)``; fields nobody filled are logged as
 ``-``. The line holds no key, prompt or body: it is safe to keep.
+
+Every response carries an ``x-request-id`` (a route's own, the first request it sent an
+engine, or else one made here: refusals and errors too, as OpenAI sends one with each), and
+the line names it, so a client can quote any answer it got and the operator find it.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.job import new_request_id
+
 log = logging.getLogger("loragate.access")
 SCOPE_KEY = "loragate.access"
+REQUEST_ID = b"x-request-id"
 
 
 @dataclass
@@ -41,6 +48,8 @@ class AccessRecord:
     completion_tokens: int | None = None
     first_token_at: float | None = None
     """time.monotonic() of the first generated token."""
+    request_id: str | None = None
+    """The response's x-request-id."""
     finish: Callable[[AccessRecord], None] | None = None
     """Called once the response is sent, before the line is logged (a route fills in what
     it learned while streaming: token counts, the first token's time)."""
@@ -73,6 +82,7 @@ class AccessLog:
             nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = int(message["status"])
+                message = _with_request_id(message, record)
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 complete = True
             await send(message)
@@ -96,6 +106,18 @@ class AccessLog:
                                            time.monotonic()))
 
 
+def _with_request_id(start: Message, record: AccessRecord) -> Message:
+    """The response start with an x-request-id (its own, or a new one), noted in
+    ``record``."""
+    headers = list(start.get("headers", ()))
+    given = next((value for name, value in headers if name.lower() == REQUEST_ID), None)
+    if given is not None:
+        record.request_id = given.decode("latin-1")
+        return start
+    record.request_id = new_request_id()
+    return {**start, "headers": [*headers, (REQUEST_ID, record.request_id.encode())]}
+
+
 def access_line(method: str, path: str, status: int, record: AccessRecord, now: float) -> str:
     """The logged line (see the module docstring)."""
     def show(value: object) -> str:
@@ -107,7 +129,8 @@ def access_line(method: str, path: str, status: int, record: AccessRecord, now: 
             f"adapter={show(record.adapter)} prompt_tokens={show(record.prompt_tokens)} "
             f"completion_tokens={show(record.completion_tokens)} ttft_ms={ttft} "
             f"duration_ms={(now - record.start) * 1000:.1f}" + (
-                f" user={_printable(record.end_user)}" if record.end_user else ""))
+                f" request_id={_printable(record.request_id)}" if record.request_id else "")
+            + (f" user={_printable(record.end_user)}" if record.end_user else ""))
 
 
 def _printable(text: str) -> str:

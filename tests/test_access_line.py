@@ -29,10 +29,13 @@ def test_a_request_without_an_end_user_has_no_user_field() -> None:
                     "ttft_ms=- duration_ms=1.0")
 
 
-def _run(app: ASGIApp, disconnect: bool) -> tuple[list[int], list[str]]:
-    """Drive AccessLog around ``app`` for one GET; returns what observe saw and the lines."""
+def _run(app: ASGIApp, disconnect: bool, sent: list[Message] | None = None
+         ) -> tuple[list[int], list[str]]:
+    """Drive AccessLog around ``app`` for one GET; returns what observe saw and the lines
+    (and leaves what was sent to the client in ``sent``)."""
     seen: list[int] = []
     lines: list[str] = []
+    sent = [] if sent is None else sent
 
     class Catch(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -45,7 +48,7 @@ def _run(app: ASGIApp, disconnect: bool) -> tuple[list[int], list[str]]:
         raise AssertionError("unreachable")
 
     async def send(message: Message) -> None:
-        pass
+        sent.append(message)
 
     handler = Catch()
     logger = logging.getLogger("loragate.access")
@@ -84,3 +87,19 @@ def test_a_crash_is_logged_as_the_500_it_is_answered_with() -> None:
 
     seen, lines = _run(crash, disconnect=False)
     assert seen == [500, -1] and lines[0].startswith("GET /v1/x 500 ")
+
+
+def test_every_response_has_a_request_id_and_the_line_names_it() -> None:
+    """A route's own id is kept; a response without one (a refusal, an error) gets one."""
+    for given in ([(b"x-request-id", b"gw-route")], []):
+        async def answer(scope: Scope, receive: Receive, send: Send,
+                         given: list[tuple[bytes, bytes]] = given) -> None:
+            await send({"type": "http.response.start", "status": 404, "headers": given})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        sent: list[Message] = []
+        _, lines = _run(answer, disconnect=False, sent=sent)
+        ids = [value.decode() for name, value in sent[0]["headers"] if name == b"x-request-id"]
+        assert len(ids) == 1 and ids[0].startswith("gw-")
+        assert ids[0] == "gw-route" or not given
+        assert lines[0].endswith(f" request_id={ids[0]}"), lines

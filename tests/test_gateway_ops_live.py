@@ -146,7 +146,8 @@ def test_access_log_has_a_line_per_request_and_shutdown_says_what_drains(
         assert server.stop() == 0
     log = server.log()
     line = (r"loragate\.access: POST /v1/completions 200 tenant=beta adapter=beta-bot "
-            r"prompt_tokens=\d+ completion_tokens=4 ttft_ms=\d+\.\d duration_ms=\d+\.\d\n")
+            r"prompt_tokens=\d+ completion_tokens=4 ttft_ms=\d+\.\d duration_ms=\d+\.\d "
+            r"request_id=gw-[0-9a-f]{32}\n")
     assert len(re.findall(line, log)) == 2, log[-3000:]  # the whole one and the stream
     assert re.search(r"loragate\.access: POST /v1/completions 400 tenant=beta adapter=- ",
                      log)  # refused for its body: after the key was known

@@ -54,6 +54,8 @@ def test_unknown_model_is_404_model_not_found(client: openai.OpenAI, gateway: Li
         assert _body(error) == {"message": "The model 'nope' does not exist",
                                 "type": "invalid_request_error", "param": "model",
                                 "code": "model_not_found"}
+        # An id to quote, as OpenAI gives one with every answer (the SDK reads it).
+        assert (error.request_id or "").startswith("gw-"), error.response.headers
     assert_healthy(gateway, client, base_model)
 
 
