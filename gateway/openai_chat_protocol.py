@@ -198,8 +198,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt), e.g. the assistant text that continue_final_message continues."""
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
     """Extra variables for the model's chat template (e.g. enable_thinking)."""
-    tools: Annotated[list[ToolDefinition], Field(min_length=1, max_length=MAX_TOOLS)] | None \
-        = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    """Empty as none, as vLLM takes it (langchain's bind_tools([]) and litellm send [])."""
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     """False: at most one call per answer (required: the grammar allows one; auto: the first

@@ -179,21 +179,26 @@ def test_a_history_with_calls_and_results_is_served(client: openai.OpenAI,
            in text and '"name": "get_time"' in text
 
 
-def test_tool_choice_none_without_tools_is_a_plain_answer(client: openai.OpenAI,
-                                                           base_model: str) -> None:
-    """It asks for what happens anyway (vLLM takes it too)."""
+def test_tool_choice_none_or_an_empty_tools_list_is_a_plain_answer(client: openai.OpenAI,
+                                                                     base_model: str) -> None:
+    """Each asks for what happens anyway (vLLM takes both; langchain's bind_tools([]) and
+    litellm send tools: [])."""
     request: dict[str, Any] = {"model": base_model, "messages": ASK, "max_tokens": 4,
                                "temperature": 0}
     plain = client.chat.completions.create(**request)
     none = client.chat.completions.create(**request, tool_choice="none")
     assert none.choices[0].message.content == plain.choices[0].message.content
+    empty = client.chat.completions.create(**request, tools=[])
+    assert empty.choices[0].message.content == plain.choices[0].message.content
+    assert empty.usage and plain.usage  # the template saw no tools either:
+    assert empty.usage.prompt_tokens == plain.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("body", [
     {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
     {"tool_choice": "required"},
     {"tool_choice": "auto"},                                     # a choice among no tools
-    {"tools": []},                                               # as OpenAI: at least one
+    {"tools": [], "tool_choice": "required"},                    # a choice among no tools
     {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
     {"tools": TOOLS + TOOLS[:1]},                                # a name twice
     {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
