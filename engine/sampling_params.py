@@ -104,8 +104,8 @@ class SamplingParams:
         if isinstance(self.structured, dict):
             object.__setattr__(self, "structured", StructuredOutput(**self.structured))
         if self.structured is not None and self.ignore_eos:
-            raise ValueError("ignore_eos cannot be combined with structured outputs: the "
-                             "grammar's end is an end-of-sequence token")
+            raise InvalidField("ignore_eos", "ignore_eos cannot be combined with structured "
+                               "outputs: the grammar's end is an end-of-sequence token")
         if self.top_k == -1:  # vLLM's spelling of "disabled"
             object.__setattr__(self, "top_k", 0)
         if self.n != 1:

@@ -28,6 +28,7 @@ from pydantic import (
 from transformers import PreTrainedTokenizerBase
 
 from engine.http.errors import ApiError
+from engine.invalid_field import InvalidField
 from gateway import openai_fields
 from gateway.admission import Admitted, AdmittedRoute
 from gateway.caller import Caller
@@ -38,6 +39,7 @@ from gateway.openai_chat_protocol import (
     ChatCompletionRequest,
     ChatMessage,
     NamedToolChoice,
+    TemplateKwargs,
     ToolDefinition,
     check_message_counts,
 )
@@ -68,7 +70,7 @@ class TokenizeRequest(StrictRequest):
     # With messages, as a chat request takes them (gateway/openai_chat_protocol.py):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
-    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.TOKENIZE
@@ -82,16 +84,18 @@ class TokenizeRequest(StrictRequest):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give either prompt or messages")
+            raise InvalidField("prompt" if self.prompt is None else "messages",
+                               "give either prompt or messages")
         if self.messages is not None and self.add_special_tokens:
-            raise ValueError("add_special_tokens=True is not supported for messages: the ids "
-                             "are those a chat request sends (the template places the special "
-                             "tokens)")
+            raise InvalidField("add_special_tokens", "add_special_tokens=True is not supported "
+                               "for messages: the ids are those a chat request sends (the "
+                               "template places the special tokens)")
         if self.prompt is not None:
             chat_only = sorted(name for name in CHAT_ONLY & self.model_fields_set
                                if getattr(self, name) != type(self).model_fields[name].default)
             if chat_only:
-                raise ValueError(f"{', '.join(chat_only)} only apply to messages")
+                raise InvalidField(chat_only[0], f"{', '.join(chat_only)} only apply to "
+                                   f"messages")
         return self
 
     def chat_request(self, model: str) -> ChatCompletionRequest:

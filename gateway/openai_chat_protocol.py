@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -157,6 +158,28 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
+MAX_TEMPLATE_KWARGS_DEPTH = 32
+"""Most nesting of chat_template_kwargs' values: the template's data is copied recursively
+(transformers), and a list nested a few hundred deep in a 5 KB body ran out of stack."""
+
+
+def _nesting_bounded(value: dict[str, Any]) -> dict[str, Any]:
+    """``value`` if no list or object in it is nested deeper than MAX_TEMPLATE_KWARGS_DEPTH
+    (walked without recursion: the value itself may be deep)."""
+    level: list[Any] = list(value.values())
+    for _ in range(MAX_TEMPLATE_KWARGS_DEPTH + 1):  # a scalar ends its nesting
+        level = [child for node in level if isinstance(node, (dict, list))
+                 for child in (node.values() if isinstance(node, dict) else node)]
+        if not level:
+            return value
+    raise ValueError(f"values may nest at most {MAX_TEMPLATE_KWARGS_DEPTH} levels deep")
+
+
+TemplateKwargs = Annotated[dict[str, Any], Field(max_length=64),
+                           AfterValidator(_nesting_bounded)]
+"""chat_template_kwargs: extra variables for the model's chat template."""
+
+
 MAX_MESSAGES = 4096
 MAX_MESSAGE_PARTS = 8192
 """Most content parts and tool calls of all messages together. Validating one costs a few
@@ -196,7 +219,7 @@ class ChatCompletionRequest(SamplingFields):
     """vLLM's: the answer's content starts with the last message's text when that message
     is the answering role's (an assistant message, or any last message without
     add_generation_prompt), e.g. the assistant text that continue_final_message continues."""
-    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     """Extra variables for the model's chat template (e.g. enable_thinking)."""
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     """Empty as none, as vLLM takes it (langchain's bind_tools([]) and litellm send [])."""

@@ -102,7 +102,8 @@ class SamplingFields(StrictRequest):
     top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: Int | None = Field(default=None, ge=-1, lt=INT32_LIMIT,
                               description="-1 or 0: no top-k (vLLM's and ours)")
-    seed: Int | None = Field(default=None, ge=-2**63, lt=SEED_LIMIT)
+    # le, not lt: pydantic's message would print lt=2**64 as a float.
+    seed: Int | None = Field(default=None, ge=-2**63, le=SEED_LIMIT - 1)
     """Any 64-bit integer, signed or not, as OpenAI and vLLM take it: -1 means no seed (as in
     vLLM: many UIs send it for "random"), others draw with their value modulo 2**64."""
     stop: Stop | None = None

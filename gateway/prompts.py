@@ -127,7 +127,8 @@ class PromptEncoder:
             return await self._run(cost, functools.partial(
                 self._chat_request_ids, keep=keep_tokens,
                 context=context if keep_tokens is None else None), chat)
-        except (jinja2.TemplateError, ValueError) as exc:
+        except (jinja2.TemplateError, ValueError, RecursionError) as exc:  # the last: a
+            # backstop, the edge bounds what the template nests (TemplateKwargs)
             raise ApiError(400, f"chat template failed: {exc}", param="messages") from None
 
     async def _run(self, cost: int, fn: Callable[[_TEXT], list[int]], arg: _TEXT

@@ -23,7 +23,7 @@ import pytest
 
 from gateway.exposure import instance_tag
 from gateway.serve import free_port
-from tests.live_http import poll
+from tests.live_http import metric, poll
 from tests.live_servers import LiveServer, start_engine, start_gateway
 
 ADMIN = "exposure-admin-key"
@@ -192,6 +192,30 @@ def test_trickled_bodies_get_408_while_other_requests_run(setup: Setup) -> None:
     for sock in tricklers:
         status, error = parse_answer(drip_until_closed(sock, b" "))
         assert (status, error["type"]) == (408, "timeout_error"), error
+
+
+def test_a_client_that_leaves_mid_body_is_counted_as_closed(setup: Setup) -> None:
+    """Not a 400 for a body that could not be read, nor a 500 for an upload cut short: the
+    client left (499, as nginx logs it)."""
+    def closed() -> float:
+        text = httpx.get(setup.keyed.url + "/metrics", headers=auth(METRICS_TOKEN),
+                         timeout=10).text
+        return sum(metric(text, "loragate_gateway_responses_total", route=route,
+                          status="499", code="client_closed")
+                   for route in ("/v1/completions", "/admin/adapters/upload"))
+
+    before = closed()
+    for path, key in (("/v1/completions", setup.tenant_key),
+                      ("/admin/adapters/upload?name=cut&public=true", ADMIN)):
+        sock = connect(setup.keyed)
+        sock.sendall(request_head(setup.keyed, "POST", path, f"Authorization: Bearer {key}",
+                                  "Content-Type: application/json", "Content-Length: 4000")
+                     + b'{"model": ')
+        time.sleep(0.3)
+        sock.close()
+    poll(lambda: closed() == before + 2, "both hang-ups to be counted as 499")
+    text = httpx.get(setup.keyed.url + "/metrics", headers=auth(METRICS_TOKEN), timeout=10).text
+    assert metric(text, "loragate_gateway_responses_total", status="500") == 0
 
 
 def test_trickled_or_missing_headers_are_cut_off(setup: Setup) -> None:

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.invalid_field import field_of
 from engine.protocol import EngineError, EngineUnavailable, error_type
@@ -108,8 +109,8 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             problems.append(NOT_AN_OBJECT_MESSAGE)
             continue
         locs.append(loc)
-        message = _text_length(err) or str(err.get("msg", "invalid")).removeprefix(
-            "Value error, ")
+        message = _text_length(err) or _exact_bound(err) or str(
+            err.get("msg", "invalid")).removeprefix("Value error, ")
         # Our refusals of unsupported fields already name theirs ("use_beam_search is not
         # supported: ..."): prefixed again, the name would be said twice; a nested one gets
         # its whole path in the name's place.
@@ -137,6 +138,20 @@ def _text_length(err: Any) -> str | None:
         return None
     side = "at least" if kind == "too_short" else "at most"
     return f"String should have {side} {bound} character{'' if bound == 1 else 's'}"
+
+
+BOUNDS = {"less_than": "less than", "less_than_equal": "less than or equal to",
+          "greater_than": "greater than", "greater_than_equal": "greater than or equal to"}
+
+
+def _exact_bound(err: Any) -> str | None:
+    """pydantic's message for a number's bound, with an integer bound as it is: pydantic
+    prints one past 2**53 as a float (2**64 - 1 as 18446744073709552000)."""
+    words, ctx = BOUNDS.get(str(err.get("type"))), err.get("ctx") or {}
+    bound = next(iter(ctx.values()), None) if len(ctx) == 1 else None
+    if words is None or not isinstance(bound, int) or isinstance(bound, bool):
+        return None
+    return f"Input should be {words} {bound}"
 
 
 def _shown(loc: tuple[Any, ...]) -> str:
@@ -174,6 +189,20 @@ def answer(request: Request, error: ApiError) -> JSONResponse:
     return error.response()
 
 
+CLIENT_CLOSED = 499
+"""nginx's status for a client that closed the connection before its answer: what the access
+line and the response metrics count a request whose body never came whole as."""
+
+
+def _client_closed(request: Request) -> JSONResponse:
+    """The answer to a request whose client left while its body was read (nobody reads it:
+    it is what the access line and the metrics record, not a 400 or a crash)."""
+    request.scope[ERROR_CODE_KEY] = "client_closed"
+    return JSONResponse(error_body(CLIENT_CLOSED, "the client closed the connection before "
+                                   "its request body was read", code="client_closed"),
+                        status_code=CLIENT_CLOSED)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Render ApiError, EngineError, validation errors, HTTP errors and crashes in OpenAI's
     schema."""
@@ -196,8 +225,14 @@ def install_error_handlers(app: FastAPI) -> None:
         message, param = _describe_validation(exc)
         return JSONResponse(error_body(400, message, param=param), status_code=400)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, _: ClientDisconnect) -> JSONResponse:
+        return _client_closed(request)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, ClientDisconnect):  # FastAPI's 400 for a body it could
+            return _client_closed(request)              # not read: its client left
         code = exc.code if isinstance(exc, CodedHTTPException) else None
         request.scope[ERROR_CODE_KEY] = code
         return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code),

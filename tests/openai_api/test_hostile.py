@@ -119,6 +119,12 @@ HOSTILE: list[tuple[str, dict[str, Any], str | None]] = [
     # A constraint whose grammar would be too big to compile promptly.
     ("chat", {"guided_choice": [f"x{i}" + "y" * 600 for i in range(200)]}, "guided_choice"),
     ("chat", {"structured_outputs": {"choice": ["y" * 70_000]}}, "structured_outputs"),
+    ("chat", {"guided_regex": "a+", "ignore_eos": True}, "ignore_eos"),
+    # Nested past what the template's data copy can recurse through (a 500 before).
+    ("chat", {"chat_template_kwargs": {"a": json.loads("[" * 600 + "]" * 600)}},
+     "chat_template_kwargs"),
+    ("chat", {"chat_template_kwargs": {"a": json.loads('{"b":' * 600 + "1" + "}" * 600)},
+              "stream": True}, "chat_template_kwargs"),
 ]
 
 
@@ -209,6 +215,12 @@ def test_hostile_values_are_400_naming_the_field_and_spare_other_streams(
     assert [f for f in finishes if f] == ["length"]
     assert seen[-2]["usage"]["completion_tokens"] == victim_tokens
     assert_healthy(gateway, client, base_model)
+
+
+def test_a_bound_in_an_error_message_is_the_exact_integer(gateway: LiveServer,
+                                                          base_model: str) -> None:
+    message = _post(gateway, base_model, "completions", {"seed": 2**64}).json()["error"]
+    assert str(2**64 - 1) in message["message"], message  # not 1.8446744073709552e19
 
 
 def test_a_prompt_over_the_character_cap_is_refused_before_tokenizing(

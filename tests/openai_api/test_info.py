@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from importlib.metadata import version
 from typing import Any
@@ -109,16 +110,21 @@ def test_tokenize_takes_the_chat_requests_template_options(
 
 
 @pytest.mark.parametrize("path, body, param", [
-    ("/tokenize", {"prompt": "x", "messages": MESSAGES}, None),
-    ("/tokenize", {}, None),
-    ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, None),
+    ("/tokenize", {"prompt": "x", "messages": MESSAGES}, "messages"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, "add_special_tokens"),
+    # Nested deeper than a template's data may be (it is copied recursively).
+    ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"a": [[[1]]] * 2 + [
+        json.loads("[" * 500 + "]" * 500)]}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": {
+        "a": json.loads('{"b":' * 40 + "1" + "}" * 40)}}, "chat_template_kwargs"),
     # What a chat request with the same options refuses.
     ("/tokenize", {"messages": CONTINUED, "continue_final_message": True}, None),
     ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False,
                    "continue_final_message": True}, None),
     ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}}, None),
     # Chat options with a prompt, fields not implemented, fields of no schema: named.
-    ("/tokenize", {"prompt": "x", "continue_final_message": True}, None),
+    ("/tokenize", {"prompt": "x", "continue_final_message": True}, "continue_final_message"),
     ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ messages }}"}, "chat_template"),
     ("/tokenize", {"prompt": "x", "bogus_field": 1}, "bogus_field"),
     ("/detokenize", {"tokens": [1], "bogus_field": 1}, "bogus_field"),
