@@ -209,6 +209,7 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._thread.stop()
         self._preparing.shutdown()
+        self.engine.requests.close()
         if self.engine.lora is not None:
             self.engine.lora.shutdown()
         if self.engine.kv_events is not None:  # after the loop: no step flushes any more
@@ -233,7 +234,7 @@ class AsyncEngine:
         # Arrived now: a wait for the preparing thread counts in its queue time and TTFT.
         make = functools.partial(self._make, prompt, params, request_id, priority, lora,
                                  cache_salt, time.monotonic())
-        if not self.engine.requests.takes_long(prompt, params):
+        if not self.engine.requests.takes_long(prompt, params, cache_salt):
             return make()
         return await self._preparing.run(make, tenant)
 

@@ -197,6 +197,12 @@ class EngineConfig:
     vLLM's --generation-config auto, its default; engine/generation_defaults.py). "off":
     OpenAI's defaults (temperature 1, top_p 1, no top-k, min-p or repetition penalty)."""
 
+    grammar_compile_timeout_s: float = 10.0
+    """A structured-output spec (JSON schema, regex, grammar) whose compile takes longer is
+    refused with a 400 naming its field: compiles cannot be interrupted, and a 30-character
+    schema can take a minute. 0: no bound (each new spec then also compiles once instead of
+    twice: the bound times it in a helper process first)."""
+
     seed: int = 0
     """Seed of the generator used by sampled requests that give no seed of their own."""
 
@@ -254,6 +260,9 @@ class EngineConfig:
         if self.prefix_caching not in ("on", "off", "auto"):
             raise ValueError(f"prefix_caching must be 'on', 'off' or 'auto', got "
                              f"{self.prefix_caching!r}")
+        if not 0.0 <= self.grammar_compile_timeout_s < float("inf"):
+            raise ValueError(f"grammar_compile_timeout_s must be >= 0 (0: no bound), got "
+                             f"{self.grammar_compile_timeout_s}")
         if not 0.0 <= self.prefix_auto_threshold <= 1.0:
             raise ValueError(f"prefix_auto_threshold must be in [0, 1], got "
                              f"{self.prefix_auto_threshold}")

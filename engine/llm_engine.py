@@ -142,7 +142,8 @@ class LLMEngine:
         """The last step scheduled nothing (e.g. every request waits for an adapter load)."""
         self._arrival_counter = itertools.count()
         self.requests = RequestBuilder(self.tokenizer, self.model_shape, self.max_model_len,
-                                       self.eos_token_ids, self.kv, self.lora)
+                                       self.eos_token_ids, self.kv, self.lora,
+                                       config.grammar_compile_timeout_s)
         """Builds validated Requests (any thread may use it: it changes no engine state)."""
         self.isolation = FaultIsolation()
 

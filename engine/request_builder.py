@@ -44,8 +44,9 @@ class RequestBuilder:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, model_shape: ModelShape,
                  max_model_len: int, eos_token_ids: frozenset[int], kv: KVCacheManager,
-                 lora: LoraManager | None) -> None:
+                 lora: LoraManager | None, grammar_compile_timeout_s: float = 0.0) -> None:
         self.tokenizer = tokenizer
+        self.grammar_compile_timeout_s = grammar_compile_timeout_s
         self.model_shape = model_shape
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -86,7 +87,8 @@ class RequestBuilder:
                 f"({self.kv.num_blocks * self.kv.block_size} tokens) or its pool's share "
                 f"({room} tokens)")
 
-    def takes_long(self, prompt: str | list[int], params: SamplingParams) -> bool:
+    def takes_long(self, prompt: str | list[int], params: SamplingParams,
+                   cache_salt: str | None = None) -> bool:
         """Whether make_request() may take long: text to tokenize, bad words to spell, or a
         grammar not compiled yet (a large one takes seconds). Else it only checks numbers."""
         if isinstance(prompt, str) or params.bad_words:
@@ -96,7 +98,7 @@ class RequestBuilder:
         # Read without _grammar_lock: it is held while the compiler is built, and this runs
         # on the event loop (one attribute read is atomic).
         grammars = self._grammars
-        return grammars is None or not grammars.is_compiled(params.structured)
+        return grammars is None or not grammars.is_compiled(params.structured, cache_salt)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int = 0, arrival_time: float | None = None,
@@ -121,7 +123,7 @@ class RequestBuilder:
             params = replace(params, bad_words_token_ids=banned)
         self.validate(prompt_ids, params, lora)
         grammar = None if params.structured is None else \
-            self._grammar_compiler().compile(params.structured)
+            self._grammar_compiler().compile(params.structured, cache_salt)
         lora_identity = None
         if lora is not None:
             if self.lora is None:
@@ -153,13 +155,20 @@ class RequestBuilder:
         others = tuple(key for key in request.extra_keys if key[0] != "lora")
         return replace(request, extra_keys=(current, *others))
 
+    def close(self) -> None:
+        """Stop the grammar compiler's helper process, if one runs."""
+        with self._grammar_lock:
+            if self._grammars is not None:
+                self._grammars.close()
+
     def _grammar_compiler(self) -> GrammarCompiler:
         """Built on the first structured request (reading the vocabulary takes a moment);
         any thread may ask first."""
         with self._grammar_lock:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_shape.vocab_size,
-                                                 self.eos_token_ids)
+                                                 self.eos_token_ids,
+                                                 self.grammar_compile_timeout_s)
             return self._grammars
 
     def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.grammar_probe import GrammarProbe, compile_spec
 from engine.invalid_field import InvalidField
 
 if TYPE_CHECKING:
@@ -90,60 +91,71 @@ def _choice_grammar(choices: Iterable[str]) -> str:
 
 class GrammarCompiler:
     """Compiles StructuredOutputs for one tokenizer (thread-safe: requests are made on
-    other threads than the engine's)."""
+    other threads than the engine's). With ``compile_timeout_s`` > 0, a spec not compiled
+    yet is refused when its compile takes longer (engine/grammar_probe.py).
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+    Compiled grammars are cached per ``scope`` (the request's cache salt: a tenant's own):
+    a spec another tenant compiled is compiled again, so that no tenant can tell by the
+    time of an answer which schemas another one uses."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
+                 compile_timeout_s: float = 0.0) -> None:
         import xgrammar
 
-        self._xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
         self.vocab_size = vocab_size
         # Our LRU is the cache: xgrammar's own keeps every grammar ever compiled (no limit
         # by default), tens of KB each, which distinct schemas would grow without bound.
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()  # LRU, newest last
+        self._probe = GrammarProbe(info.serialize_json(), compile_timeout_s) \
+            if compile_timeout_s > 0 else None
+        self._compiled: OrderedDict[tuple[str | None, StructuredOutput], Any] = OrderedDict()
+        """LRU, newest last, keyed by (scope, spec)."""
         self._lock = threading.Lock()
 
-    def is_compiled(self, spec: StructuredOutput) -> bool:
-        """Whether compile(spec) would answer from the cache (at once)."""
+    def is_compiled(self, spec: StructuredOutput, scope: str | None = None) -> bool:
+        """Whether compile(spec, scope) would answer from the cache (at once)."""
         with self._lock:
-            return spec in self._compiled
+            return (scope, spec) in self._compiled
 
-    def compile(self, spec: StructuredOutput) -> Any:
-        """The compiled grammar, from the cache of the COMPILED_CACHE latest specs or compiled
-        now (outside the lock: several threads may compile at once); ValueError naming what
-        is wrong with the spec (not cached)."""
+    def compile(self, spec: StructuredOutput, scope: str | None = None) -> Any:
+        """The compiled grammar, from the cache of the COMPILED_CACHE latest (scope, spec)
+        pairs or compiled now (outside the lock: several threads may compile at once);
+        ValueError naming what is wrong with the spec (not cached)."""
+        key = (scope, spec)
         with self._lock:
-            if spec in self._compiled:
-                self._compiled.move_to_end(spec)
-                return self._compiled[spec]
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
         compiled = self._compile(spec)
         with self._lock:
-            self._compiled[spec] = compiled
+            self._compiled[key] = compiled
             while len(self._compiled) > COMPILED_CACHE:
                 self._compiled.popitem(last=False)
         return compiled
 
+    def close(self) -> None:
+        """Stop the compile-time helper process, if one runs."""
+        if self._probe is not None:
+            self._probe.close()
+
     def _compile(self, spec: StructuredOutput) -> Any:
         """The compiled grammar; ValueError naming what is wrong with the spec."""
+        # json_object: an object, not any JSON value (OpenAI's meaning).
+        text = {"json_object": '{"type": "object"}',
+                "choice": _choice_grammar(spec.choices)}.get(spec.kind, spec.spec)
         try:
-            if spec.kind in ("json", "json_object"):
-                # json_object: an object, not any JSON value (OpenAI's meaning).
-                schema = spec.spec if spec.kind == "json" else '{"type": "object"}'
-                json.loads(schema)  # a clear error for text that is not JSON at all
-                return self._compiler.compile_json_schema(
-                    schema, any_whitespace=spec.any_whitespace)
-            if spec.kind == "regex":
-                return self._compiler.compile_regex(spec.spec)
-            if spec.kind == "choice":
-                return self._compiler.compile_grammar(_choice_grammar(spec.choices))
-            if spec.kind == "structural_tag":
-                return self._compiler.compile_structural_tag(spec.spec)
-            return self._compiler.compile_grammar(spec.spec)
+            if spec.kind == "json":
+                json.loads(text)  # a clear error for text that is not JSON at all
+            if self._probe is not None:
+                self._probe.check(spec.kind, text, spec.any_whitespace, spec.param)
+            return compile_spec(self._compiler, spec.kind, text, spec.any_whitespace)
         except json.JSONDecodeError as exc:
             raise InvalidField(spec.param, f"the JSON schema is not valid JSON: {exc.msg}"
                                ) from None
+        except InvalidField:
+            raise
         except (RuntimeError, ValueError) as exc:  # xgrammar reports bad specs so
             raise InvalidField(spec.param, f"invalid {spec.kind} for structured output: "
                                f"{library_reason(str(exc))}") from None

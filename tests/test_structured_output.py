@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from pathlib import Path
 
 import pytest
 
+from engine.invalid_field import InvalidField
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput, library_reason
@@ -102,3 +104,32 @@ def test_only_slow_preparation_leaves_the_event_loop(tiny_model_dir: Path) -> No
     other = StructuredOutput("choice", choices=("maybe",))
     assert builder.takes_long([5, 6], SamplingParams(structured=other))
 
+    # Cached per cache salt (a tenant's own): another tenant compiles it again, so that the
+    # time of its answer cannot tell it which specs others use.
+    builder.make_request("r", [5, 6], SamplingParams(structured=other), cache_salt="a")
+    assert not builder.takes_long([5, 6], SamplingParams(structured=other), "a")
+    assert builder.takes_long([5, 6], SamplingParams(structured=other), "b")
+    assert builder.takes_long([5, 6], SamplingParams(structured=other))
+
+
+def test_a_spec_that_compiles_too_long_is_refused_and_the_next_one_compiles(
+        tiny_model_dir: Path) -> None:
+    """A 30-character schema whose compile takes about a minute: refused at the bound (the
+    helper process compiling it is killed), naming its field; the next spec is served."""
+    builder = LLMEngine.from_model(str(tiny_model_dir), num_kv_blocks=8,
+                                   grammar_compile_timeout_s=1.0).requests
+    slow = StructuredOutput("json", json.dumps({"type": "string", "pattern": "[a-z]{1,20000}"}),
+                            param="response_format")
+    quick = StructuredOutput("regex", "[0-9]{3}")
+    builder.make_request("warm", [5, 6], SamplingParams(structured=quick))  # helper started
+    started = time.monotonic()
+    with pytest.raises(InvalidField, match="longer than 1 s to compile") as caught:
+        builder.make_request("r", [5, 6], SamplingParams(structured=slow))
+    assert caught.value.field == "response_format"
+    assert time.monotonic() - started < 10
+    again = StructuredOutput("regex", "[a-c]{2}")
+    assert builder.make_request("s", [5, 6], SamplingParams(structured=again)).grammar
+    with pytest.raises(InvalidField, match="Regex parsing"):  # a bad spec: its own error
+        builder.make_request("t", [5, 6], SamplingParams(structured=StructuredOutput(
+            "regex", "(unclosed")))
+    builder.close()
