@@ -10,6 +10,7 @@ does), engine errors (engine/protocol.py: their status and code) and unexpected 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -235,7 +236,11 @@ def install_error_handlers(app: FastAPI) -> None:
             return _client_closed(request)              # not read: its client left
         code = exc.code if isinstance(exc, CodedHTTPException) else None
         request.scope[ERROR_CODE_KEY] = code
-        return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code),
+        detail = str(exc.detail)
+        if "integer string conversion" in str(exc.__cause__):  # Python's JSON parser's bound
+            detail = (f"the request body is not valid JSON here: it has an integer of more "
+                      f"than {sys.get_int_max_str_digits()} digits")
+        return JSONResponse(error_body(exc.status_code, detail, code=code),
                             status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)

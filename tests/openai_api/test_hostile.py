@@ -221,6 +221,9 @@ def test_a_bound_in_an_error_message_is_the_exact_integer(gateway: LiveServer,
                                                           base_model: str) -> None:
     message = _post(gateway, base_model, "completions", {"seed": 2**64}).json()["error"]
     assert str(2**64 - 1) in message["message"], message  # not 1.8446744073709552e19
+    # Past Python's digit limit the parser refuses the body: it says why.
+    huge = _post(gateway, base_model, "completions", {"seed": Raw("1" + "0" * 5000)})
+    assert "more than 4300 digits" in huge.json()["error"]["message"], huge.text
 
 
 def test_a_prompt_over_the_character_cap_is_refused_before_tokenizing(
