@@ -141,6 +141,12 @@ def print_report(model: str, args: argparse.Namespace, main: BatchRun, validity:
           f"{1e3 * max(firsts):.1f} ms; cached median "
           f"{1e6 * statistics.median(compiled.cached_s.values()):.1f} us")
     print("  " + ", ".join(f"{name} {1e3 * s:.1f} ms" for name, s in compiled.first_s.items()))
+    bounded = list(compiled.bounded_first_s.values())
+    print(f"with the {compiled.bounded_timeout_s:g} s compile bound (timed in a helper "
+          f"process first): helper start {1e3 * compiled.bounded_helper_start_s:.0f} ms; "
+          f"first compile per schema median {1e3 * statistics.median(bounded):.1f} ms "
+          f"({statistics.median(bounded) / statistics.median(firsts):.2f}x unbounded), max "
+          f"{1e3 * max(bounded):.1f} ms")
 
 
 def report_json(model: str, args: argparse.Namespace, main: BatchRun, validity: Validity,

@@ -116,6 +116,7 @@ def test_every_benchmark_schema_compiles(llm: LLM) -> None:
     times = measure_compile(llm.engine, cases)
     assert times.setup_s > 0 and set(times.first_s) == {c.name for c in cases}
     assert all(t > 0 for t in times.cached_s.values())
+    assert times.bounded_helper_start_s > 0 and set(times.bounded_first_s) == set(times.first_s)
 
 
 VALID: dict[str, dict[str, Any]] = {
