@@ -12,20 +12,31 @@ process, which takes about as long (the compiled grammar cannot be handed over: 
 serialized form of a large grammar is bigger than the grammar by orders of magnitude). Only
 specs not in the compiled cache pay this twice; RAG and tool traffic repeats its schemas.
 
-The helper is one process, started on the first structured request (``spawn``: a fresh
-interpreter with xgrammar and the tokenizer's vocabulary only, about a second), serving one
-spec at a time. It ends with the engine (a daemon process; a helper whose parent died reads
-EOF and exits).
+The helper is one process, started on the first structured request: a fresh interpreter
+(``python -m engine.grammar_probe``, not multiprocessing's spawn, which would run the
+caller's main script again) with xgrammar and the tokenizer's vocabulary only: about two
+seconds to start, once per engine, and ~290 MB resident, most of it torch's shared
+libraries (xgrammar imports torch); it serves one spec at a time over a socket pair. It is
+killed when the engine closes, ignores the terminal's Ctrl-C (the engine's drain decides
+when it goes), and one whose engine died reads EOF and exits.
+
+A spec thus holds its caller (and the preparing thread) for at most about twice the bound:
+the helper's try, then the engine's own compile.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from engine.invalid_field import InvalidField
@@ -42,76 +53,102 @@ class GrammarProbe:
         self._info = tokenizer_info_json
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._process: Any = None
+        self._process: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._broken = False
-        """The helper could not be started: specs compile unbounded (logged once)."""
+        """The helper could not be started, or the probe was closed: specs compile
+        unbounded."""
 
     def check(self, kind: str, text: str, any_whitespace: bool, param: str) -> None:
         """Return once the helper compiled ``text`` (as ``kind``) within the timeout, or
         failed to (the caller's own compile then reports the spec's error); InvalidField
-        naming ``param`` when it took longer."""
+        naming ``param`` when it took longer, or when the helper died compiling it (it ran
+        out of memory, say: the spec is no safer in the engine's process)."""
         with self._lock:
-            conn = self._helper()
-            if conn is None:
-                return
-            started = time.monotonic()
-            try:
-                conn.send((kind, text, any_whitespace))
+            for _ in range(2):
+                conn = self._helper()
+                if conn is None:
+                    return  # no helper could start: unbounded (logged once)
+                try:
+                    conn.send((kind, text, any_whitespace))
+                except OSError:  # the helper was gone before this spec: start another
+                    self._stop()
+                    continue
+                started = time.monotonic()
+                died = False
                 if conn.poll(self.timeout_s):
-                    conn.recv()
-                    return
-            except (OSError, EOFError):  # the helper died (killed from outside): no bound
-                self._stop()             # this time; the next spec starts a new one
-                return
-            self._stop()
-        log.warning("a %s spec took longer than %.1f s to compile; refused and the grammar "
-                    "helper restarted", kind, time.monotonic() - started)
-        raise InvalidField(param, f"the {kind} spec takes longer than {self.timeout_s:g} s to "
-                                  f"compile (grammar_compile_timeout_s): simplify it (fewer "
-                                  f"or smaller repetitions, less nesting)")
+                    try:
+                        conn.recv()
+                        return
+                    except (OSError, EOFError):
+                        died = True
+                waited = time.monotonic() - started
+                self._stop()
+                break
+            else:
+                return  # two helpers in a row gone before a spec: unbounded this time
+        log.warning("a %s spec %s after %.1f s; refused and the grammar helper restarted",
+                    kind, "ended the compile helper" if died else "was still compiling", waited)
+        reason = "ended the compile helper (out of memory?)" if died else \
+            f"takes longer than {self.timeout_s:g} s to compile (grammar_compile_timeout_s)"
+        raise InvalidField(param, f"the {kind} spec {reason}: simplify it (fewer or smaller "
+                                  f"repetitions, less nesting)")
 
     def close(self) -> None:
+        """Stop the helper for good (the engine is closing: a later spec is not bounded)."""
         with self._lock:
+            self._broken = True
             self._stop()
 
     def _helper(self) -> Connection | None:
         if self._conn is not None or self._broken:
             return self._conn
-        context = multiprocessing.get_context("spawn")
-        parent, child = context.Pipe()
-        process = context.Process(target=_serve, args=(child, self._info),
-                                  name="loragate-grammar-probe", daemon=True)
+        ours, theirs = socket.socketpair()
+        # The package's root on the helper's path: an engine run from a checkout, not an
+        # install, must find it too.
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, (root, os.environ.get("PYTHONPATH"))))}
+        process = None
+        conn = Connection(ours.detach())
         try:
-            process.start()
-            child.close()
-            if not parent.poll(START_TIMEOUT_S) or parent.recv() != "ready":
+            process = subprocess.Popen(
+                [sys.executable, "-m", "engine.grammar_probe", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+            theirs.close()
+            conn.send(self._info)
+            if not conn.poll(START_TIMEOUT_S) or conn.recv() != "ready":
                 raise OSError("the grammar helper did not start")
         except (OSError, EOFError) as exc:
             log.warning("grammar compiles are not time-bounded: %s", exc)
-            process.kill()
+            theirs.close()
+            conn.close()
+            if process is not None:
+                process.kill()
+                process.wait(5)
             self._broken = True
             return None
-        self._process, self._conn = process, parent
-        return parent
+        self._process, self._conn = process, conn
+        return conn
 
     def _stop(self) -> None:
         if self._process is not None:
             self._process.kill()
-            self._process.join(5)
+            self._process.wait(5)
         if self._conn is not None:
             self._conn.close()
         self._process = self._conn = None
 
 
-def _serve(conn: Connection, tokenizer_info_json: str) -> None:
-    """The helper: compile each spec it is sent, answer when done (its result or error is of
-    no use to the engine, only the time it took)."""
+def _serve(conn: Connection) -> None:
+    """The helper: read the tokenizer's vocabulary, then compile each spec it is sent and
+    answer when done (its result or error is of no use to the engine, only the time it
+    took)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the group
     import xgrammar
 
-    compiler = xgrammar.GrammarCompiler(
-        xgrammar.TokenizerInfo.deserialize_json(tokenizer_info_json), max_threads=1,
-        cache_enabled=False)
+    info = xgrammar.TokenizerInfo.deserialize_json(conn.recv())
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     conn.send("ready")
     while True:
         try:
@@ -133,3 +170,7 @@ def compile_spec(compiler: Any, kind: str, text: str, any_whitespace: bool) -> A
     if kind == "structural_tag":
         return compiler.compile_structural_tag(text)
     return compiler.compile_grammar(text)
+
+
+if __name__ == "__main__":  # the helper process: python -m engine.grammar_probe FD
+    _serve(Connection(int(sys.argv[1])))

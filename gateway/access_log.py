@@ -14,7 +14,8 @@ AccessRecord they find with ``record_of(request)``; fields nobody filled are log
 
 Every response carries an ``x-request-id`` (a route's own, the first request it sent an
 engine, or else one made here: refusals and errors too, as OpenAI sends one with each), and
-the line names it, so a client can quote any answer it got and the operator find it.
+the line names it, so a client can quote any answer it got and the operator find it. The
+exception: an internal error's 500, which the server's outermost middleware sends.
 """
 
 from __future__ import annotations

@@ -309,6 +309,9 @@ class ChatCompletionRequest(SamplingFields):
         """Characters the conversation brings (contents and names), before the template."""
         return sum(len(m.text()) + len(m.name or "") for m in self.messages)
 
+    def _compact_json_elsewhere(self) -> bool:
+        return self.tool_plan().mode in ("required", "named")  # its calls are compact JSON
+
     def tool_plan(self) -> ToolPlan:
         functions = tuple(Function(t.function.name, t.function.description,
                                    t.function.parameters, bool(t.function.strict))

@@ -102,8 +102,7 @@ class SamplingFields(StrictRequest):
     top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: Int | None = Field(default=None, ge=-1, lt=INT32_LIMIT,
                               description="-1 or 0: no top-k (vLLM's and ours)")
-    # le, not lt: pydantic's message would print lt=2**64 as a float.
-    seed: Int | None = Field(default=None, ge=-2**63, le=SEED_LIMIT - 1)
+    seed: Int | None = Field(default=None, ge=-2**63, lt=SEED_LIMIT)
     """Any 64-bit integer, signed or not, as OpenAI and vLLM take it: -1 means no seed (as in
     vLLM: many UIs send it for "random"), others draw with their value modulo 2**64."""
     stop: Stop | None = None
@@ -245,12 +244,18 @@ class SamplingFields(StrictRequest):
                                           f"got {', '.join(given)}")
         compact = self.structured_outputs is not None and \
             self.structured_outputs.disable_any_whitespace
-        if compact and not any(spec.kind in ("json", "json_object") for _, spec in chosen):
+        if compact and not self._compact_json_elsewhere() and \
+                not any(spec.kind in ("json", "json_object") for _, spec in chosen):
             raise InvalidField("disable_any_whitespace", "structured_outputs."
                                "disable_any_whitespace applies to JSON output: give a JSON "
                                "schema or json_object (in structured_outputs, "
                                "response_format or guided_json)")
         return self
+
+    def _compact_json_elsewhere(self) -> bool:
+        """Whether the request's output is compact JSON by another field (a forced tool
+        call's), which disable_any_whitespace then asks for as well."""
+        return False
 
     def _constraints(self) -> list[tuple[str, StructuredOutput | None]]:
         """Each structured-output field and the constraint it asks for (None: none); a

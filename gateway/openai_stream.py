@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.sse import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.http.errors import ApiError
+from engine.http.errors import CLIENT_CLOSED, ApiError
 from engine.protocol import EngineError, StreamChunk
 from gateway.batch_stream import BatchStream
 from gateway.job import Job
@@ -65,7 +65,7 @@ async def next_or_disconnect(request: Request, awaitable: Any) -> Any:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-                raise ApiError(499, "client disconnected", code="client_closed")
+                raise ApiError(CLIENT_CLOSED, "client disconnected", code="client_closed")
     finally:
         if not task.done():  # we were cancelled (a shutdown's cut-off, a timeout)
             task.cancel()

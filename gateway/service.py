@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import Request
 
 from engine.generation_defaults import SamplingDefaults
-from engine.http.errors import ApiError
+from engine.http.errors import CLIENT_CLOSED, ApiError
 from engine.protocol import (
     ChunkStream,
     EngineError,
@@ -72,7 +72,7 @@ class Gateway:
     def cancelled_status(self) -> int:
         """The status a request whose work was cancelled counts as: 503 when the server
         cut it off at its drain deadline (``stopping``), else 499 (its client left)."""
-        return 503 if self.stopping else 499
+        return 503 if self.stopping else CLIENT_CLOSED
 
     def _forget_replaced_usage(self, snapshot: Snapshot) -> None:
         """An adapter deleted or registered again (through any replica) starts its usage

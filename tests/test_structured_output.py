@@ -121,15 +121,25 @@ def test_a_spec_that_compiles_too_long_is_refused_and_the_next_one_compiles(
     slow = StructuredOutput("json", json.dumps({"type": "string", "pattern": "[a-z]{1,20000}"}),
                             param="response_format")
     quick = StructuredOutput("regex", "[0-9]{3}")
-    builder.make_request("warm", [5, 6], SamplingParams(structured=quick))  # helper started
-    started = time.monotonic()
-    with pytest.raises(InvalidField, match="longer than 1 s to compile") as caught:
-        builder.make_request("r", [5, 6], SamplingParams(structured=slow))
-    assert caught.value.field == "response_format"
-    assert time.monotonic() - started < 10
-    again = StructuredOutput("regex", "[a-c]{2}")
-    assert builder.make_request("s", [5, 6], SamplingParams(structured=again)).grammar
-    with pytest.raises(InvalidField, match="Regex parsing"):  # a bad spec: its own error
-        builder.make_request("t", [5, 6], SamplingParams(structured=StructuredOutput(
-            "regex", "(unclosed")))
-    builder.close()
+    try:
+        builder.make_request("warm", [5, 6], SamplingParams(structured=quick))  # helper up
+        started = time.monotonic()
+        with pytest.raises(InvalidField, match="longer than 1 s to compile") as caught:
+            builder.make_request("r", [5, 6], SamplingParams(structured=slow))
+        assert caught.value.field == "response_format"
+        assert time.monotonic() - started < 10
+        again = StructuredOutput("regex", "[a-c]{2}")
+        assert builder.make_request("s", [5, 6], SamplingParams(structured=again)).grammar
+        with pytest.raises(InvalidField, match="Regex parsing"):  # a bad spec: its own error
+            builder.make_request("t", [5, 6], SamplingParams(structured=StructuredOutput(
+                "regex", "(unclosed")))
+        # A helper killed from outside is replaced before the next spec; one that dies
+        # compiling a spec refuses it (the spec is no safer in the engine's process).
+        probe = builder._grammar_compiler()._probe
+        assert probe is not None and probe._process is not None
+        probe._process.kill()
+        probe._process.wait()
+        assert builder.make_request("u", [5, 6], SamplingParams(structured=StructuredOutput(
+            "regex", "[d-f]{2}"))).grammar
+    finally:
+        builder.close()

@@ -198,10 +198,8 @@ line and the response metrics count a request whose body never came whole as."""
 def _client_closed(request: Request) -> JSONResponse:
     """The answer to a request whose client left while its body was read (nobody reads it:
     it is what the access line and the metrics record, not a 400 or a crash)."""
-    request.scope[ERROR_CODE_KEY] = "client_closed"
-    return JSONResponse(error_body(CLIENT_CLOSED, "the client closed the connection before "
-                                   "its request body was read", code="client_closed"),
-                        status_code=CLIENT_CLOSED)
+    return answer(request, ApiError(CLIENT_CLOSED, "the client closed the connection before "
+                                    "its request body was read", code="client_closed"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -287,3 +287,26 @@ def test_structured_outputs_fields_are_honoured_or_refused_by_name(name: str) ->
         assert exc.errors()[0]["loc"][-1] == name, exc
     else:
         assert name in fields
+
+
+TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("extra, compact", [
+    ({"response_format": {"type": "json_object"}}, True),
+    ({"guided_json": {"type": "object"}}, True),
+    ({"tools": TOOL, "tool_choice": "required"}, True),     # its calls are compact JSON
+    ({"tools": TOOL, "tool_choice": {"type": "function", "function": {"name": "f"}}}, True),
+    ({"tools": TOOL}, False),                                # auto: free text
+    ({"guided_regex": "a+"}, False),
+    ({}, False),
+])
+def test_disable_any_whitespace_needs_json_output(extra: dict[str, Any], compact: bool) -> None:
+    body = {**BASE["chat"], **extra, "structured_outputs": {"disable_any_whitespace": True}}
+    if not compact:
+        with pytest.raises(ValidationError, match="applies to JSON output"):
+            ChatCompletionRequest.model_validate(body)
+        return
+    request = ChatCompletionRequest.model_validate(body)
+    spec = request.structured_output() or request.tool_plan().constraint()
+    assert spec is not None and not spec.any_whitespace
