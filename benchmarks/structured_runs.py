@@ -270,15 +270,17 @@ def measure_compile(engine: LLMEngine, cases: Sequence[SchemaCase]) -> CompileTi
     timeout = engine.config.grammar_compile_timeout_s or 10.0
     bounded = GrammarCompiler(engine.tokenizer, engine.model_shape.vocab_size,
                               engine.eos_token_ids, timeout)
-    start = time.perf_counter()
-    bounded.compile(StructuredOutput("regex", "[0-9]"))  # starts the helper process
-    helper = time.perf_counter() - start
     bounded_first: dict[str, float] = {}
-    for case in cases:
+    try:
         start = time.perf_counter()
-        bounded.compile(case.structured)
-        bounded_first[case.name] = time.perf_counter() - start
-    bounded.close()
+        bounded.compile(StructuredOutput("regex", "[0-9]"))  # starts the helper process
+        helper = time.perf_counter() - start
+        for case in cases:
+            start = time.perf_counter()
+            bounded.compile(case.structured)
+            bounded_first[case.name] = time.perf_counter() - start
+    finally:
+        bounded.close()
     return CompileTimes(setup, first, cached, timeout, helper, bounded_first)
 
 
