@@ -36,7 +36,10 @@ with the tokenizer's chat template). The model defaults to SmolLM2-135M-Instruct
    host, shows how far another process's load moved the comparison.
 3. Compile time: each schema compiled by a fresh GrammarCompiler of the engine's tokenizer
    (first compile, then the cached lookup a repeated schema gets), and the compiler's own
-   set-up (reading the vocabulary, once per engine).
+   set-up (reading the vocabulary, once per engine); then the same first compiles with the
+   engine's compile-time bound (each new spec timed in a helper process first: its start,
+   and what that adds), how long a 30-character schema past the bound holds its caller
+   before the 400, and the next new spec's compile after it (the helper restarted).
 
 Prints a table and writes a JSON summary (default benchmarks/results/structured_outputs.json)
 with the invalid outputs in full (schema, seed, text, errors) so that each can be replayed.
@@ -146,7 +149,9 @@ def print_report(model: str, args: argparse.Namespace, main: BatchRun, validity:
           f"process first): helper start {1e3 * compiled.bounded_helper_start_s:.0f} ms; "
           f"first compile per schema median {1e3 * statistics.median(bounded):.1f} ms "
           f"({statistics.median(bounded) / statistics.median(firsts):.2f}x unbounded), max "
-          f"{1e3 * max(bounded):.1f} ms")
+          f"{1e3 * max(bounded):.1f} ms; a 30-character schema past the bound refused after "
+          f"{compiled.refused_after_s:.1f} s, the next new spec then "
+          f"{1e3 * compiled.next_after_refusal_s:.0f} ms (helper restart included)")
 
 
 def report_json(model: str, args: argparse.Namespace, main: BatchRun, validity: Validity,

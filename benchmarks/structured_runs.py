@@ -14,6 +14,7 @@ from typing import Any
 
 from benchmarks.structured_schemas import Job, SchemaCase
 from benchmarks.structured_validity import check_outputs
+from engine.invalid_field import InvalidField
 from engine.llm_engine import LLMEngine
 from engine.metrics import StepTiming
 from engine.request import RequestOutput
@@ -250,12 +251,22 @@ class CompileTimes:
     bounded_timeout_s: float
     bounded_helper_start_s: float
     bounded_first_s: dict[str, float]
+    refused_after_s: float
+    """How long a spec past the bound (SLOW_SPEC) held its caller before the 400."""
+    next_after_refusal_s: float
+    """The next new spec's compile, the helper's restart included."""
 
 
-def measure_compile(engine: LLMEngine, cases: Sequence[SchemaCase]) -> CompileTimes:
+SLOW_SPEC = StructuredOutput("json", '{"type": "string", "pattern": "[a-z]{1,20000}"}')
+"""30 characters of schema whose compile takes about a minute on one core."""
+
+
+def measure_compile(engine: LLMEngine, cases: Sequence[SchemaCase],
+                    timeout_s: float | None = None) -> CompileTimes:
     """Compile every schema with compilers of their own, as the engine's is built (the
     engine's one has compiled them already once it has run, so it could not show the
-    first compile): unbounded, then with the engine's compile-time bound."""
+    first compile): unbounded, then with the compile-time bound (``timeout_s``, else the
+    engine's), and how the bound answers SLOW_SPEC."""
     start = time.perf_counter()
     compiler = GrammarCompiler(engine.tokenizer, engine.model_shape.vocab_size,
                                engine.eos_token_ids)
@@ -267,7 +278,7 @@ def measure_compile(engine: LLMEngine, cases: Sequence[SchemaCase]) -> CompileTi
             start = time.perf_counter()
             compiler.compile(case.structured)
             times[case.name] = time.perf_counter() - start
-    timeout = engine.config.grammar_compile_timeout_s or 10.0
+    timeout = timeout_s or engine.config.grammar_compile_timeout_s or 10.0
     bounded = GrammarCompiler(engine.tokenizer, engine.model_shape.vocab_size,
                               engine.eos_token_ids, timeout)
     bounded_first: dict[str, float] = {}
@@ -279,9 +290,18 @@ def measure_compile(engine: LLMEngine, cases: Sequence[SchemaCase]) -> CompileTi
             start = time.perf_counter()
             bounded.compile(case.structured)
             bounded_first[case.name] = time.perf_counter() - start
+        start = time.perf_counter()
+        try:
+            bounded.compile(SLOW_SPEC)
+            raise AssertionError("a spec past the bound compiled")
+        except InvalidField:
+            refused = time.perf_counter() - start
+        start = time.perf_counter()
+        bounded.compile(StructuredOutput("regex", "[0-9]{2}"))
+        after = time.perf_counter() - start
     finally:
         bounded.close()
-    return CompileTimes(setup, first, cached, timeout, helper, bounded_first)
+    return CompileTimes(setup, first, cached, timeout, helper, bounded_first, refused, after)
 
 
 class RejectionCounter(logging.Handler):

@@ -113,10 +113,11 @@ def test_masking_runs_alternate_and_pair_their_steps(llm: LLM, jobs: list[Job]) 
 def test_every_benchmark_schema_compiles(llm: LLM) -> None:
     cases = schema_cases()
     assert len(cases) == 8 and len({c.name for c in cases}) == 8
-    times = measure_compile(llm.engine, cases)
+    times = measure_compile(llm.engine, cases, timeout_s=1.0)
     assert times.setup_s > 0 and set(times.first_s) == {c.name for c in cases}
     assert all(t > 0 for t in times.cached_s.values())
     assert times.bounded_helper_start_s > 0 and set(times.bounded_first_s) == set(times.first_s)
+    assert 1.0 <= times.refused_after_s < 10 and times.next_after_refusal_s > 0
 
 
 VALID: dict[str, dict[str, Any]] = {
