@@ -103,12 +103,13 @@ class Instance:
 
     def end_waits(self, began_before: float) -> None:
         """Every wait pending since before ``began_before`` (loop time) ends now (see
-        watched). Called on ejection with the start of the state calls that timed out in a
-        row: nothing came from the instance since, so it is frozen; a wait that began later
-        saw the instance answer more recently (a busy, not a frozen, engine) and goes on.
-        Only for an instance that stopped answering: one whose connections fail ends its
-        streams itself (cancelling reads that are handling that failure would race with
-        it), and a draining one finishes them."""
+        watched). Called on ejection of an instance judged frozen (its state calls timed
+        out in a row and /health did not answer either) with the present: a wait that
+        began after it fell silent has had nothing from it either, and would otherwise sit
+        out its request's deadline (600 s) on an instance no longer polled as one that
+        serves. Only for an instance that stopped answering: one whose connections fail
+        ends its streams itself (cancelling reads that are handling that failure would race
+        with it), and a draining one finishes them."""
         now = asyncio.get_running_loop().time()
         for scope, began in list(self.waits.items()):
             # A scope whose own deadline fired this loop turn is expiring already
@@ -233,8 +234,8 @@ class InstancePool:
                             instance.consecutive_failures, exc)
                 instance.healthy = False
                 self._forget(instance)
-            if instance.silent_since is not None:
-                instance.end_waits(instance.silent_since)
+            if instance.silent_since is not None:  # frozen: nothing of it moves
+                instance.end_waits(asyncio.get_running_loop().time())
             return
         instance.silent_since = None
         instance.busy = False

@@ -20,7 +20,9 @@ async def _instance() -> tuple[Instance, aiohttp.ClientSession]:
         session
 
 
-def test_waits_begun_before_the_failed_call_end_and_later_ones_go_on() -> None:
+def test_end_waits_ends_those_begun_before_its_bound() -> None:
+    """The gateway calls it with the present on ejection (every wait ends); a bound in the
+    past leaves the later waits alone."""
     async def scenario() -> tuple[list[str], int]:
         instance, session = await _instance()
         loop = asyncio.get_running_loop()
