@@ -118,21 +118,20 @@ def build_tenant_router(pending: lifecycle.PendingDeletes) -> APIRouter:
     # -------------------------------------------------------------------- keys
     @router.post("/tenants/{tenant_id}/keys", status_code=201)
     async def create_key(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
-        await get_tenant(gw, tenant_id)
-        return await _issue_key(gw, tenant_id)
+        return await _issue_key(gw, await get_tenant(gw, tenant_id))
 
     @router.get("/tenants/{tenant_id}/keys")
     async def list_keys(tenant_id: str, gw: AdminGateway) -> list[dict[str, Any]]:
-        await get_tenant(gw, tenant_id)
+        tenant = await get_tenant(gw, tenant_id)
         snapshot = await gw.view.store.snapshot()
         return [{"key_id": k.key_id, "created": k.created}
-                for k in snapshot.keys.values() if k.tenant_id == tenant_id]
+                for k in snapshot.keys.values() if k.held_by(tenant)]
 
     @router.post("/tenants/{tenant_id}/keys/{key_id}/rotate", status_code=201)
     async def rotate_key(tenant_id: str, key_id: str,
                          gw: AdminGateway) -> dict[str, Any]:
         old = await _get_key(gw, tenant_id, key_id)
-        issued = await _issue_key(gw, tenant_id)
+        issued = await _issue_key(gw, await get_tenant(gw, tenant_id))
         await gw.view.store.delete_key(old.key_hash)
         await gw.view.refresh()
         return issued
@@ -156,16 +155,20 @@ def _tenant(**fields: Any) -> Tenant:
 
 
 async def _get_key(gw: Gateway, tenant_id: str, key_id: str) -> ApiKey:
+    tenant = await get_tenant(gw, tenant_id)
     for key in (await gw.view.store.snapshot()).keys.values():
-        if key.tenant_id == tenant_id and key.key_id == key_id:
+        if key.held_by(tenant) and key.key_id == key_id:
             return key
     raise ApiError(404, f"key {key_id!r} of tenant {tenant_id!r} does not exist")
 
 
-async def _issue_key(gw: Gateway, tenant_id: str) -> dict[str, Any]:
+async def _issue_key(gw: Gateway, tenant: Tenant) -> dict[str, Any]:
+    """A new key bound to this tenant (its uid: should the tenant be deleted meanwhile, the
+    key is held by no later tenant of the same id)."""
     key = new_key()
-    record = ApiKey(hash_key(key), tenant_id, uuid.uuid4().hex[:12], time.time())
+    record = ApiKey(hash_key(key), tenant.tenant_id, uuid.uuid4().hex[:12], time.time(),
+                    tenant.uid)
     await gw.view.store.put_key(record)
     await gw.view.refresh()
-    return {"key": key, "key_id": record.key_id, "tenant_id": tenant_id,
+    return {"key": key, "key_id": record.key_id, "tenant_id": tenant.tenant_id,
             "note": "store this key now: it is not shown again"}

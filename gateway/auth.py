@@ -138,7 +138,7 @@ def authenticate(request: Request, view: StateView, admin_key: str | None = None
     key_hash = hash_key(key)
     record = view.snapshot.keys.get(key_hash)
     tenant = view.snapshot.tenants.get(record.tenant_id) if record else None
-    if tenant is None:
+    if tenant is None or record is None or not record.held_by(tenant):
         raise ApiError(401, "invalid API key", code="invalid_api_key")
     return Principal(tenant, key_hash)
 

@@ -122,6 +122,14 @@ class ApiKey:
     tenant_id: str
     key_id: str
     created: float
+    tenant_uid: str = ""
+    """The owner's Tenant.uid when the key was issued: a key issued while its tenant was
+    being deleted (by another request or replica) is not held by a later tenant with the
+    same id. "": a key issued before uids were recorded, held by the tenant of its id."""
+
+    def held_by(self, tenant: Tenant) -> bool:
+        """Whether ``tenant`` (the one now stored under its id) holds this key."""
+        return self.tenant_id == tenant.tenant_id and self.tenant_uid in ("", tenant.uid)
 
 
 @dataclass(frozen=True)

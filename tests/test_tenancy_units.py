@@ -3,20 +3,25 @@ and the upload extractor's refusals (path traversal, links, junk)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import tarfile
 import zipfile
 from pathlib import Path
 
 import pytest
+from starlette.requests import Request
 
+from engine.http.errors import ApiError
 from gateway.adapter_upload import extract_archive
-from gateway.auth import Principal
+from gateway.auth import Principal, StateView, authenticate
 from gateway.job import tier_share
 from gateway.service import Gateway
+from gateway.store import MemoryStore
 from gateway.tenancy import (
     KEY_PREFIX,
     AdapterRecord,
+    ApiKey,
     Tenant,
     derive_cache_salt,
     hash_key,
@@ -51,6 +56,39 @@ def test_a_recreated_tenant_shares_no_salt_and_owns_nothing_of_the_old_one() -> 
     assert owned.visible_to("acme", old.uid)
     assert not owned.visible_to("acme", new.uid)
     assert not AdapterRecord("legacy", "/l", owner="acme").visible_to("acme", new.uid)
+
+
+def test_a_key_issued_while_its_tenant_was_deleted_is_held_by_no_later_tenant() -> None:
+    """The race: a key written after its tenant's delete (another request or replica)
+    stays in the store; the tenant created again under the id must not hold it."""
+    async def scenario() -> list[int | str]:
+        store = MemoryStore()
+        old, new = Tenant("acme"), Tenant("acme")
+        await store.put_tenant(old)
+        await store.delete_tenant("acme")
+        await store.put_key(ApiKey(hash_key("late"), "acme", "k1", 0.0, old.uid))  # the race
+        await store.put_key(ApiKey(hash_key("legacy"), "acme", "k2", 0.0))  # before uids
+        await store.put_tenant(new)
+        view = StateView(store)
+        await view.refresh()
+        outcomes: list[int | str] = []
+        for key in ("late", "legacy"):
+            request = Request({"type": "http", "headers": [
+                (b"authorization", f"Bearer {key}".encode())]})
+            try:
+                principal = authenticate(request, view)
+                outcomes.append(principal.tenant.uid if principal.tenant else "operator")
+            except ApiError as exc:
+                outcomes.append(exc.status)
+        return outcomes
+
+    late, legacy = asyncio.run(scenario())
+    assert late == 401 and isinstance(legacy, str) and legacy != "operator"
+    old, new = Tenant("acme"), Tenant("acme")
+    assert ApiKey("h", "acme", "k", 0.0, old.uid).held_by(old)
+    assert not ApiKey("h", "acme", "k", 0.0, old.uid).held_by(new)
+    assert ApiKey("h", "acme", "k", 0.0).held_by(new)  # a key from before uids
+    assert not ApiKey("h", "beta", "k", 0.0).held_by(new)
 
 
 def test_derived_salts_never_collide() -> None:
