@@ -274,7 +274,7 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
         gateway.settle(job.claim, sum(_used_tokens(jobs, fmt, k)), "served", job.adapter)
 
     if req.body.stream:  # the headers go first: the instance that took the stream
-        events = sse(gateway, jobs, streams, fmt, req.body.stream_usage)
+        events = sse(gateway, jobs, streams, fmt, req.body.stream_usage, req.http.scope)
         return ClosingStream(events, streams, settle,
                              headers=_route_headers(job, gateway.config))
     try:

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.sse import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.http.errors import CLIENT_CLOSED, ApiError
+from engine.http.errors import CLIENT_CLOSED, ERROR_CODE_KEY, ApiError
 from engine.protocol import EngineError, StreamChunk
 from gateway.batch_stream import BatchStream
 from gateway.job import Job
@@ -91,7 +91,9 @@ async def collect(gateway: Gateway, jobs: list[Job], streams: BatchStream,
 
 
 async def sse(gateway: Gateway, jobs: list[Job], streams: BatchStream, fmt: ResponseFormatter,
-              usage: StreamUsage) -> AsyncGenerator[bytes, None]:
+              usage: StreamUsage, scope: Scope | None = None) -> AsyncGenerator[bytes, None]:
+    """The SSE events of a streamed request. An error event's code is left in ``scope``
+    (ERROR_CODE_KEY): the response, 200 since its first byte, is counted with it."""
     status = "200"
     job = jobs[0]
     try:
@@ -101,7 +103,10 @@ async def sse(gateway: Gateway, jobs: list[Job], streams: BatchStream, fmt: Resp
                 timer.tick(chunk)
                 if chunk.error is not None:
                     status = str(chunk.error.status)
-                    yield sse_event({"error": _own_error(chunk.error)})
+                    told = _own_error(chunk.error)
+                    if scope is not None:
+                        scope[ERROR_CODE_KEY] = told["code"]
+                    yield sse_event({"error": told})
                     break
                 for event in fmt.stream_events(chunk, usage, index):
                     yield sse_event(event)

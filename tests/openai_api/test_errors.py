@@ -14,6 +14,7 @@ import openai
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from tests.live_http import metric, poll
 from tests.live_servers import LiveServer
 from tests.openai_api.helpers import (
     CONTEXT,
@@ -200,8 +201,17 @@ def test_constraints_that_allow_no_token_end_the_request_with_a_400(
     changes: dict[str, Any] = {"allowed_token_ids": [eos], **(
         {"min_tokens": 2} if against == "min_tokens" else {"guided_choice": ["hello"]})}
     body = {"model": base_model, "prompt": "hi", "max_tokens": 4, "stream": stream, **changes}
+
+    def counted() -> float:  # streams that began (200) and ended with this error event
+        return metric(httpx.get(gateway.url + "/metrics", timeout=30.0).text,
+                      "loragate_gateway_responses_total", route="/v1/completions",
+                      status="200", code="invalid_request")
+
+    before = counted()
     with httpx.Client(base_url=gateway.url, timeout=30.0) as http:
         answer = http.post("/v1/completions", json=body)
+    # Counted with its error's code, not as a clean 200 (once the response has ended).
+    poll(lambda: counted() == before + stream, "the response to be counted")
     if stream:  # the stream had begun: its error is an event, then the stream ends
         assert answer.status_code == 200
         events = [json.loads(line[6:]) for line in answer.text.splitlines()
