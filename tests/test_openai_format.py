@@ -92,9 +92,11 @@ def test_a_forced_call_cut_at_max_tokens_keeps_what_it_completed(tiny_model_dir:
     deltas = [e["choices"][0] for chunk in chunks()
               for e in streamed.stream_events(chunk, usage="none")]
     assert deltas[0]["delta"] == {"role": "assistant", "content": ""}  # the role alone
-    assert [d["delta"].get("content") for d in deltas[1:]] == [None]  # nothing of the call
+    # Nothing of the call as content: the calls, then the finish in a chunk of its own.
+    assert [d["delta"] for d in deltas[2:]] == [{}]
+    assert deltas[1]["delta"]["content"] is None and deltas[1]["finish_reason"] is None
     assert deltas[-1]["finish_reason"] == "length"
-    [call] = deltas[-1]["delta"]["tool_calls"]
+    [call] = deltas[1]["delta"]["tool_calls"]
     assert call["function"] == {"name": "add", "arguments": '{"a": 1}'}
     whole = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
     whole.start([PromptEcho([1, 2, 3])])
