@@ -242,14 +242,9 @@ class SamplingFields(StrictRequest):
         if len(given) > 1:
             raise InvalidField(given[-1], f"one structured output constraint per request, "
                                           f"got {', '.join(given)}")
-        compact = self.structured_outputs is not None and \
-            self.structured_outputs.disable_any_whitespace
-        if compact and not self._compact_json_elsewhere() and \
-                not any(spec.kind in ("json", "json_object") for _, spec in chosen):
-            raise InvalidField("disable_any_whitespace", "structured_outputs."
-                               "disable_any_whitespace applies to JSON output: give a JSON "
-                               "schema or json_object (in structured_outputs, "
-                               "response_format or guided_json)")
+        if self.structured_outputs is not None:
+            self.structured_outputs.check_options(self._compact_json_elsewhere() or any(
+                spec.kind in ("json", "json_object") for _, spec in chosen))
         return self
 
     def _compact_json_elsewhere(self) -> bool:

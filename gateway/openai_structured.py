@@ -93,6 +93,15 @@ class StructuredOutputs(StrictRequest):
     """Either value: xgrammar is the only backend, so there is nothing to fall back to."""
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.STRUCTURED_OUTPUTS
 
+    def check_options(self, json_output: bool) -> None:
+        """InvalidField when disable_any_whitespace is asked of a request whose output is
+        not JSON (``json_output``: a JSON constraint from any field, or a forced call)."""
+        if self.disable_any_whitespace and not json_output:
+            raise InvalidField("disable_any_whitespace", "structured_outputs."
+                               "disable_any_whitespace applies to JSON output: give a JSON "
+                               "schema or json_object (in structured_outputs, "
+                               "response_format or guided_json)")
+
     def constraint(self) -> StructuredOutput | None:
         """The one constraint given (None: none); ValueError when more than one is."""
         whitespace = not self.disable_any_whitespace
