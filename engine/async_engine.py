@@ -25,7 +25,13 @@ from typing import Any, TypeVar
 from engine.adapter_commands import AdapterChanged, AdapterCommands, changed_message
 from engine.adapter_roots import AdapterRoots
 from engine.config import EngineConfig
-from engine.engine_thread import EngineDeadError, EngineInternalError, EngineThread, OutputStream
+from engine.engine_thread import (
+    EngineDeadError,
+    EngineInternalError,
+    EngineStopping,
+    EngineThread,
+    OutputStream,
+)
 from engine.invalid_field import field_of
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats
@@ -48,6 +54,7 @@ from lora.adapter_info import AdapterInfo
 
 T = TypeVar("T")
 TIMED_OUT_MESSAGE = "the request passed its deadline"
+STOPPED_MESSAGE = "the engine is shutting down: the request did not finish before it stopped"
 
 
 class AsyncEngine:
@@ -123,6 +130,14 @@ class AsyncEngine:
             self._abort(request_id)
             return known
         return await self.call(abort)
+
+    def cut_off(self) -> int:
+        """End every request in flight, waiting or running, with a "shutting_down" error
+        (its stream's last chunk) and free its blocks: what the server does with the
+        requests its drain did not see finish. Returns how many streams were open."""
+        count = self._thread.num_streams
+        self._thread.fail_in_flight(EngineStopping(STOPPED_MESSAGE))
+        return count
 
     async def state(self, cursor: int = 0) -> EngineState:
         """Load, limits, adapters and the prefix hashes published since ``cursor``."""
@@ -315,6 +330,9 @@ class AsyncEngine:
             yield StreamChunk.failed(request_id, EngineError(str(exc)), *usage)
         except TimeoutError:
             yield StreamChunk.failed(request_id, EngineError(TIMED_OUT_MESSAGE, "timeout"),
+                                     *usage)
+        except EngineStopping:
+            yield StreamChunk.failed(request_id, EngineError(STOPPED_MESSAGE, "shutting_down"),
                                      *usage)
         except EngineDeadError as exc:
             raise EngineStreamBroken(str(exc)) from None

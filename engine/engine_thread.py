@@ -47,6 +47,10 @@ class EngineInternalError(RuntimeError):
     """The engine failed between steps and aborted the requests in flight (a bug)."""
 
 
+class EngineStopping(RuntimeError):
+    """The engine's server stopped before the request finished: its drain ran out of time."""
+
+
 @dataclass
 class OutputStream:
     """Where one request's outputs (or the exception that ends it) are delivered."""
@@ -116,6 +120,11 @@ class EngineThread:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def fail_in_flight(self, exc: BaseException) -> concurrent.futures.Future[None]:
+        """Abort every request, waiting or running, and end each stream with ``exc``
+        (between two steps, on the engine thread)."""
+        return self.submit(lambda: self._fail_all(exc))
 
     def stop(self, timeout: float = 30) -> None:
         self._stopping = True

@@ -40,6 +40,7 @@ ERROR_STATUS: dict[str, int] = {
     "stream_broken": 502,
     "unavailable": 503,
     "draining": 503,
+    "shutting_down": 503,
     "adapter_busy": 503,
     "timeout": 504,
 }

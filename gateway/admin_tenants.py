@@ -30,6 +30,9 @@ from gateway.service import Gateway
 from gateway.tenancy import ApiKey, Tenant, hash_key, new_key
 
 MAX_TENANT_NAME = 256
+PATCH_ATTEMPTS = 20
+"""A PATCH reads and reapplies its fields this often while other writes to the tenant win
+the race, then answers 409."""
 
 
 class TenantBody(BaseModel):
@@ -63,10 +66,10 @@ def build_tenant_router(pending: lifecycle.PendingDeletes) -> APIRouter:
 
     @router.post("/tenants", status_code=201)
     async def create_tenant(body: TenantBody, gw: AdminGateway) -> dict[str, Any]:
-        if body.tenant_id in (await gw.view.store.snapshot()).tenants:
-            raise ApiError(409, f"tenant {body.tenant_id!r} already exists")
         tenant = _tenant(**body.model_dump())
-        await gw.view.store.put_tenant(tenant)
+        # Compare and set from "no such tenant": of two concurrent creates, one gets 409.
+        if not await gw.view.store.swap_tenant(tenant.tenant_id, None, tenant):
+            raise ApiError(409, f"tenant {body.tenant_id!r} already exists")
         await gw.view.refresh()
         return asdict(tenant)
 
@@ -82,12 +85,18 @@ def build_tenant_router(pending: lifecycle.PendingDeletes) -> APIRouter:
     @router.patch("/tenants/{tenant_id}")
     async def update_tenant(tenant_id: str, body: TenantPatch,
                             gw: AdminGateway) -> dict[str, Any]:
-        tenant = await get_tenant(gw, tenant_id)
         changes = body.model_dump(exclude_unset=True)
-        tenant = _tenant(**{**asdict(tenant), **changes})
-        await gw.view.store.put_tenant(tenant)
-        await gw.view.refresh()
-        return asdict(tenant)
+        # Read, apply, compare and set; read again when another write came between, so two
+        # PATCHes of different fields both hold, and one racing a DELETE answers 404 instead
+        # of bringing the tenant back.
+        for _ in range(PATCH_ATTEMPTS):
+            current = await get_tenant(gw, tenant_id)
+            tenant = _tenant(**{**asdict(current), **changes})
+            if await gw.view.store.swap_tenant(tenant_id, current, tenant):
+                await gw.view.refresh()
+                return asdict(tenant)
+        raise ApiError(409, f"tenant {tenant_id!r} kept changing while this update was "
+                       f"applied: try again")
 
     @router.delete("/tenants/{tenant_id}")
     async def delete_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:

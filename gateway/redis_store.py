@@ -53,7 +53,7 @@ T = TypeVar("T")
 Builder = Callable[[dict[str, Any]], tuple[R, list[str]]]
 """A record from its JSON fields, and the names of the fields it does not know."""
 WATCH_ATTEMPTS = 20
-"""delete_tenant and swap_adapter retry their optimistic transactions this often while other
+"""delete_tenant and the swaps retry their optimistic transactions this often while other
 writes race them."""
 
 _REFUSED = {-1: "rpm", -2: "tpm", -3: "revoked"}
@@ -187,8 +187,9 @@ class RedisStore:
             pipe.incr(self._k("version"))
             await self._call(pipe.execute())
 
-    async def put_tenant(self, tenant: Tenant) -> None:
-        await self._write("set", "tenants", tenant.tenant_id, json.dumps(asdict(tenant)))
+    async def swap_tenant(self, tenant_id: str, expected: Tenant | None,
+                          new: Tenant | None) -> bool:
+        return await self._swap("tenants", tenant_id, expected, new, tenant_record)
 
     async def delete_tenant(self, tenant_id: str) -> list[str]:
         tables = self._k("keys"), self._k("adapters")
@@ -221,25 +222,29 @@ class RedisStore:
 
     async def swap_adapter(self, name: str, expected: AdapterRecord | None,
                            new: AdapterRecord | None) -> bool:
-        table = self._k("adapters")
+        return await self._swap("adapters", name, expected, new, adapter_record)
+
+    async def _swap(self, table: str, name: str, expected: R | None, new: R | None,
+                    build: Builder[R]) -> bool:
+        """Compare and set one record of ``table`` (StateStore.swap_adapter's semantics)."""
+        key = self._k(table)
 
         async def change(pipe: Any) -> bool:
-            raw = await self._call(pipe.hget(table, name))
-            current = None if raw is None else self._parse("adapters", name, raw,
-                                                            adapter_record)
+            raw = await self._call(pipe.hget(key, name))
+            current = None if raw is None else self._parse(table, name, raw, build)
             if current != expected:
                 await self._call(pipe.reset())
                 return False
             pipe.multi()
             if new is None:
-                pipe.hdel(table, name)
+                pipe.hdel(key, name)
             else:
-                pipe.hset(table, name, json.dumps(asdict(new)))
+                pipe.hset(key, name, json.dumps(asdict(new)))
             pipe.incr(self._k("version"))
             await self._call(pipe.execute())
             return True
 
-        return await self._watching((table,), change, f"adapter {name!r} could not be "
+        return await self._watching((key,), change, f"{table} record {name!r} could not be "
                                     f"written: its table kept changing")
 
     async def _watching(self, keys: tuple[str, ...],

@@ -274,11 +274,16 @@ class Gateway:
                 async with contextlib.aclosing(stream):
                     while True:
                         chunk = await self._next_chunk(job, instance, stream)
-                        if chunk.error is not None:
+                        error = chunk.error
+                        if error is not None:
                             log.warning("%s failed on %s: %s", job.request_id,
-                                        instance.instance_id, chunk.error.message)
-                            if chunk.error.code == "timeout":  # the engine saw the deadline
+                                        instance.instance_id, error.message)
+                            if error.code == "timeout":  # the engine saw the deadline
                                 chunk = self._failed(job, self._timeout_message(), "timeout")
+                            elif error.code == "shutting_down" and not tokens_sent:
+                                # Its engine stopped before it finished (a drain past its
+                                # deadline): nothing reached the client, so another takes it.
+                                raise EngineUnavailable(error.message, "shutting_down")
                         if job.whole and not chunk.finished:
                             if chunk.delta_token_ids and job.first_token_at is None:
                                 job.first_token_at = time.monotonic()

@@ -131,8 +131,10 @@ class SqliteStore(MemoryStore):
                                      (kind, record_id, text))
             self._db.execute("INSERT OR REPLACE INTO meta VALUES ('version', ?)", (version,))
 
-    async def put_tenant(self, tenant: Tenant) -> None:
-        await self._persisted(super().put_tenant(tenant))
+    async def swap_tenant(self, tenant_id: str, expected: Tenant | None,
+                          new: Tenant | None) -> bool:
+        swapped: bool = await self._persisted(super().swap_tenant(tenant_id, expected, new))
+        return swapped
 
     async def delete_tenant(self, tenant_id: str) -> list[str]:
         owned: list[str] = await self._persisted(super().delete_tenant(tenant_id))

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from gateway import sliding_window as sw
 from gateway.tenancy import AdapterRecord, ApiKey, Tenant
+
+R = TypeVar("R", Tenant, AdapterRecord)
 
 
 class StoreUnavailable(Exception):
@@ -64,7 +66,13 @@ class StateStore(Protocol):
 
     async def version(self) -> int: ...
 
-    async def put_tenant(self, tenant: Tenant) -> None: ...
+    async def swap_tenant(self, tenant_id: str, expected: Tenant | None,
+                          new: Tenant | None) -> bool:
+        """Compare and set, as swap_adapter: what makes one of two concurrent creates of an
+        id win, a PATCH that read a record fail instead of undoing a change made since (the
+        caller reads again and reapplies its fields), and a PATCH racing a DELETE never bring
+        the tenant back. Deleting a tenant goes through delete_tenant (its keys and adapters
+        go with it)."""
 
     async def delete_tenant(self, tenant_id: str) -> list[str]:
         """Also deletes the tenant's keys and the adapters it owns (their names are
@@ -125,9 +133,9 @@ class MemoryStore:
     async def version(self) -> int:
         return self._version
 
-    async def put_tenant(self, tenant: Tenant) -> None:
-        self._tenants[tenant.tenant_id] = tenant
-        self._bump()
+    async def swap_tenant(self, tenant_id: str, expected: Tenant | None,
+                          new: Tenant | None) -> bool:
+        return self._swap(self._tenants, tenant_id, expected, new)
 
     async def delete_tenant(self, tenant_id: str) -> list[str]:
         self._tenants.pop(tenant_id, None)
@@ -153,13 +161,17 @@ class MemoryStore:
 
     async def swap_adapter(self, name: str, expected: AdapterRecord | None,
                            new: AdapterRecord | None) -> bool:
-        # No await between the read and the write: atomic on the event loop.
-        if self._adapters.get(name) != expected:
+        return self._swap(self._adapters, name, expected, new)
+
+    def _swap(self, table: dict[str, R], name: str, expected: R | None, new: R | None
+              ) -> bool:
+        # Not a coroutine: no await between the read and the write, so atomic on the loop.
+        if table.get(name) != expected:
             return False
         if new is None:
-            self._adapters.pop(name, None)
+            table.pop(name, None)
         else:
-            self._adapters[name] = new
+            table[name] = new
         self._bump()
         return True
 

@@ -46,7 +46,7 @@ def test_records_round_trip_and_bump_the_version(make_store: Callable[[], StateS
         key = ApiKey(hash_key("secret"), "acme", "k1", 123.0)
         adapter = AdapterRecord("bot", "/adapters/bot", owner="acme", shared_with=("beta",),
                                 owner_uid=tenant.uid)
-        await store.put_tenant(tenant)
+        assert await store.swap_tenant(tenant.tenant_id, None, tenant)
         await store.put_key(key)
         assert await store.swap_adapter("bot", None, adapter)
         assert await store.version() == v0 + 3
@@ -113,7 +113,7 @@ def test_deleting_a_tenant_takes_its_keys_and_adapters_and_shares(
                                  shared_with=("acme", "gamma")),
                    AdapterRecord("public", "/p")]
         for tenant in (acme, beta):
-            await store.put_tenant(tenant)
+            assert await store.swap_tenant(tenant.tenant_id, None, tenant)
             await store.put_key(ApiKey(hash_key(tenant.tenant_id), tenant.tenant_id, "k", 0.0))
         for record in records:
             assert await store.swap_adapter(record.name, None, record)
@@ -240,7 +240,7 @@ def test_snapshot_skips_unreadable_records_and_ignores_unknown_fields(
 
     async def scenario() -> Snapshot:
         store = RedisStore(url, prefix=prefix)
-        await store.put_tenant(acme)
+        assert await store.swap_tenant(acme.tenant_id, None, acme)
         await store.put_key(key)
         for table, records in raw.items():
             for name, value in records.items():
@@ -308,7 +308,7 @@ def test_sqlite_store_keeps_records_and_version_across_a_restart(tmp_path: Path)
     async def first() -> int:
         store = SqliteStore(path)
         for t in (tenant, other):
-            await store.put_tenant(t)
+            assert await store.swap_tenant(t.tenant_id, None, t)
         await store.put_key(key)
         assert await store.swap_adapter(owned.name, None, owned)
         assert await store.swap_adapter(shared.name, None, shared)
@@ -367,13 +367,13 @@ def test_sqlite_store_undoes_a_write_the_file_refuses(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         store = SqliteStore(str(path))
-        await store.put_tenant(Tenant("acme"))
+        assert await store.swap_tenant("acme", None, Tenant("acme"))
         # Another writer holds the file's write lock: the next write fails fast.
         blocker = sqlite3.connect(str(path), timeout=0)
         blocker.execute("BEGIN IMMEDIATE")
         store._db.execute("PRAGMA busy_timeout = 0")
         with pytest.raises(StoreUnavailable, match="state file"):
-            await store.put_tenant(Tenant("beta"))
+            assert await store.swap_tenant("beta", None, Tenant("beta"))
         blocker.rollback()
         blocker.close()
         snap = await store.snapshot()

@@ -64,11 +64,11 @@ def test_a_key_issued_while_its_tenant_was_deleted_is_held_by_no_later_tenant() 
     async def scenario() -> list[int | str]:
         store = MemoryStore()
         old, new = Tenant("acme"), Tenant("acme")
-        await store.put_tenant(old)
+        assert await store.swap_tenant("acme", None, old)
         await store.delete_tenant("acme")
         await store.put_key(ApiKey(hash_key("late"), "acme", "k1", 0.0, old.uid))  # the race
         await store.put_key(ApiKey(hash_key("legacy"), "acme", "k2", 0.0))  # before uids
-        await store.put_tenant(new)
+        assert await store.swap_tenant("acme", None, new)
         view = StateView(store)
         await view.refresh()
         outcomes: list[int | str] = []

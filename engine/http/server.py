@@ -210,7 +210,13 @@ def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = 
         log.info("engine %s drains: no new requests; those running finish (up to %gs)",
                  instance_id, drain_timeout_s)
 
+    def deadline() -> None:
+        count = engine.cut_off()
+        log.warning("engine %s stops: %d request(s) still running are ended with a "
+                    "'shutting_down' error", instance_id, count)
+
     server.on_drain = drain
+    server.on_deadline = deadline
     # uvicorn's main loop checks should_exit every 0.1 s: setting it from the engine thread
     # is how a dead engine takes its server down.
     exit_now.append(lambda: setattr(server, "should_exit", True))

@@ -1,0 +1,131 @@
+"""An engine server whose drain runs out of time (--drain-timeout-s) ends the requests still
+running or waiting as a shutdown: each stream's last line is a "shutting_down" error (what
+a gateway passes on as a 503 of that code), their blocks are freed, and the process exits
+cleanly, with no traceback in its log. A gateway runs on another engine what such an
+engine cut before any of it reached the client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engine.async_engine import STOPPED_MESSAGE, AsyncEngine
+from engine.config import EngineConfig
+from engine.metrics import EngineStats
+from engine.protocol import GenerateRequest
+from engine.sampling_params import SamplingParams
+from tests.live_servers import running, start_engine, start_gateway
+
+LONG: dict[str, Any] = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0.0}
+PROMPT = list(range(40, 64))
+
+
+def test_cut_off_ends_every_request_with_a_shutting_down_error(tiny_model_dir: Path) -> None:
+    engine = AsyncEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256,
+                                                  max_num_seqs=1))
+
+    async def scenario() -> tuple[list[tuple[int, str | None, str | None]], EngineStats]:
+        streams = [await engine.open(GenerateRequest(
+            f"r{i}", PROMPT, SamplingParams(**LONG)))
+            for i in range(3)]  # one runs, two wait (max_num_seqs 1)
+        first = await anext(aiter(streams[0]))
+        assert first.error is None
+        assert engine.cut_off() == 3
+        ends = []
+        for stream in streams:
+            chunks = [first] if stream is streams[0] else []
+            async for chunk in stream:
+                chunks.append(chunk)
+            last = chunks[-1]
+            error = last.error
+            ends.append((sum(len(c.delta_token_ids) for c in chunks),
+                         None if error is None else error.code,
+                         None if error is None else error.message))
+        return ends, await engine.fresh_stats()
+
+    try:
+        ends, stats = asyncio.run(scenario())
+        assert [(code, message) for _, code, message in ends] == \
+            [("shutting_down", STOPPED_MESSAGE)] * 3
+        assert ends[0][0] < LONG["max_tokens"]
+        assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
+    finally:
+        engine.shutdown()
+
+
+def test_a_drain_past_its_deadline_ends_streams_as_a_shutdown(tiny_model_dir: Path,
+                                                              tmp_path: Path) -> None:
+    engine = start_engine(tiny_model_dir, tmp_path, "--max-num-seqs", "1",
+                          "--drain-timeout-s", "0.5").wait_ready()
+    lasts: list[dict[str, Any]] = []
+    started = threading.Barrier(5)  # the four streams and this thread
+
+    def stream() -> None:
+        with httpx.stream("POST", engine.url + "/generate", timeout=60.0, json={
+                "prompt_token_ids": PROMPT, "stream": True, "params": LONG}) as response:
+            assert response.status_code == 200
+            started.wait()
+            lines = [json.loads(line) for line in response.iter_lines() if line]
+        lasts.append(lines[-1])
+
+    # Four requests of 1,000 tokens, one at a time: seconds of work for a half-second drain.
+    threads = [threading.Thread(target=stream) for _ in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        started.wait()
+        engine.process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(60)
+        assert engine.process.wait(30) == 0
+    finally:
+        engine.kill()
+    codes = sorted(str((last.get("error") or {}).get("code")) for last in lasts)
+    assert len(codes) == 4
+    assert "shutting_down" in codes and set(codes) <= {"shutting_down", "None"}, lasts
+    log = engine.log()
+    assert "request(s) still running are ended with a 'shutting_down' error" in log, log
+    assert "Traceback" not in log, log
+
+
+def test_a_gateway_runs_elsewhere_what_a_stopping_engine_cut_before_the_client_saw_it(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    stopping = start_engine(tiny_model_dir, tmp_path, "--max-num-seqs", "1",
+                            "--drain-timeout-s", "0.5")
+    other = start_engine(tiny_model_dir, tmp_path)
+    gateway = start_gateway(tiny_model_dir, [stopping.url, other.url], tmp_path,
+                            "--served-model-name", "tiny")
+    answers: list[httpx.Response] = []
+
+    def complete(i: int) -> None:
+        # Whole responses: nothing reaches the client before the end, so every cut request
+        # can start over elsewhere. Distinct prompts: no prefix pulls them to one engine.
+        answers.append(httpx.post(gateway.url + "/v1/completions", timeout=120.0, json={
+            "model": "tiny", "prompt": [100 + i, *PROMPT], "max_tokens": 900,
+            "ignore_eos": True, "temperature": 0.0}))
+
+    threads = [threading.Thread(target=complete, args=(i,)) for i in range(6)]
+    with running(stopping, other, gateway):
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(stopping.url + "/health").json()["in_flight"] < 1:
+            assert time.monotonic() < deadline, "the gateway sent the stopping engine nothing"
+            time.sleep(0.01)
+        stopping.process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(120)
+        assert stopping.process.wait(30) == 0
+    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+    assert [a.json()["usage"]["completion_tokens"] for a in answers] == [900] * 6
+    cut = re.search(r"stops: (\d+) request\(s\) still running", stopping.log())
+    assert cut is not None and int(cut.group(1)) >= 1, stopping.log()
+    assert "retrying" in gateway.log(), gateway.log()

@@ -1,0 +1,166 @@
+"""Tenant writes race other writes, as gateway replicas sharing one Redis do: the stores'
+swap_tenant is a compare and set, and the admin routes built on it let no write undo
+another. The HTTP tests run a gateway in process over a real Redis and make another
+replica's write land between the route's read and its own write, the one place the race
+can happen."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.redis_store import RedisStore
+from gateway.service import Gateway
+from gateway.store import Snapshot, StateStore
+from gateway.tenancy import Tenant
+from tests.redis_server import shared_redis_url
+
+ADMIN = "race-admin"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+
+
+def test_swap_tenant_changes_only_the_record_it_was_given(
+        make_store: Callable[[], StateStore]) -> None:
+    async def scenario() -> None:
+        store, other = make_store(), make_store()
+        first = Tenant("acme", "Acme")
+        v0 = await store.version()
+        assert await store.swap_tenant("acme", None, first)
+        assert not await other.swap_tenant("acme", None, Tenant("acme"))  # the id is taken
+        assert await other.version() == v0 + 1  # a refusal writes nothing
+        limited = dataclasses.replace(first, rpm=5)
+        assert await other.swap_tenant("acme", first, limited)
+        renamed = dataclasses.replace(first, name="Acme Inc")
+        assert not await store.swap_tenant("acme", first, renamed)  # read before the change
+        assert (await store.snapshot()).tenants == {"acme": limited}
+        await other.delete_tenant("acme")
+        assert not await store.swap_tenant("acme", limited, renamed)  # never brought back
+        assert (await store.snapshot()).tenants == {}
+        await store.close()
+        await other.close()
+
+    asyncio.run(scenario())
+
+
+def test_one_of_many_racing_creates_takes_an_id(make_store: Callable[[], StateStore]) -> None:
+    async def scenario() -> None:
+        stores = [make_store() for _ in range(4)]
+        tenants = [Tenant("acme", f"try {i}") for i in range(12)]
+        won = await asyncio.gather(*(stores[i % 4].swap_tenant("acme", None, t)
+                                     for i, t in enumerate(tenants)))
+        assert sum(won) == 1
+        assert (await stores[1].snapshot()).tenants == {"acme": tenants[won.index(True)]}
+        for store in stores:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
+@dataclass
+class Replica:
+    client: TestClient
+    gateway: Gateway
+    url: str
+    prefix: str
+
+    def rival_writes_first(self, monkeypatch: pytest.MonkeyPatch,
+                           write: Callable[[RedisStore], Awaitable[object]]) -> None:
+        """Another replica's ``write`` lands just before this gateway's next tenant write."""
+        store = self.gateway.view.store
+        swap = store.swap_tenant
+        pending = [write]
+
+        async def after_the_rival(tenant_id: str, expected: Tenant | None,
+                                  new: Tenant | None) -> bool:
+            if pending:
+                rival = RedisStore(self.url, prefix=self.prefix, timeout_s=5.0)
+                await pending.pop()(rival)
+                await rival.close()
+            return await swap(tenant_id, expected, new)
+
+        monkeypatch.setattr(store, "swap_tenant", after_the_rival)
+
+    def snapshot(self) -> Snapshot:
+        """The shared state, as another replica reads it."""
+        async def read() -> Snapshot:
+            store = RedisStore(self.url, prefix=self.prefix, timeout_s=5.0)
+            snapshot = await store.snapshot()
+            await store.close()
+            return snapshot
+
+        return asyncio.run(read())
+
+    def stored(self) -> dict[str, Tenant]:
+        return self.snapshot().tenants
+
+
+@pytest.fixture
+def replica(tiny_model_dir: Path) -> Iterator[Replica]:
+    url = shared_redis_url()
+    prefix = f"lg-test-{uuid.uuid4().hex[:8]}:"
+    # No engines: these tests use the admin routes only (engines would come from the registry).
+    app = create_app(GatewayConfig(admin_key=ADMIN, redis_url=url, engine_token="race"), [],
+                     str(tiny_model_dir), store=RedisStore(url, prefix=prefix, timeout_s=5.0))
+    try:
+        with TestClient(app) as client:
+            yield Replica(client, app.state.gateway, url, prefix)
+    finally:
+        plain = redis.Redis.from_url(url)
+        keys = list(plain.scan_iter(match=prefix + "*"))
+        if keys:
+            plain.delete(*keys)
+        plain.close()
+
+
+def test_the_later_of_two_creates_of_an_id_is_a_409(replica: Replica,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    rival = Tenant("acme", "created elsewhere")
+    replica.rival_writes_first(monkeypatch, lambda store: store.swap_tenant("acme", None, rival))
+    answer = replica.client.post("/admin/tenants", headers=AUTH,
+                                 json={"tenant_id": "acme", "name": "created here"})
+    assert answer.status_code == 409, answer.text
+    assert answer.json()["error"]["message"] == "tenant 'acme' already exists"
+    assert replica.stored() == {"acme": rival}
+
+
+def test_two_patches_of_different_fields_both_hold(replica: Replica,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    created = replica.client.post("/admin/tenants", headers=AUTH, json={"tenant_id": "acme"})
+    assert created.status_code == 201, created.text
+    before = Tenant(**created.json())
+
+    async def limit(store: RedisStore) -> bool:
+        return await store.swap_tenant("acme", before, dataclasses.replace(before, rpm=5))
+
+    replica.rival_writes_first(monkeypatch, limit)
+    answer = replica.client.patch("/admin/tenants/acme", headers=AUTH,
+                                  json={"name": "Acme Inc"})
+    assert answer.status_code == 200, answer.text
+    both = dataclasses.replace(before, rpm=5, name="Acme Inc")
+    assert Tenant(**answer.json()) == both
+    assert replica.stored() == {"acme": both}
+
+
+def test_a_patch_racing_a_delete_is_a_404_and_brings_nothing_back(
+        replica: Replica, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert replica.client.post("/admin/tenants", headers=AUTH,
+                               json={"tenant_id": "acme"}).status_code == 201
+    key = replica.client.post("/admin/tenants/acme/keys", headers=AUTH)
+    assert key.status_code == 201, key.text
+    replica.rival_writes_first(monkeypatch, lambda store: store.delete_tenant("acme"))
+    answer = replica.client.patch("/admin/tenants/acme", headers=AUTH, json={"rpm": 9})
+    assert answer.status_code == 404, answer.text
+    assert answer.json()["error"]["message"] == "tenant 'acme' does not exist"
+    assert replica.stored() == {}
+    assert replica.client.get("/admin/tenants/acme", headers=AUTH).status_code == 404
+    assert replica.snapshot().keys == {}  # its key went with it
