@@ -154,7 +154,7 @@ async def load_where_reachable(gw: Gateway, record: AdapterRecord) -> list[Insta
         if not reachable(instance):
             continue
         try:
-            await load_checked(instance.client, record)
+            info = await load_checked(instance.client, record)
         except EngineUnavailable:
             continue
         except EngineRejected as exc:
@@ -164,6 +164,7 @@ async def load_where_reachable(gw: Gateway, record: AdapterRecord) -> list[Insta
                                f"now: {exc.message}", code=exc.code or "conflict") from None
             raise ApiError(400, f"an engine refused adapter {record.name!r}: {exc.message}",
                            param="path") from None
+        instance.note_loaded(record.path, info)
         loaded.append(instance)
     return loaded
 
@@ -176,6 +177,7 @@ async def unload_from(instances: list[Instance], record: AdapterRecord) -> None:
     for instance in instances:
         try:
             await instance.client.unload_adapter(record.name, record.digest)
+            instance.note_unloaded(record.name, record.digest)
         except EngineRejected as exc:
             if exc.status != 404:  # 404: not there now, or other weights: left alone
                 log.warning("could not unload adapter %s from %s again: %s", record.name,

@@ -20,7 +20,6 @@ from gateway.auth import StateView
 from gateway.instances import Instance
 from gateway.job import Job
 from gateway.tenancy import AdapterRecord
-from lora.adapter_info import AdapterInfo
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +61,14 @@ class AdapterPlacement:
             raise ApiError(500, f"adapter {adapter!r} could not be loaded on an engine",
                            code="adapter_load_failed") from None
         digest = info.digest
-        instance.adapters[adapter] = AdapterInfo(adapter, record.path, digest, info.rank,
-                                                 True, None, False, 0)
+        instance.note_loaded(record.path, info)
         await self.view.fresh()
         try:
             self._live(adapter, record)
         except ApiError:
             log.warning("adapter %s was deleted or replaced while %s loaded it; unloading "
                         "it there", adapter, instance.instance_id)
-            instance.adapters.pop(adapter, None)
+            instance.note_unloaded(adapter)
             with contextlib.suppress(EngineRejected, EngineUnavailable):
                 await instance.client.unload_adapter(adapter, digest)
             raise

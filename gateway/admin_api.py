@@ -355,6 +355,10 @@ async def record_adapter(gw: Gateway, record: AdapterRecord) -> JSONResponse:
         # Only if the name is still free: of two registrations racing for it (on any
         # gateway replica), exactly one records it.
         if not await gw.view.store.swap_adapter(record.name, None, record):
+            winner = (await gw.view.store.snapshot()).adapters.get(record.name)
+            if winner is not None and record.digest is not None and \
+                    winner.digest == record.digest:
+                loaded = []  # the same weights: what the engines hold serves the winner
             await lifecycle.check_name_free(gw, record.name)  # the precise 409
             raise ApiError(409, f"adapter {record.name!r} already exists")
     except Exception:

@@ -27,6 +27,7 @@ from engine.protocol import (
     EngineRejected,
     EngineState,
     EngineUnavailable,
+    LoadedAdapter,
     PoolSummary,
 )
 from gateway.engine_client import HttpEngineClient
@@ -79,6 +80,18 @@ class Instance:
     timeout, not a frozen engine (it keeps its requests and its last state)."""
     _ended: set[asyncio.Timeout] = field(default_factory=set, repr=False)
     """Scopes end_waits ended (their TimeoutError means "ejected", not a deadline)."""
+
+    def note_loaded(self, path: str, loaded: LoadedAdapter) -> None:
+        """This gateway just loaded an adapter there: known at once (an admin answer or the
+        next request sees it) rather than at the next poll, which brings its slot and use."""
+        self.adapters[loaded.name] = AdapterInfo(loaded.name, path, loaded.digest, loaded.rank,
+                                                 True, None, False, 0)
+
+    def note_unloaded(self, name: str, digest: str | None = None) -> None:
+        """This gateway just unloaded ``name`` there (only the weights of ``digest``)."""
+        state = self.adapters.get(name)
+        if state is not None and digest in (None, state.digest):
+            del self.adapters[name]
 
     @contextlib.asynccontextmanager
     async def watched(self, deadline: float) -> AsyncIterator[None]:
