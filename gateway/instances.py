@@ -185,7 +185,11 @@ class InstancePool:
             self._forget(instance)
 
     def healthy(self) -> list[Instance]:
-        return [i for i in self.instances.values() if i.healthy and not i.draining]
+        """The instances new requests may go to: up, not draining, and not silent (its last
+        state call timed out and /health did not answer either: frozen, most likely, and
+        ejected if the next poll finds it so; no new request waits on it meanwhile)."""
+        return [i for i in self.instances.values()
+                if i.healthy and not i.draining and i.silent_since is None]
 
     def digest_of(self, adapter: str) -> str | None:
         """The adapter's content digest as any instance reports it."""

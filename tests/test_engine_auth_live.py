@@ -143,7 +143,7 @@ def test_control_calls_do_not_wait_behind_streams_for_a_connection(guarded: Guar
     async def scenario() -> None:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as streams, \
                 aiohttp.ClientSession() as control:
-            timeouts = ClientTimeouts(connect=0.5, control=2.0)
+            timeouts = ClientTimeouts(connect=0.5, control=2.0, state=2.0)
             apart = HttpEngineClient(guarded.engine.url, streams, timeouts, TOKEN, control)
             shared = HttpEngineClient(guarded.engine.url, streams, timeouts, TOKEN)
             stream = await apart.open(GenerateRequest("long", [5, 6, 7], SamplingParams(

@@ -43,9 +43,9 @@ def test_a_chunk_of_megabytes_arrives_whole(engine: LiveServer) -> None:
 
 
 def test_an_engine_slower_than_the_poll_timeout_is_busy_not_frozen(engine: LiveServer) -> None:
-    """A state call that times out while /health answers (a step longer than the poll
-    timeout) keeps the instance; a server that takes connections and answers nothing is
-    ejected."""
+    """A state call that times out while /health answers (a step longer than the state
+    timeout) keeps the instance; a server that takes connections and answers nothing gets
+    no new request from the first such poll, and is ejected."""
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (the backlog), never answers
     silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
 
@@ -55,11 +55,16 @@ def test_an_engine_slower_than_the_poll_timeout_is_busy_not_frozen(engine: LiveS
             busy, frozen = pool.instances[engine.url], pool.instances[silent_url]
             await pool.poll()
             assert busy.healthy
-            hurried = ClientTimeouts(connect=0.2, control=0.001)  # no state call makes it
+            # No state call makes it in time.
+            hurried = ClientTimeouts(connect=0.2, control=10.0, state=0.001)
             for instance in (busy, frozen):
                 instance.client = HttpEngineClient(instance.instance_id, session, hurried)
-            frozen.healthy = True  # as if it had answered before it froze
-            for _ in range(3):
+            # As if it had answered before it froze.
+            frozen.healthy, frozen.consecutive_failures, frozen.silent_since = True, 0, None
+            await pool.poll()
+            # One silent poll: not ejected yet (eject_after 2), but no new request goes there.
+            assert frozen.healthy and pool.healthy() == [busy]
+            for _ in range(2):
                 await pool.poll()
             return busy, frozen
 
