@@ -14,8 +14,10 @@ AccessRecord they find with ``record_of(request)``; fields nobody filled are log
 
 Every response carries an ``x-request-id`` (a route's own, the first request it sent an
 engine, or else one made here: refusals and errors too, as OpenAI sends one with each), and
-the line names it, so a client can quote any answer it got and the operator find it. The
-exception: an internal error's 500, which the server's outermost middleware sends.
+the line names it, so a client can quote any answer it got and the operator find it: an
+internal error's 500 too, which is answered here (the traceback logged, the caller told
+nothing of it) rather than by the server's outermost middleware, which would send it
+without one.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.http.errors import error_body
 from gateway.job import new_request_id
 
 log = logging.getLogger("loragate.access")
+errors = logging.getLogger(__name__)
 SCOPE_KEY = "loragate.access"
 REQUEST_ID = b"x-request-id"
 
@@ -91,10 +96,12 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_status)
         except Exception:
-            # The app's own failure: the server error middleware outside answers 500 when
-            # nothing was sent yet.
-            complete, status = True, status or 500
-            raise
+            if status:  # a response started: all that is left is to cut it, outside
+                complete = True
+                raise
+            errors.exception("unhandled error")
+            await JSONResponse(error_body(500, "internal error"), status_code=500)(
+                scope, receive, send_status)
         finally:
             if not complete:  # a response left unfinished: its client went away (a stream
                 status = 0    # abandoned mid-way), not the status it started with
