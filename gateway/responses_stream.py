@@ -63,9 +63,15 @@ class ResponseEvents:
         self.ended = False
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        # Numbered when told (told()), not when made: a stream cut between two events of
+        # one chat chunk numbers its closing events on from the last one it sent.
+        return {"type": kind, "sequence_number": None, **fields}
+
+    def told(self, event: dict[str, Any]) -> bytes:
+        """The event as a named SSE event, numbered next."""
+        event["sequence_number"] = self.sequence
         self.sequence += 1
-        return event
+        return sse(event)
 
     def opening(self) -> list[dict[str, Any]]:
         response = self.echo.response("in_progress", [])
@@ -191,7 +197,7 @@ class ResponseEvents:
     def cut_tail(self, error_body: dict[str, Any]) -> bytes:
         """The end of this stream when the server cuts it (ShutdownCutoff's CUT_TAIL_KEY):
         the closing events, failing with the error of ``error_body``."""
-        return b"".join(sse(event) for event in self.closing(error_body["error"]))
+        return b"".join(self.told(event) for event in self.closing(error_body["error"]))
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -213,10 +219,10 @@ async def response_events(chat: AsyncIterable[bytes | str | memoryview],
                           events: ResponseEvents) -> AsyncGenerator[bytes, None]:
     """The Responses SSE stream of a chat SSE stream, told as ``events`` (new)."""
     for event in events.opening():
-        yield sse(event)
+        yield events.told(event)
     async for raw in chat:
         for payload in chat_payloads(raw):
             for event in events.on_chat(payload):
-                yield sse(event)
+                yield events.told(event)
     for event in events.closing():
-        yield sse(event)
+        yield events.told(event)
