@@ -423,7 +423,9 @@ def test_uploaded_adapter_loads_lazily_and_reports_status(setup: Setup,
     assert response.status_code == 201, response.text
     status = response.json()
     assert status["owner"] == "alpha"
-    assert [i["registered"] for i in status["instances"].values()] == [False]
+    # Registered on the engine (checked there), resident in a slot only once used.
+    assert [(i["registered"], i["resident"]) for i in status["instances"].values()] == [
+        (True, False)]
     assert complete(setup, tenants["alpha"], "uploaded").status_code == 200
     status = admin(setup, "GET", "/admin/adapters/uploaded").json()
     (instance,) = status["instances"].values()
