@@ -139,8 +139,8 @@ def build_tenant_router(pending: lifecycle.PendingDeletes) -> APIRouter:
     @router.post("/tenants/{tenant_id}/keys/{key_id}/rotate", status_code=201)
     async def rotate_key(tenant_id: str, key_id: str,
                          gw: AdminGateway) -> dict[str, Any]:
-        old = await _get_key(gw, tenant_id, key_id)
-        issued = await _issue_key(gw, await get_tenant(gw, tenant_id))
+        tenant, old = await _get_key(gw, tenant_id, key_id)
+        issued = await _issue_key(gw, tenant)
         await gw.view.store.delete_key(old.key_hash)
         await gw.view.refresh()
         return issued
@@ -148,7 +148,7 @@ def build_tenant_router(pending: lifecycle.PendingDeletes) -> APIRouter:
     @router.delete("/tenants/{tenant_id}/keys/{key_id}")
     async def revoke_key(tenant_id: str, key_id: str,
                          gw: AdminGateway) -> dict[str, str]:
-        key = await _get_key(gw, tenant_id, key_id)
+        _, key = await _get_key(gw, tenant_id, key_id)
         await gw.view.store.delete_key(key.key_hash)
         await gw.view.refresh()
         return {"key_id": key_id, "status": "revoked"}
@@ -163,11 +163,12 @@ def _tenant(**fields: Any) -> Tenant:
         raise ApiError(400, str(exc), param=field_of(exc)) from None
 
 
-async def _get_key(gw: Gateway, tenant_id: str, key_id: str) -> ApiKey:
+async def _get_key(gw: Gateway, tenant_id: str, key_id: str) -> tuple[Tenant, ApiKey]:
+    """The tenant and its key ``key_id`` (404 naming whichever is missing)."""
     tenant = await get_tenant(gw, tenant_id)
     for key in (await gw.view.store.snapshot()).keys.values():
         if key.held_by(tenant) and key.key_id == key_id:
-            return key
+            return tenant, key
     raise ApiError(404, f"key {key_id!r} of tenant {tenant_id!r} does not exist")
 
 

@@ -22,7 +22,7 @@ from gateway.config import GatewayConfig
 from gateway.redis_store import RedisStore
 from gateway.service import Gateway
 from gateway.store import Snapshot, StateStore
-from gateway.tenancy import Tenant
+from gateway.tenancy import Tenant, hash_key
 from tests.redis_server import shared_redis_url
 
 ADMIN = "race-admin"
@@ -164,3 +164,22 @@ def test_a_patch_racing_a_delete_is_a_404_and_brings_nothing_back(
     assert replica.stored() == {}
     assert replica.client.get("/admin/tenants/acme", headers=AUTH).status_code == 404
     assert replica.snapshot().keys == {}  # its key went with it
+
+
+def test_rotating_a_key_replaces_it_and_revoking_removes_it(replica: Replica) -> None:
+    assert replica.client.post("/admin/tenants", headers=AUTH,
+                               json={"tenant_id": "acme"}).status_code == 201
+    first = replica.client.post("/admin/tenants/acme/keys", headers=AUTH).json()
+    rotated = replica.client.post(f"/admin/tenants/acme/keys/{first['key_id']}/rotate",
+                                  headers=AUTH)
+    assert rotated.status_code == 201, rotated.text
+    second = rotated.json()
+    assert second["key"] != first["key"] and second["tenant_id"] == "acme"
+    assert [k.key_hash for k in replica.snapshot().keys.values()] == [hash_key(second["key"])]
+    again = replica.client.post(f"/admin/tenants/acme/keys/{first['key_id']}/rotate",
+                                headers=AUTH)
+    assert again.status_code == 404, again.text
+    revoked = replica.client.delete(f"/admin/tenants/acme/keys/{second['key_id']}",
+                                    headers=AUTH)
+    assert revoked.json() == {"key_id": second["key_id"], "status": "revoked"}
+    assert replica.snapshot().keys == {}
