@@ -46,7 +46,7 @@ from gateway.admin_common import public_id, unavailable
 from gateway.instances import Instance
 from gateway.service import Gateway
 from gateway.store import StateStore
-from gateway.tenancy import AdapterRecord
+from gateway.tenancy import AdapterRecord, Tenant
 from lora.adapter import LoraAdapter, load_adapter
 
 log = logging.getLogger(__name__)
@@ -253,13 +253,15 @@ HIDE_ATTEMPTS = 5
 """hide_owned re-reads the adapters this often while admin calls change them under it."""
 
 
-async def hide_owned(store: StateStore, tenant_id: str) -> list[str]:
-    """Turn every adapter ``tenant_id`` owns into a pending delete owned by nobody (so that
+async def hide_owned(store: StateStore, tenant: Tenant) -> list[str]:
+    """Turn every adapter ``tenant`` owns into a pending delete owned by nobody (so that
     deleting the tenant leaves it, its name taken until the engines let go); returns their
-    names, sorted. A record changed meanwhile (a PATCH, a DELETE) is read again."""
+    names, sorted. A record changed meanwhile (a PATCH, a DELETE) is read again. Adapters
+    bound to another incarnation of its id (a tenant created again meanwhile) stay."""
     hidden: list[str] = []
     for _ in range(HIDE_ATTEMPTS):
-        owned = [a for a in (await store.snapshot()).adapters.values() if a.owner == tenant_id]
+        owned = [a for a in (await store.snapshot()).adapters.values()
+                 if a.owner == tenant.tenant_id and a.owner_uid in ("", tenant.uid)]
         if not owned:
             break
         for record in owned:

@@ -100,15 +100,18 @@ def build_tenant_router(pending: lifecycle.PendingDeletes) -> APIRouter:
 
     @router.delete("/tenants/{tenant_id}")
     async def delete_tenant(tenant_id: str, gw: AdminGateway) -> dict[str, Any]:
-        await get_tenant(gw, tenant_id)
+        tenant = await get_tenant(gw, tenant_id)
         # Its adapters go as a DELETE of each would: hidden at once (pending delete, owned
         # by nobody, so the tenant's own deletion leaves them), and their names stay taken
         # until every engine unloaded them: old weights never answer for a new adapter.
-        hidden = await lifecycle.hide_owned(gw.view.store, tenant_id)
+        hidden = await lifecycle.hide_owned(gw.view.store, tenant)
         # Keys go with it; a tenant created later under this id gets a new uid, hence a new
-        # cache salt: it inherits nothing.
-        dropped = await gw.view.store.delete_tenant(tenant_id)  # owned yet not hidden: gone
+        # cache salt: it inherits nothing. Only the incarnation read above is deleted: one
+        # created again meanwhile (after another DELETE) stays.
+        dropped = await gw.view.store.delete_tenant(tenant_id, tenant.uid)
         await gw.view.refresh()
+        if dropped is None:
+            raise ApiError(404, f"tenant {tenant_id!r} was deleted meanwhile")
         unloaded, still_held = {}, []
         for name in hidden:
             tombstone = gw.view.snapshot.adapters.get(name)

@@ -191,22 +191,28 @@ class RedisStore:
                           new: Tenant | None) -> bool:
         return await self._swap("tenants", tenant_id, expected, new, tenant_record)
 
-    async def delete_tenant(self, tenant_id: str) -> list[str]:
-        tables = self._k("keys"), self._k("adapters")
+    async def delete_tenant(self, tenant_id: str, uid: str) -> list[str] | None:
+        tables = self._k("tenants"), self._k("keys"), self._k("adapters")
 
-        async def change(pipe: Any) -> list[str]:
-            keys = await self._call(pipe.hgetall(tables[0]))
-            adapters = await self._call(pipe.hgetall(tables[1]))
+        async def change(pipe: Any) -> list[str] | None:
+            raw = await self._call(pipe.hget(tables[0], tenant_id))
+            current = None if raw is None else self._parse("tenants", tenant_id, raw,
+                                                            tenant_record)
+            if current is None or current.uid != uid:
+                await self._call(pipe.reset())
+                return None
+            keys = await self._call(pipe.hgetall(tables[1]))
+            adapters = await self._call(pipe.hgetall(tables[2]))
             owned_keys = [h for h, v in keys.items() if _field(v, "tenant_id") == tenant_id]
             owned, unshared = _tenant_adapters(adapters, tenant_id)
             pipe.multi()
-            pipe.hdel(self._k("tenants"), tenant_id)
+            pipe.hdel(tables[0], tenant_id)
             if owned_keys:
-                pipe.hdel(tables[0], *owned_keys)
+                pipe.hdel(tables[1], *owned_keys)
             if owned:
-                pipe.hdel(tables[1], *owned)
+                pipe.hdel(tables[2], *owned)
             for name, value in unshared.items():
-                pipe.hset(tables[1], name, value)
+                pipe.hset(tables[2], name, value)
             pipe.incr(self._k("version"))
             await self._call(pipe.execute())
             return owned

@@ -136,8 +136,8 @@ class SqliteStore(MemoryStore):
         swapped: bool = await self._persisted(super().swap_tenant(tenant_id, expected, new))
         return swapped
 
-    async def delete_tenant(self, tenant_id: str) -> list[str]:
-        owned: list[str] = await self._persisted(super().delete_tenant(tenant_id))
+    async def delete_tenant(self, tenant_id: str, uid: str) -> list[str] | None:
+        owned: list[str] | None = await self._persisted(super().delete_tenant(tenant_id, uid))
         return owned
 
     async def put_key(self, key: ApiKey) -> None:

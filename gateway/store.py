@@ -74,10 +74,13 @@ class StateStore(Protocol):
         the tenant back. Deleting a tenant goes through delete_tenant (its keys and adapters
         go with it)."""
 
-    async def delete_tenant(self, tenant_id: str) -> list[str]:
-        """Also deletes the tenant's keys and the adapters it owns (their names are
-        returned, sorted), and takes it off other adapters' shared_with: a tenant created
-        later under the same id inherits nothing. One atomic change."""
+    async def delete_tenant(self, tenant_id: str, uid: str) -> list[str] | None:
+        """Deletes the tenant stored under ``tenant_id`` if it is still the incarnation
+        ``uid`` (the one the caller read), else changes nothing and returns None: a DELETE
+        never takes a tenant created again under that id meanwhile. Also deletes every key
+        of the id and the adapters it owns (their names are returned, sorted), and takes it
+        off other adapters' shared_with: a tenant created later under the same id inherits
+        nothing. One atomic change."""
 
     async def put_key(self, key: ApiKey) -> None: ...
 
@@ -137,8 +140,11 @@ class MemoryStore:
                           new: Tenant | None) -> bool:
         return self._swap(self._tenants, tenant_id, expected, new)
 
-    async def delete_tenant(self, tenant_id: str) -> list[str]:
-        self._tenants.pop(tenant_id, None)
+    async def delete_tenant(self, tenant_id: str, uid: str) -> list[str] | None:
+        current = self._tenants.get(tenant_id)
+        if current is None or current.uid != uid:
+            return None
+        del self._tenants[tenant_id]
         for key_hash in [h for h, k in self._keys.items() if k.tenant_id == tenant_id]:
             del self._keys[key_hash]
         owned = sorted(n for n, a in self._adapters.items() if a.owner == tenant_id)

@@ -44,7 +44,7 @@ def test_sqlite_store_keeps_records_and_version_across_a_restart(tmp_path: Path)
         assert snap.tenants == {"acme": tenant, "beta": other}
         assert snap.keys == {key.key_hash: key}
         assert snap.adapters == {"bot": owned, "pub": shared}
-        assert await store.delete_tenant("acme") == ["bot"]
+        assert await store.delete_tenant("acme", tenant.uid) == ["bot"]
         await store.close()
 
     async def third() -> None:

@@ -116,7 +116,9 @@ def test_deleting_a_tenant_takes_its_keys_and_adapters_and_shares(
         for record in records:
             assert await store.swap_adapter(record.name, None, record)
         v0 = await store.version()
-        assert await store.delete_tenant("acme") == ["mine"]
+        assert await store.delete_tenant("acme", "an-earlier-incarnation") is None
+        assert await store.version() == v0  # a refused delete writes nothing
+        assert await store.delete_tenant("acme", acme.uid) == ["mine"]
         snapshot = await make_store().snapshot()
         assert snapshot.version == v0 + 1  # one atomic change
         assert list(snapshot.tenants) == ["beta"]

@@ -65,7 +65,7 @@ def test_a_key_issued_while_its_tenant_was_deleted_is_held_by_no_later_tenant() 
         store = MemoryStore()
         old, new = Tenant("acme"), Tenant("acme")
         assert await store.swap_tenant("acme", None, old)
-        await store.delete_tenant("acme")
+        assert await store.delete_tenant("acme", old.uid) == []
         await store.put_key(ApiKey(hash_key("late"), "acme", "k1", 0.0, old.uid))  # the race
         await store.put_key(ApiKey(hash_key("legacy"), "acme", "k2", 0.0))  # before uids
         assert await store.swap_tenant("acme", None, new)

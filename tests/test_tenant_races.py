@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -22,7 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.redis_store import RedisStore
 from gateway.service import Gateway
 from gateway.store import Snapshot, StateStore
-from gateway.tenancy import Tenant, hash_key
+from gateway.tenancy import ApiKey, Tenant, hash_key
 from tests.redis_server import shared_redis_url
 
 ADMIN = "race-admin"
@@ -43,7 +44,7 @@ def test_swap_tenant_changes_only_the_record_it_was_given(
         renamed = dataclasses.replace(first, name="Acme Inc")
         assert not await store.swap_tenant("acme", first, renamed)  # read before the change
         assert (await store.snapshot()).tenants == {"acme": limited}
-        await other.delete_tenant("acme")
+        assert await other.delete_tenant("acme", limited.uid) == []
         assert not await store.swap_tenant("acme", limited, renamed)  # never brought back
         assert (await store.snapshot()).tenants == {}
         await store.close()
@@ -74,21 +75,22 @@ class Replica:
     prefix: str
 
     def rival_writes_first(self, monkeypatch: pytest.MonkeyPatch,
-                           write: Callable[[RedisStore], Awaitable[object]]) -> None:
-        """Another replica's ``write`` lands just before this gateway's next tenant write."""
+                           write: Callable[[RedisStore], Awaitable[object]],
+                           before: str = "swap_tenant") -> None:
+        """Another replica's ``write`` lands just before this gateway's next call of its
+        store's method ``before`` (a tenant write)."""
         store = self.gateway.view.store
-        swap = store.swap_tenant
+        own_write = getattr(store, before)
         pending = [write]
 
-        async def after_the_rival(tenant_id: str, expected: Tenant | None,
-                                  new: Tenant | None) -> bool:
+        async def after_the_rival(*args: Any) -> Any:
             if pending:
                 rival = RedisStore(self.url, prefix=self.prefix, timeout_s=5.0)
                 await pending.pop()(rival)
                 await rival.close()
-            return await swap(tenant_id, expected, new)
+            return await own_write(*args)
 
-        monkeypatch.setattr(store, "swap_tenant", after_the_rival)
+        monkeypatch.setattr(store, before, after_the_rival)
 
     def snapshot(self) -> Snapshot:
         """The shared state, as another replica reads it."""
@@ -153,17 +155,39 @@ def test_two_patches_of_different_fields_both_hold(replica: Replica,
 
 def test_a_patch_racing_a_delete_is_a_404_and_brings_nothing_back(
         replica: Replica, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert replica.client.post("/admin/tenants", headers=AUTH,
-                               json={"tenant_id": "acme"}).status_code == 201
+    created = replica.client.post("/admin/tenants", headers=AUTH, json={"tenant_id": "acme"})
+    assert created.status_code == 201, created.text
     key = replica.client.post("/admin/tenants/acme/keys", headers=AUTH)
     assert key.status_code == 201, key.text
-    replica.rival_writes_first(monkeypatch, lambda store: store.delete_tenant("acme"))
+    uid = created.json()["uid"]
+    replica.rival_writes_first(monkeypatch, lambda store: store.delete_tenant("acme", uid))
     answer = replica.client.patch("/admin/tenants/acme", headers=AUTH, json={"rpm": 9})
     assert answer.status_code == 404, answer.text
     assert answer.json()["error"]["message"] == "tenant 'acme' does not exist"
     assert replica.stored() == {}
     assert replica.client.get("/admin/tenants/acme", headers=AUTH).status_code == 404
     assert replica.snapshot().keys == {}  # its key went with it
+
+
+def test_a_delete_leaves_a_tenant_created_again_since_it_read(
+        replica: Replica, monkeypatch: pytest.MonkeyPatch) -> None:
+    created = replica.client.post("/admin/tenants", headers=AUTH, json={"tenant_id": "acme"})
+    assert created.status_code == 201, created.text
+    old = Tenant(**created.json())
+    again = Tenant("acme", "created again")
+    again_key = ApiKey(hash_key("sk-again"), "acme", "k-again", 0.0, again.uid)
+
+    async def delete_and_create_again(store: RedisStore) -> None:
+        assert await store.delete_tenant("acme", old.uid) == []
+        assert await store.swap_tenant("acme", None, again)
+        await store.put_key(again_key)
+
+    replica.rival_writes_first(monkeypatch, delete_and_create_again, before="delete_tenant")
+    answer = replica.client.delete("/admin/tenants/acme", headers=AUTH)
+    assert answer.status_code == 404, answer.text
+    assert answer.json()["error"]["message"] == "tenant 'acme' was deleted meanwhile"
+    assert replica.stored() == {"acme": again}
+    assert replica.snapshot().keys == {again_key.key_hash: again_key}
 
 
 def test_rotating_a_key_replaces_it_and_revoking_removes_it(replica: Replica) -> None:
