@@ -47,8 +47,13 @@ case "$cmd" in
         # rechecks only what differs from the last run (a minute cold on 2 cores).
         MYPY_CACHE_DIR=${MYPY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/loragate/mypy} \
             .venv/bin/mypy
-        echo "dev.sh: pytest" >&2
-        .venv/bin/python -m pytest -q --durations=20 "$@"  # the slowest tests, for keeping CI short
+        # Two workers (or LORAGATE_TEST_WORKERS; 0 runs in this process): the suite is mostly
+        # server processes starting and talking, and one worker leaves a third of two cores
+        # idle. A test file runs whole on one worker, so its module's live servers start once.
+        workers=${LORAGATE_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 0 ))}
+        echo "dev.sh: pytest ($workers workers)" >&2
+        # --durations: the slowest tests, for keeping CI short
+        .venv/bin/python -m pytest -q -n "$workers" --dist loadfile --durations=20 "$@"
         ;;
     serve)
         setup

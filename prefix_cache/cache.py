@@ -115,6 +115,20 @@ class Block:
     """Owner of the block since its last allocation (prefix_cache.pools)."""
 
 
+class _Blocks(dict[int, Block]):
+    """block id in [0, num_blocks) -> its Block, created on first access."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__()
+        self.num_blocks = num_blocks
+
+    def __missing__(self, block_id: int) -> Block:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} is not in [0, {self.num_blocks})")
+        block = self[block_id] = Block(block_id)
+        return block
+
+
 class HashBlockCache:
     """BlockCache with a flat hash -> block dict (vLLM-style); a radix tree could stand
     beside it behind the same protocol.
@@ -129,7 +143,10 @@ class HashBlockCache:
                  pools: PoolAccounting | None = None) -> None:
         self.num_blocks = num_blocks
         self.pools = pools or PoolAccounting(num_blocks)
-        self._blocks = [Block(i) for i in range(num_blocks)]
+        # Bookkeeping made on a block's first use: an engine sized by memory has 100k+
+        # block ids, most never touched by a short run, and a list of them all was half a
+        # second of every start.
+        self._blocks = _Blocks(num_blocks)
         self._cached_free: dict[str, OrderedDict[int, None]] = {}
         self._block_of: dict[int, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))

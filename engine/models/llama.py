@@ -177,7 +177,12 @@ class DecoderModel(nn.Module):
     def __init__(self, shape: ModelShape, layer: Callable[[ModelShape, int], nn.Module],
                  norm: NormFactory) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        # Given its weight, the embedding skips its random init: the weights are the
+        # checkpoint's (loader.py), and normal_ under a device context imports torch._dynamo
+        # (a second of every engine's start).
+        self.embed_tokens = nn.Embedding(
+            shape.vocab_size, shape.hidden_size,
+            _weight=torch.empty(shape.vocab_size, shape.hidden_size))
         self.layers = nn.ModuleList(layer(shape, i) for i in range(shape.num_layers))
         self.norm = norm(shape.hidden_size, shape.rms_norm_eps)
 
