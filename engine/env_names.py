@@ -28,7 +28,7 @@ OTHER_NAMES = frozenset({
     # clients, examples, benchmarks, tests, dev.sh and the deploy manifests
     "LORAGATE_BASE_URL", "LORAGATE_MODEL", "LORAGATE_API_KEY", "LORAGATE_PEER_VENV",
     "LORAGATE_LM_EVAL_VENV", "LORAGATE_CONSTRAINTS", "LORAGATE_IMAGE", "LORAGATE_REAL_MODEL",
-    "LORAGATE_FUZZ_EXAMPLES",
+    "LORAGATE_FUZZ_EXAMPLES", "LORAGATE_TEST_WORKERS",
 })
 """LORAGATE_* names read other than as a config field."""
 
