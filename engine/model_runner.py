@@ -16,6 +16,7 @@ from engine.cpu_kernels import load_fused_ops, load_paged_decode, load_span_atte
 from engine.decode_graphs import DecodeGraphs
 from engine.input_batch import InputBatch
 from engine.kv_cache import blocks_for
+from engine.lazy_zeros import lazy_zeros
 from engine.logits_processors import PenaltyCounts, RowState, adjust_logits
 from engine.models.llama import LlamaForFlatBatch
 from engine.paged_decode import CopyBuffers
@@ -91,16 +92,18 @@ class ModelRunner:
         graphs = config.cuda_graphs and (triton or static_cpu)
         cache_blocks = self.num_blocks + (1 if graphs else 0)
         self.kv_caches = [
-            (torch.zeros(cache_blocks, *block_shape, dtype=dtype, device=device),
-             torch.zeros(cache_blocks, *block_shape, dtype=dtype, device=device))
+            (lazy_zeros((cache_blocks, *block_shape), dtype, device),
+             lazy_zeros((cache_blocks, *block_shape), dtype, device))
             for _ in range(s.num_layers)
         ]
-        pin = device.type == "cuda"
-        self.swap_caches = [
-            (torch.zeros(self.num_swap_blocks, *block_shape, dtype=dtype, pin_memory=pin),
-             torch.zeros(self.num_swap_blocks, *block_shape, dtype=dtype, pin_memory=pin))
-            for _ in range(s.num_layers)
-        ] if self.num_swap_blocks else []
+        def host_blocks() -> torch.Tensor:  # pinned for the copies from and to a GPU
+            swap_shape = (self.num_swap_blocks, *block_shape)
+            if device.type == "cuda":
+                return torch.zeros(swap_shape, dtype=dtype, pin_memory=True)
+            return lazy_zeros(swap_shape, dtype, torch.device("cpu"))
+
+        self.swap_caches = [(host_blocks(), host_blocks()) for _ in range(s.num_layers)] \
+            if self.num_swap_blocks else []
         self.sampler = Sampler(config.seed, device)
         self.grammars = GrammarMatchers(config.max_num_seqs)
         self.stop_token_ids = stop_token_ids
