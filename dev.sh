@@ -52,8 +52,12 @@ case "$cmd" in
         # idle. A test file runs whole on one worker, so its module's live servers start once.
         workers=${LORAGATE_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 0 ))}
         echo "dev.sh: pytest ($workers workers)" >&2
+        # The workers and the servers they start share the cores: OpenMP threads that spin at
+        # barriers wait there for siblings that are not running (benchmarks/RESULTS.md, "OpenMP's
+        # wait policy on a shared host"), so they sleep instead unless told otherwise.
         # --durations: the slowest tests, for keeping CI short
-        .venv/bin/python -m pytest -q -n "$workers" --dist loadfile --durations=20 "$@"
+        OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} \
+            .venv/bin/python -m pytest -q -n "$workers" --dist loadfile --durations=20 "$@"
         ;;
     serve)
         setup

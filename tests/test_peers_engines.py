@@ -51,7 +51,9 @@ def test_install_plan_removes_the_cuda_companions_on_cpu_only(tmp_path: Path) ->
     assert installed_version(tmp_path) is None
 
 
-def test_wait_policy_reaches_both_engines_only_when_set() -> None:
+def test_wait_policy_reaches_both_engines_only_when_set(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # ./dev.sh test sets it
     passive = EngineSettings(omp_wait_policy="passive")
     assert engine_env("vllm", passive)["OMP_WAIT_POLICY"] == "PASSIVE"
     assert engine_env("loragate", passive)["OMP_WAIT_POLICY"] == "PASSIVE"
