@@ -192,33 +192,33 @@ class RedisStore:
         return await self._swap("tenants", tenant_id, expected, new, tenant_record)
 
     async def delete_tenant(self, tenant_id: str, uid: str) -> list[str] | None:
-        tables = self._k("tenants"), self._k("keys"), self._k("adapters")
+        tenants, keys, adapters = self._k("tenants"), self._k("keys"), self._k("adapters")
 
         async def change(pipe: Any) -> list[str] | None:
-            raw = await self._call(pipe.hget(tables[0], tenant_id))
-            current = None if raw is None else self._parse("tenants", tenant_id, raw,
-                                                            tenant_record)
+            current = await self._current(pipe, "tenants", tenant_id, tenant_record)
             if current is None or current.uid != uid:
                 await self._call(pipe.reset())
                 return None
-            keys = await self._call(pipe.hgetall(tables[1]))
-            adapters = await self._call(pipe.hgetall(tables[2]))
-            owned_keys = [h for h, v in keys.items() if _field(v, "tenant_id") == tenant_id]
-            owned, unshared = _tenant_adapters(adapters, tenant_id)
+            stored_keys = await self._call(pipe.hgetall(keys))
+            stored_adapters = await self._call(pipe.hgetall(adapters))
+            owned_keys = [h for h, v in stored_keys.items()
+                          if _field(v, "tenant_id") == tenant_id]
+            owned, unshared = _tenant_adapters(stored_adapters, tenant_id)
             pipe.multi()
-            pipe.hdel(tables[0], tenant_id)
+            pipe.hdel(tenants, tenant_id)
             if owned_keys:
-                pipe.hdel(tables[1], *owned_keys)
+                pipe.hdel(keys, *owned_keys)
             if owned:
-                pipe.hdel(tables[2], *owned)
+                pipe.hdel(adapters, *owned)
             for name, value in unshared.items():
-                pipe.hset(tables[2], name, value)
+                pipe.hset(adapters, name, value)
             pipe.incr(self._k("version"))
             await self._call(pipe.execute())
             return owned
 
-        return await self._watching(tables, change, f"tenant {tenant_id!r} could not be "
-                                    f"deleted: its keys and adapters kept changing")
+        return await self._watching((tenants, keys, adapters), change,
+                                    f"tenant {tenant_id!r} could not be deleted: its keys "
+                                    f"and adapters kept changing")
 
     async def put_key(self, key: ApiKey) -> None:
         await self._write("set", "keys", key.key_hash, json.dumps(asdict(key)))
@@ -236,8 +236,7 @@ class RedisStore:
         key = self._k(table)
 
         async def change(pipe: Any) -> bool:
-            raw = await self._call(pipe.hget(key, name))
-            current = None if raw is None else self._parse(table, name, raw, build)
+            current = await self._current(pipe, table, name, build)
             if current != expected:
                 await self._call(pipe.reset())
                 return False
@@ -252,6 +251,12 @@ class RedisStore:
 
         return await self._watching((key,), change, f"{table} record {name!r} could not be "
                                     f"written: its table kept changing")
+
+    async def _current(self, pipe: Any, table: str, name: str, build: Builder[R]) -> R | None:
+        """The record under ``name`` in ``table`` as a watching pipeline reads it (None:
+        there is none, or it does not parse)."""
+        raw = await self._call(pipe.hget(self._k(table), name))
+        return None if raw is None else self._parse(table, name, raw, build)
 
     async def _watching(self, keys: tuple[str, ...],
                         change: Callable[[Any], Awaitable[T]], failure: str) -> T:

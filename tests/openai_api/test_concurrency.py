@@ -58,5 +58,3 @@ def test_client_disconnect_mid_stream_frees_engine_blocks(
     assert running["num_running"] == 1 and running["kv_blocks_used"] > 0
     stream.close()
     wait_engine_idle(engine.url)
-
-
