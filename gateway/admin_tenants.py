@@ -181,7 +181,9 @@ async def _issue_key(gw: Gateway, tenant: Tenant) -> dict[str, Any]:
     key = new_key()
     record = ApiKey(hash_key(key), tenant.tenant_id, uuid.uuid4().hex[:12], time.time(),
                     tenant.uid)
-    await gw.view.store.put_key(record)
+    stored = await gw.view.store.put_key(record)
     await gw.view.refresh()
+    if not stored:  # deleted (and perhaps created again) since the route read it
+        raise ApiError(404, f"tenant {tenant.tenant_id!r} was deleted meanwhile")
     return {"key": key, "key_id": record.key_id, "tenant_id": tenant.tenant_id,
             "note": "store this key now: it is not shown again"}

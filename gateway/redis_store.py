@@ -177,13 +177,9 @@ class RedisStore:
     async def version(self) -> int:
         return int(await self._call(self._redis.get(self._k("version"))) or 0)
 
-    async def _write(self, op: str, table: str, field: str, value: str | None = None) -> None:
+    async def _delete(self, table: str, field: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
-            if op == "set":
-                assert value is not None
-                pipe.hset(self._k(table), field, value)
-            else:
-                pipe.hdel(self._k(table), field)
+            pipe.hdel(self._k(table), field)
             pipe.incr(self._k("version"))
             await self._call(pipe.execute())
 
@@ -220,11 +216,27 @@ class RedisStore:
                                     f"tenant {tenant_id!r} could not be deleted: its keys "
                                     f"and adapters kept changing")
 
-    async def put_key(self, key: ApiKey) -> None:
-        await self._write("set", "keys", key.key_hash, json.dumps(asdict(key)))
+    async def put_key(self, key: ApiKey) -> bool:
+        tenants, keys = self._k("tenants"), self._k("keys")
+
+        async def change(pipe: Any) -> bool:
+            owner = await self._current(pipe, "tenants", key.tenant_id, tenant_record)
+            if owner is None or not key.held_by(owner):
+                await self._call(pipe.reset())
+                return False
+            pipe.multi()
+            pipe.hset(keys, key.key_hash, json.dumps(asdict(key)))
+            pipe.incr(self._k("version"))
+            await self._call(pipe.execute())
+            return True
+
+        # Only the tenants table is watched: a write of another key cannot make this one
+        # an orphan.
+        return await self._watching((tenants,), change, f"key {key.key_id!r} could not be "
+                                    f"stored: tenant records kept changing")
 
     async def delete_key(self, key_hash: str) -> None:
-        await self._write("del", "keys", key_hash)
+        await self._delete("keys", key_hash)
 
     async def swap_adapter(self, name: str, expected: AdapterRecord | None,
                            new: AdapterRecord | None) -> bool:
@@ -272,7 +284,7 @@ class RedisStore:
         raise StoreUnavailable(f"redis at {self.url}: {failure}")
 
     async def delete_adapter(self, name: str) -> None:
-        await self._write("del", "adapters", name)
+        await self._delete("adapters", name)
 
     # ------------------------------------------------------------- rate limits
     def _rate_keys(self, tenant_id: str) -> list[str]:

@@ -140,8 +140,9 @@ class SqliteStore(MemoryStore):
         owned: list[str] | None = await self._persisted(super().delete_tenant(tenant_id, uid))
         return owned
 
-    async def put_key(self, key: ApiKey) -> None:
-        await self._persisted(super().put_key(key))
+    async def put_key(self, key: ApiKey) -> bool:
+        stored: bool = await self._persisted(super().put_key(key))
+        return stored
 
     async def delete_key(self, key_hash: str) -> None:
         await self._persisted(super().delete_key(key_hash))

@@ -82,7 +82,11 @@ class StateStore(Protocol):
         off other adapters' shared_with: a tenant created later under the same id inherits
         nothing. One atomic change."""
 
-    async def put_key(self, key: ApiKey) -> None: ...
+    async def put_key(self, key: ApiKey) -> bool:
+        """Stores ``key`` if the tenant stored under its tenant_id still holds it (the
+        incarnation it was issued to: ApiKey.held_by) and returns True; otherwise writes
+        nothing and returns False. One atomic check and write: a key issued while its tenant
+        is deleted (by another request or replica) is never stored as an orphan."""
 
     async def delete_key(self, key_hash: str) -> None: ...
 
@@ -157,9 +161,14 @@ class MemoryStore:
         self._bump()
         return owned
 
-    async def put_key(self, key: ApiKey) -> None:
+    async def put_key(self, key: ApiKey) -> bool:
+        # Not awaited between the check and the write: atomic on the loop.
+        owner = self._tenants.get(key.tenant_id)
+        if owner is None or not key.held_by(owner):
+            return False
         self._keys[key.key_hash] = key
         self._bump()
+        return True
 
     async def delete_key(self, key_hash: str) -> None:
         self._keys.pop(key_hash, None)

@@ -45,7 +45,7 @@ def test_records_round_trip_and_bump_the_version(make_store: Callable[[], StateS
         adapter = AdapterRecord("bot", "/adapters/bot", owner="acme", shared_with=("beta",),
                                 owner_uid=tenant.uid)
         assert await store.swap_tenant(tenant.tenant_id, None, tenant)
-        await store.put_key(key)
+        assert await store.put_key(key)
         assert await store.swap_adapter("bot", None, adapter)
         assert await store.version() == v0 + 3
         other = make_store()  # a second gateway sees the same records
@@ -112,7 +112,8 @@ def test_deleting_a_tenant_takes_its_keys_and_adapters_and_shares(
                    AdapterRecord("public", "/p")]
         for tenant in (acme, beta):
             assert await store.swap_tenant(tenant.tenant_id, None, tenant)
-            await store.put_key(ApiKey(hash_key(tenant.tenant_id), tenant.tenant_id, "k", 0.0))
+            assert await store.put_key(ApiKey(hash_key(tenant.tenant_id), tenant.tenant_id,
+                                              "k", 0.0))
         for record in records:
             assert await store.swap_adapter(record.name, None, record)
         v0 = await store.version()
@@ -183,8 +184,10 @@ def test_tpm_counts_reserved_and_charged_tokens(make_store: Callable[[], StateSt
 def test_admit_refuses_a_revoked_key_at_once(make_store: Callable[[], StateStore]) -> None:
     async def scenario() -> None:
         store, other = make_store(), make_store()
-        key = ApiKey(hash_key("secret"), "acme", "k1", 0.0)
-        await store.put_key(key)
+        acme = Tenant("acme")
+        key = ApiKey(hash_key("secret"), "acme", "k1", 0.0, acme.uid)
+        assert await store.swap_tenant("acme", None, acme)
+        assert await store.put_key(key)
         assert (await other.admit(key.key_hash, "acme", None, None, now=NOW)).allowed
         await store.delete_key(key.key_hash)
         revoked = await other.admit(key.key_hash, "acme", None, None, now=NOW)
@@ -241,7 +244,7 @@ def test_snapshot_skips_unreadable_records_and_ignores_unknown_fields(
     async def scenario() -> Snapshot:
         store = RedisStore(url, prefix=prefix)
         assert await store.swap_tenant(acme.tenant_id, None, acme)
-        await store.put_key(key)
+        assert await store.put_key(key)
         for table, records in raw.items():
             for name, value in records.items():
                 client.hset(prefix + table, name, value)

@@ -67,6 +67,30 @@ def test_one_of_many_racing_creates_takes_an_id(make_store: Callable[[], StateSt
     asyncio.run(scenario())
 
 
+def test_a_key_is_stored_only_for_the_incarnation_it_was_issued_to(
+        make_store: Callable[[], StateStore]) -> None:
+    async def scenario() -> None:
+        store, other = make_store(), make_store()
+        old, again = Tenant("acme"), Tenant("acme")
+        late = ApiKey(hash_key("late"), "acme", "k1", 0.0, old.uid)
+        assert not await store.put_key(late)  # no tenant yet
+        assert await store.swap_tenant("acme", None, old)
+        assert await other.delete_tenant("acme", old.uid) == []
+        v0 = await store.version()
+        assert not await store.put_key(late)  # its tenant was deleted
+        assert await store.swap_tenant("acme", None, again)
+        assert not await store.put_key(late)  # nor does the next tenant of the id take it
+        assert await store.version() == v0 + 1  # refusals write nothing
+        assert (await other.snapshot()).keys == {}
+        fresh = ApiKey(hash_key("fresh"), "acme", "k2", 0.0, again.uid)
+        assert await other.put_key(fresh)
+        assert (await store.snapshot()).keys == {fresh.key_hash: fresh}
+        await store.close()
+        await other.close()
+
+    asyncio.run(scenario())
+
+
 @dataclass
 class Replica:
     client: TestClient
@@ -180,7 +204,7 @@ def test_a_delete_leaves_a_tenant_created_again_since_it_read(
     async def delete_and_create_again(store: RedisStore) -> None:
         assert await store.delete_tenant("acme", old.uid) == []
         assert await store.swap_tenant("acme", None, again)
-        await store.put_key(again_key)
+        assert await store.put_key(again_key)
 
     replica.rival_writes_first(monkeypatch, delete_and_create_again, before="delete_tenant")
     answer = replica.client.delete("/admin/tenants/acme", headers=AUTH)
@@ -188,6 +212,27 @@ def test_a_delete_leaves_a_tenant_created_again_since_it_read(
     assert answer.json()["error"]["message"] == "tenant 'acme' was deleted meanwhile"
     assert replica.stored() == {"acme": again}
     assert replica.snapshot().keys == {again_key.key_hash: again_key}
+
+
+@pytest.mark.parametrize("created_again", [False, True])
+def test_a_key_issued_while_its_tenant_is_deleted_is_a_404_and_stored_nowhere(
+        replica: Replica, monkeypatch: pytest.MonkeyPatch, created_again: bool) -> None:
+    created = replica.client.post("/admin/tenants", headers=AUTH, json={"tenant_id": "acme"})
+    assert created.status_code == 201, created.text
+    again = Tenant("acme", "created again")
+
+    async def delete(store: RedisStore) -> None:
+        assert await store.delete_tenant("acme", created.json()["uid"]) == []
+        if created_again:
+            assert await store.swap_tenant("acme", None, again)
+
+    replica.rival_writes_first(monkeypatch, delete, before="put_key")
+    answer = replica.client.post("/admin/tenants/acme/keys", headers=AUTH)
+    assert answer.status_code == 404, answer.text
+    assert answer.json()["error"]["message"] == "tenant 'acme' was deleted meanwhile"
+    assert "key" not in answer.json()
+    assert replica.stored() == ({"acme": again} if created_again else {})
+    assert replica.snapshot().keys == {}
 
 
 def test_rotating_a_key_replaces_it_and_revoking_removes_it(replica: Replica) -> None:
