@@ -73,17 +73,28 @@ class FunctionCallOutputItem(BaseModel):
     output: Text | TextParts
 
 
-def _item_type(value: Any) -> str | None:
-    if isinstance(value, dict):
-        kind = value.get("type", "message")
-        return kind if isinstance(kind, str) else None
-    return getattr(value, "type", None)
+ITEM_TAGS = {"message": "MessageItem", "function_call": "FunctionCallItem",
+             "function_call_output": "FunctionCallOutputItem"}
+"""An item's type -> its union member's tag. pydantic puts the tag in an error's location
+("input.0.MessageItem.content"); a class name there is read as a tag, not a field, by the
+HTTP error handler, so the client is told of input[0].content."""
 
 
-InputItem = Annotated[Annotated[MessageItem, Tag("message")]
-                      | Annotated[FunctionCallItem, Tag("function_call")]
-                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-                      Discriminator(_item_type)]
+def _item_type(value: Any) -> Any:
+    return value.get("type", "message") if isinstance(value, dict) else \
+        getattr(value, "type", None)
+
+
+def _item_tag(value: Any) -> str | None:
+    kind = _item_type(value)
+    return ITEM_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+InputItem = Annotated[Annotated[MessageItem, Tag(ITEM_TAGS["message"])]
+                      | Annotated[FunctionCallItem, Tag(ITEM_TAGS["function_call"])]
+                      | Annotated[FunctionCallOutputItem,
+                                  Tag(ITEM_TAGS["function_call_output"])],
+                      Discriminator(_item_tag)]
 InputItems = Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
 
 

@@ -104,8 +104,8 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             continue
         loc = tuple(str(part) for part in err.get("loc", ()) if part != "body")
         about = field_of((err.get("ctx") or {}).get("error"))
-        if about is not None:  # a check across fields, located at the model by pydantic
-            loc = (*loc, about)
+        if about is not None:
+            loc = _named(loc, about)
         if not loc and err.get("type") in (*NOT_AN_OBJECT, "missing"):  # e.g. text/plain
             problems.append(NOT_AN_OBJECT_MESSAGE)
             continue
@@ -125,6 +125,18 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
         if problem not in problems:
             problems.append(problem)
     return "; ".join(problems) or "invalid request body", _param(locs)
+
+
+def _named(loc: tuple[str, ...], about: str) -> tuple[str, ...]:
+    """The location of an error whose check named its field ``about``: one on the path to
+    where pydantic located it (kept with the list indices right after it: messages[0] for a
+    check of one message), or a field of the model there (a check across fields)."""
+    if about not in loc:
+        return (*loc, about)
+    end = len(loc) - loc[::-1].index(about)
+    while end < len(loc) and loc[end].isdigit():
+        end += 1
+    return loc[:end]
 
 
 def _text_length(err: Any) -> str | None:
@@ -167,9 +179,10 @@ def _shown(loc: tuple[Any, ...]) -> str:
 
 
 def _param(locs: list[tuple[str, ...]]) -> str | None:
-    """The field the first error is about. A union field fails once per member, each loc
-    tagged with the member's type ("prompt.str", "prompt.list[int]"): the param is the last
-    name on the path those errors share, never a type tag or a list index."""
+    """The field the first error is about, as OpenAI writes a param: the whole path, list
+    indices in brackets as parts of their own ("messages.[0].content"). A union field fails
+    once per member, each loc tagged with the member's type ("prompt.str",
+    "prompt.list[int]"): the param is the path those errors share, without type tags."""
     if not locs:
         return None
     path = locs[0]
@@ -179,8 +192,9 @@ def _param(locs: list[tuple[str, ...]]) -> str | None:
             while shared < min(len(path), len(loc)) and path[shared] == loc[shared]:
                 shared += 1
             path = path[:shared]
-    names = [part for part in path if not part.isdigit() and not _is_tag(part)]
-    return names[-1] if names else None
+    parts = [f"[{part}]" if part.isdigit() else part for part in path
+             if part.isdigit() or not _is_tag(part)]
+    return ".".join(parts) or None
 
 
 def answer(request: Request, error: ApiError) -> JSONResponse:

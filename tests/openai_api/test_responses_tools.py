@@ -191,7 +191,7 @@ def test_an_adapter_as_model_answers_as_on_chat(client: openai.OpenAI, model: st
     ({"tools": TOOLS, "tool_choice": "required",
       "text": {"format": {"type": "json_object"}}}, "tool_choice"),
     ({"tools": TOOLS + TOOLS[:1]}, "tools"),
-    ({"tools": [{"type": "function", "name": "bad name!"}]}, "name"),
+    ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools.[0].name"),
     ({"text": {"format": {"type": "json_schema", "name": "x",
                           "schema": {"type": "no-such-type"}}}}, "text"),
 ])
