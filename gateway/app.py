@@ -173,7 +173,8 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                   docs_url=None, redoc_url=None, redirect_slashes=False)
     install_docs(app)  # /docs with local assets (offline)
     app.state.draining = False
-    install_error_handlers(app)
+    install_error_handlers(app, openai_routes="/v1/chat/completions, /v1/completions, "
+                           "/v1/responses and /v1/models")
 
     @app.exception_handler(StoreUnavailable)
     async def _store_down(request: Request, exc: StoreUnavailable) -> JSONResponse:

@@ -216,9 +216,20 @@ def _client_closed(request: Request) -> JSONResponse:
                                     "its request body was read", code="client_closed"))
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def _no_route(request: Request, openai_routes: str | None) -> str:
+    """The 404 message for a path no route serves: the method and path the client sent
+    (its own words, cut short), and for an OpenAI path, which ones this server has."""
+    path = request.url.path
+    shown = path if len(path) <= 120 else path[:120] + "..."
+    served = f"; of the OpenAI API this server has {openai_routes}" \
+        if openai_routes and path.startswith("/v1/") else ""
+    return f"no such endpoint: {request.method} {shown}{served}"
+
+
+def install_error_handlers(app: FastAPI, openai_routes: str | None = None) -> None:
     """Render ApiError, EngineError, validation errors, HTTP errors and crashes in OpenAI's
-    schema."""
+    schema. ``openai_routes``: the OpenAI endpoints the app serves, named in the 404 of an
+    OpenAI path it does not (a client pointed here for embeddings, say)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -252,6 +263,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if "integer string conversion" in str(exc.__cause__):  # Python's JSON parser's bound
             detail = (f"the request body is not valid JSON here: it has an integer of more "
                       f"than {sys.get_int_max_str_digits()} digits")
+        elif exc.status_code == 404 and detail == "Not Found":  # no route: say which
+            detail = _no_route(request, openai_routes)
         return JSONResponse(error_body(exc.status_code, detail, code=code),
                             status_code=exc.status_code, headers=exc.headers)
 

@@ -60,6 +60,21 @@ def test_unknown_model_is_404_model_not_found(client: openai.OpenAI, gateway: Li
     assert_healthy(gateway, client, base_model)
 
 
+def test_an_endpoint_not_served_is_a_404_naming_it_and_those_served(
+        client: openai.OpenAI, gateway: LiveServer, base_model: str) -> None:
+    """A RAG pipeline pointing its embeddings client here learns why nothing answers."""
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.embeddings.create(model=base_model, input="hi")
+    error = caught.value.body
+    assert isinstance(error, dict) and error["type"] == "invalid_request_error"
+    assert error["message"] == (
+        "no such endpoint: POST /v1/embeddings; of the OpenAI API this server has "
+        "/v1/chat/completions, /v1/completions, /v1/responses and /v1/models")
+    other = httpx.get(gateway.url + "/" + "x" * 300, timeout=30.0)
+    assert other.status_code == 404
+    assert other.json()["error"]["message"] == f"no such endpoint: GET /{'x' * 119}..."
+
+
 def test_prompt_longer_than_the_context_is_400(client: openai.OpenAI, gateway: LiveServer,
                                                tokenizer: PreTrainedTokenizerBase,
                                                base_model: str) -> None:
