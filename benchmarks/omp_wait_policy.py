@@ -1,8 +1,9 @@
-"""OpenMP's wait policy on a CPU host: the default (threads spin at each barrier) against
-``OMP_WAIT_POLICY=PASSIVE`` (threads sleep), on a quiet host and on one where another
-process keeps a core busy, measured side by side.
+"""OpenMP's wait policy on a CPU host: libgomp's default (threads spin about 300,000 times
+at each barrier), loragate's default (3,000 spins, engine/openmp_env.py) and
+``OMP_WAIT_POLICY=PASSIVE`` (threads sleep at once), on a quiet host and on one where
+another process keeps a core busy, measured side by side.
 
-    python -m benchmarks.omp_wait_policy [--model DIR] [--max-tokens 128]
+    python -m benchmarks.omp_wait_policy [--model DIR] [--max-tokens 128] [--configs ...]
 
 Each configuration is a fresh `loragate serve` (the real default model unless --model) in
 the policy's environment. Per host condition it reports one greedy stream's inter-token
@@ -50,21 +51,41 @@ def measure(url: str, model: str, max_tokens: int) -> tuple[float, float]:
     return itl, tokens / seconds
 
 
+CONFIGS = {"default": {}, "libgomp": {"GOMP_SPINCOUNT": "300000"},
+           "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+"""Named OpenMP environments: ``default`` is what `loragate serve` does unless told
+(engine/openmp_env.py: GOMP_SPINCOUNT=3000); ``libgomp`` is the runtime's own default
+(300,000 spins); ``passive`` sleeps at once; ``spin:N`` is GOMP_SPINCOUNT=N."""
+OMP_NAMES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def config_env(name: str) -> dict[str, str]:
+    """The OpenMP environment of a configuration name (see CONFIGS)."""
+    if name.startswith("spin:"):
+        return {"GOMP_SPINCOUNT": str(int(name.removeprefix("spin:")))}
+    if name not in CONFIGS:
+        raise ValueError(f"unknown configuration {name!r}: {', '.join(CONFIGS)} or spin:N")
+    return CONFIGS[name]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model dir (default: the default model)")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--configs", default="libgomp,default,passive",
+                        help="comma-separated: default, libgomp, passive, spin:N "
+                             "(GOMP_SPINCOUNT=N); ratios are against the first")
     args = parser.parse_args()
     model = args.model or str(default_model_dir())
     name = Path(model).name
-    policies = {"default (spin)": None, "PASSIVE": "PASSIVE"}
+    configs = {label: config_env(label) for label in args.configs.split(",")}
     results: dict[tuple[str, str], tuple[float, float]] = {}
-    saved = os.environ.get("OMP_WAIT_POLICY")
+    saved = {key: os.environ.get(key) for key in OMP_NAMES}
     with tempfile.TemporaryDirectory() as log_dir:
-        for label, policy in policies.items():
-            os.environ.pop("OMP_WAIT_POLICY", None)
-            if policy is not None:
-                os.environ["OMP_WAIT_POLICY"] = policy
+        for label, env in configs.items():
+            for key in OMP_NAMES:
+                os.environ.pop(key, None)
+            os.environ.update(env)
             gateway = start_gateway(model, [], {}, Path(log_dir))
             try:
                 burst(gateway.url, name, 2, 4)  # warm-up: first-call costs out of the figure
@@ -82,14 +103,17 @@ def main() -> None:
                           f"{rate:6.1f} output tok/s", flush=True)
             finally:
                 stop_gateway(gateway)
-    if saved is not None:
-        os.environ["OMP_WAIT_POLICY"] = saved
+    for key, value in saved.items():
+        os.environ.pop(key, None)
+        if value is not None:
+            os.environ[key] = value
     print(f"cores: {len(os.sched_getaffinity(0))}")
-    for host in ("quiet", "one core busy"):
-        (spin_itl, spin_rate), (passive_itl, passive_rate) = (
-            results["default (spin)", host], results["PASSIVE", host])
-        print(f"PASSIVE vs default, {host:<14}: ITL {passive_itl / spin_itl:5.2f}x, "
-              f"burst throughput {passive_rate / spin_rate:5.2f}x")
+    first = next(iter(configs))
+    for label in list(configs)[1:]:
+        for host in ("quiet", "one core busy"):
+            (base_itl, base_rate), (itl, rate) = results[first, host], results[label, host]
+            print(f"{label} vs {first}, {host:<14}: ITL {itl / base_itl:5.2f}x, "
+                  f"burst throughput {rate / base_rate:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any
 from engine.adapter_roots import parse_adapters
 from engine.config_args import local_path
 from engine.http import cli as engine_cli
+from engine.openmp_env import apply_spin_default
 from gateway.cli_common import DEMO_HOME
 from gateway.cli_models import add_model_commands
 
@@ -178,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    apply_spin_default()  # before torch is imported (engine/openmp_env.py)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["engine"]:  # the engine's own entry point: no gateway code runs
         return engine_cli.main(argv[1:])

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.config_args import add_config_args, build_config, load_config_file, local_path
+from engine.openmp_env import apply_spin_default
 
 
 def setup_logging() -> None:
@@ -170,6 +171,7 @@ HELP = "one engine instance behind its HTTP API"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    apply_spin_default()  # before torch is imported (engine/openmp_env.py)
     parser = argparse.ArgumentParser(prog="loragate engine", description=HELP)
     add_arguments(parser)
     args = parser.parse_args(argv)
