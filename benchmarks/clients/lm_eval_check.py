@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="documents per task (lm-eval's --limit; default: all)")
     parser.add_argument("--batch-sizes", default="1,4",
                         help="lm-eval --batch_size of each run, comma-separated (default 1,4)")
+    parser.add_argument("--num-concurrent", type=int, default=1,
+                        help="lm-eval's num_concurrent: requests in flight at once (default 1; "
+                             "above 1 the server batches them together)")
     parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="largest allowed |served - transformers| log-likelihood")
     parser.add_argument("--venv", type=Path, default=setup_lm_eval.DEFAULT_VENV,
@@ -79,8 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "~/.cache/loragate)")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    if any(b < 1 for b in args.batch_sizes) or (args.limit is not None and args.limit < 1):
-        parser.error("--batch-sizes and --limit must be positive")
+    if any(b < 1 for b in args.batch_sizes) or (args.limit is not None and args.limit < 1) \
+            or args.num_concurrent < 1:
+        parser.error("--batch-sizes, --limit and --num-concurrent must be positive")
     return args
 
 
@@ -93,14 +97,13 @@ def task_metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
-def lm_eval_pass(server: Server, venv: Path, include: Path, tokenizer: Path, out: Path,
+def lm_eval_pass(server: Server, venv: Path, include: Path, args: str, out: Path,
                  limit: int | None, batch_sizes: list[int], env: dict[str, str]
                  ) -> list[tuple[lm_eval_run.LmEvalRun, dict[str, int]]]:
-    """lm-eval's CLI once per batch size against the running server, each run with the
-    HTTP statuses the server logged for it. (A request's access line is written as its
-    response ends; lm-eval's own wind-down, metrics and files, takes far longer.)"""
-    args = lm_eval_run.model_args(server.base_url + "/v1/completions", server.model_name,
-                                  tokenizer)
+    """lm-eval's CLI (with --model_args ``args``) once per batch size against the running
+    server, each run with the HTTP statuses the server logged for it. (A request's access
+    line is written as its response ends; lm-eval's own wind-down, metrics and files, takes
+    far longer.)"""
     client_env = {**env, "OPENAI_API_KEY": server.api_key}  # local-completions' key source
     runs = []
     for size in batch_sizes:
@@ -164,10 +167,12 @@ def evaluate(args: argparse.Namespace, venv: Path, model_dir: Path, out: Path,
         with running_server(model_dir, DEFAULT_MODEL_NAME, out / "server.log", env) as server:
             print(f"loragate ready at {server.base_url} after {server.startup_s:.1f} s",
                   flush=True)
-            runs = lm_eval_pass(server, venv, include, tokenizer, out, args.limit,
+            model_args = lm_eval_run.model_args(server.base_url + "/v1/completions",
+                                                server.model_name, tokenizer,
+                                                args.num_concurrent)
+            runs = lm_eval_pass(server, venv, include, model_args, out, args.limit,
                                 args.batch_sizes, env)
-    return server, runs, lm_eval_run.model_args(server.base_url + "/v1/completions",
-                                                server.model_name, tokenizer)
+    return server, runs, model_args
 
 
 def report_problems(server: Server,

@@ -84,11 +84,13 @@ def tokenizer_dir(model_dir: Path, into: Path) -> Path:
     return into
 
 
-def model_args(completions_url: str, model_name: str, tokenizer: Path) -> str:
-    """local-completions' --model_args: token-id prompts, one request in flight, one try (a
-    refused request must fail the run, not be retried into a pass)."""
+def model_args(completions_url: str, model_name: str, tokenizer: Path,
+               num_concurrent: int = 1) -> str:
+    """local-completions' --model_args: token-id prompts, ``num_concurrent`` requests in
+    flight, one try (a refused request must fail the run, not be retried into a pass)."""
     return ",".join([f"base_url={completions_url}", f"model={model_name}",
-                     f"tokenizer={tokenizer}", "tokenized_requests=True", "num_concurrent=1",
+                     f"tokenizer={tokenizer}", "tokenized_requests=True",
+                     f"num_concurrent={num_concurrent}",
                      "max_retries=1", "tokenizer_backend=huggingface"])
 
 
