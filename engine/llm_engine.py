@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine import openmp_env
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.fault_isolation import FaultIsolation
@@ -115,8 +116,10 @@ class LLMEngine:
             auto = (" (dtype auto: bfloat16 for this CPU's AMX units; greedy output can "
                     "differ from float32 where two tokens nearly tie: --dtype float32 for "
                     "reference parity)")
-        log.info("%s in %s on %s%s, %d KV blocks of %d tokens", Path(config.model).name,
-                 str(self.dtype).removeprefix("torch."), self.device, auto,
+        threads = f" ({torch.get_num_threads()} threads, {openmp_env.describe()})" \
+            if self.device.type == "cpu" else ""
+        log.info("%s in %s on %s%s%s, %d KV blocks of %d tokens", Path(config.model).name,
+                 str(self.dtype).removeprefix("torch."), self.device, threads, auto,
                  self.runner.num_blocks, config.block_size)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, self.runner.num_swap_blocks,

@@ -21,7 +21,7 @@ start inherit the setting. A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT is lef
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 SPIN_ENV = "GOMP_SPINCOUNT"
 POLICY_ENV = "OMP_WAIT_POLICY"
@@ -36,3 +36,10 @@ def apply_spin_default(environ: MutableMapping[str, str] | None = None) -> bool:
         return False
     environ[SPIN_ENV] = str(DEFAULT_SPINS)
     return True
+
+
+def describe(environ: Mapping[str, str] | None = None) -> str:
+    """How OpenMP threads wait here, for the engine's start line."""
+    environ = os.environ if environ is None else environ
+    chosen = [f"{name}={environ[name]}" for name in (POLICY_ENV, SPIN_ENV) if environ.get(name)]
+    return "OpenMP " + (", ".join(chosen) if chosen else "waits as libgomp defaults")

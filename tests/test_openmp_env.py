@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.openmp_env import DEFAULT_SPINS, apply_spin_default
+from engine.openmp_env import DEFAULT_SPINS, apply_spin_default, describe
 
 
 def test_the_spin_count_is_set_only_where_the_user_set_nothing() -> None:
@@ -30,3 +30,10 @@ def test_the_entry_points_set_it_before_torch_is_loaded(module: str) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_engine_start_line_says_how_openmp_waits() -> None:
+    assert describe({}) == "OpenMP waits as libgomp defaults"
+    assert describe({"GOMP_SPINCOUNT": "3000"}) == "OpenMP GOMP_SPINCOUNT=3000"
+    assert describe({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "5"}) == \
+        "OpenMP OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=5"
