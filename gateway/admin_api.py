@@ -62,6 +62,10 @@ TenantId = Annotated[str, Field(pattern=NAME_PATTERN)]
 SharedWith = Annotated[list[TenantId], Field(max_length=1024)]
 
 
+UPLOAD_PARAMS = frozenset({"name", "owner", "public"})
+"""The query parameters of POST /admin/adapters/upload."""
+
+
 class AdapterBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=NAME_PATTERN)
@@ -139,6 +143,11 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
     @router.post("/adapters/upload", status_code=201)
     async def upload_adapter(request: Request, gw: AdminGateway, name: str,
                              owner: str | None = None, public: bool = False) -> JSONResponse:
+        unknown = sorted(set(request.query_params) - UPLOAD_PARAMS)
+        if unknown:  # as a JSON admin body refuses a field it does not know
+            raise ApiError(400, f"unknown query parameter {unknown[0][:64]!r}: an upload takes "
+                           f"name, owner and public (share it afterwards with PATCH "
+                           f"/admin/adapters/{{name}})", param=unknown[0][:64])
         if not _valid_name(name):
             raise ApiError(400, f"adapter name {name!r} must match {NAME_PATTERN}",
                            param="name")
@@ -196,9 +205,15 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
                              gw: AdminGateway) -> dict[str, Any]:
         current = await _get_live_adapter(gw, name)
         changes = body.model_dump(exclude_unset=True)
+        said_public = "public" in changes
         public = changes.pop("public", False)
         if public:
             changes.setdefault("owner", None)
+        elif said_public and "owner" not in changes and current.owner is None:
+            # A public adapter made private needs the tenant it becomes private to: a 200
+            # that left every tenant its access would read as done.
+            raise ApiError(400, "public=false makes an adapter private to an owner: give "
+                           "owner too", param="owner")
         if "owner" in changes:  # public again only if said so, as at registration
             lifecycle.check_owner(changes["owner"], public)
         if "shared_with" in changes:

@@ -158,6 +158,10 @@ def test_owner_is_required_unless_public_is_explicit(setup: Setup) -> None:
         assert complete(setup, tenant, "everyone").status_code == 200
     assert upload(setup, "everyone-up", tar_dir(setup.new), "&public=true").status_code == 201
     assert admin(setup, "GET", "/admin/adapters/everyone-up").json()["owner"] is None
+    for extra, param in (("&owner=ta&shared_with=tb", "shared_with"), ("&public=true&x=1", "x")):
+        unknown = upload(setup, "not-made", tar_dir(setup.new), extra)
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == param
+    assert admin(setup, "GET", "/admin/adapters/not-made").status_code == 404
     wait_engines_idle(setup.engine.url)
 
 
@@ -172,6 +176,14 @@ def test_patch_makes_an_adapter_public_only_when_told_so(setup: Setup) -> None:
     public = admin(setup, "PATCH", "/admin/adapters/private-one", json={"public": True})
     assert public.status_code == 200 and public.json()["owner"] is None
     assert complete(setup, "tb", "private-one").status_code == 200
+    # And back: public=false alone would leave every tenant its access, so it needs owner.
+    alone = admin(setup, "PATCH", "/admin/adapters/private-one", json={"public": False})
+    assert alone.status_code == 400 and alone.json()["error"]["param"] == "owner"
+    assert complete(setup, "tb", "private-one").status_code == 200
+    private = admin(setup, "PATCH", "/admin/adapters/private-one",
+                    json={"public": False, "owner": "ta"})
+    assert private.status_code == 200 and private.json()["owner"] == "ta"
+    assert complete(setup, "tb", "private-one").status_code == 404
     wait_engines_idle(setup.engine.url)
 
 
