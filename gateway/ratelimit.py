@@ -64,6 +64,14 @@ class Ticket:
     released: bool = False
 
 
+def counted_as(tenant: Tenant) -> str:
+    """The name a tenant's limits are counted under (its sliding windows in the store, its
+    requests in flight here): one incarnation's, so a tenant deleted and created again under
+    its id starts with empty windows and nothing in flight, while the requests of the old
+    one still settle against the old one's counters."""
+    return f"{tenant.tenant_id}:{tenant.uid}" if tenant.uid else tenant.tenant_id
+
+
 class RateLimiter:
     """Admits requests against their tenant's limits (see the module docstring).
 
@@ -94,27 +102,28 @@ class RateLimiter:
         tenant = principal.tenant
         if tenant is None:
             return None
-        if tenant.max_concurrency is not None and \
-                self._in_flight.get(tenant.tenant_id, 0) >= tenant.max_concurrency:
+        counted = counted_as(tenant)
+        in_flight = self._in_flight.get(counted, 0)
+        if tenant.max_concurrency is not None and in_flight >= tenant.max_concurrency:
             self.rejections.labels("concurrency").inc()
-            raise ApiError(429, f"tenant {tenant.tenant_id} has {tenant.max_concurrency} "
-                           f"requests in flight (its max_concurrency)",
+            raise ApiError(429, f"tenant {tenant.tenant_id} has {in_flight} requests in "
+                           f"flight, its max_concurrency is {tenant.max_concurrency}",
                            code="concurrency_limit_exceeded", headers={"Retry-After": "1"})
         # The slot is held across the store's round trip below: a burst that arrives while
         # it is under way sees it taken (counted after it, all of a burst got in).
-        self._in_flight[tenant.tenant_id] = self._in_flight.get(tenant.tenant_id, 0) + 1
+        self._in_flight[counted] = in_flight + 1
         try:
             now = self.clock()
             store, admission = await self._decide(self.store, lambda s: s.admit(
                 # The fallback cannot check revocation: it knows no keys.
-                principal.key_hash if s is self.store else None, tenant.tenant_id,
+                principal.key_hash if s is self.store else None, counted,
                 tenant.rpm, tenant.tpm, now))
             if not admission.allowed:
                 if admission.reason == "revoked":
                     raise ApiError(401, "invalid API key", code="invalid_api_key")
                 raise self._refusal(tenant, admission)
         except BaseException:
-            self._in_flight[tenant.tenant_id] -= 1
+            self._free_slot(counted)
             raise
         return Ticket(principal, admission.second, store)
 
@@ -139,7 +148,7 @@ class RateLimiter:
                            param="max_tokens", headers=dict(NEVER_RETRY))
         now = self.clock()
         store, admission = await self._decide(ticket.store, lambda s: s.reserve(
-            tenant.tenant_id, tokens, tpm, now))
+            counted_as(tenant), tokens, tpm, now))
         if not admission.allowed:
             raise self._refusal(tenant, admission, tokens)
         ticket.reserved, ticket.reserved_second, ticket.token_store = (
@@ -154,21 +163,29 @@ class RateLimiter:
         ticket.released = True
         tenant = ticket.principal.tenant
         assert tenant is not None
-        self._in_flight[tenant.tenant_id] -= 1
+        counted = counted_as(tenant)
+        self._free_slot(counted)
         now = self.clock()
         token_store = ticket.token_store or ticket.store
         try:
             if not reached_engine:
-                await ticket.store.refund(tenant.tenant_id, ticket.second, now)
+                await ticket.store.refund(counted, ticket.second, now)
                 tokens = 0
             extra = tokens - ticket.reserved
             if extra < 0:  # give back the unused part, where it was taken
-                await token_store.charge(tenant.tenant_id, extra, ticket.reserved_second, now)
+                await token_store.charge(counted, extra, ticket.reserved_second, now)
             elif extra > 0 and tenant.tpm is not None:  # used more than it reserved
-                await token_store.charge(tenant.tenant_id, extra, sw.second_of(now), now)
+                await token_store.charge(counted, extra, sw.second_of(now), now)
         except StoreUnavailable as exc:
             self.store_unavailable.labels(self.failure_policy).inc()
             log.warning("could not settle the tokens of tenant %s: %s", tenant.tenant_id, exc)
+
+    def _free_slot(self, counted: str) -> None:
+        left = self._in_flight[counted] - 1
+        if left:
+            self._in_flight[counted] = left
+        else:  # no entry per incarnation ever seen
+            del self._in_flight[counted]
 
     async def _decide(self, store: StateStore, op: Callable[[StateStore], Awaitable[T]]
                       ) -> tuple[StateStore, T]:

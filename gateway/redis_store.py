@@ -5,6 +5,7 @@ Layout (prefix ``lg:`` by default):
     lg:tenants / lg:keys / lg:adapters   hashes of JSON records (keys by SHA-256 of the key)
     lg:rl:{tenant}:req         hash unix second -> requests admitted in that second
     lg:rl:{tenant}:tok         hash unix second -> tokens reserved (net of refunds) in it
+                               ({tenant}: the id and uid of one incarnation, ratelimit.counted_as)
     lg:engines                 sorted set url -> expiry (unix seconds): engine heartbeats
 
 The rate hashes are the sliding window of gateway/sliding_window.py: every script prunes the

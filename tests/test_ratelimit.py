@@ -186,6 +186,29 @@ def test_a_burst_cannot_pass_max_concurrency_during_the_store_round_trip(
     run(scenario())
 
 
+def test_a_tenant_created_again_under_its_id_starts_with_fresh_limits(
+        make_store: Callable[[], StateStore]) -> None:
+    """Its windows and requests in flight are the old incarnation's no more; the old one's
+    request still running settles against the old counters."""
+    async def scenario() -> None:
+        lim = limiter(make_store(), Clock().at(5.0))
+        limits = {"rpm": 2, "tpm": 300, "max_concurrency": 1}
+        old, again = Principal(Tenant("acme", **limits)), Principal(Tenant("acme", **limits))
+        running = await take(lim, old, 300)
+        assert isinstance(running, Ticket)
+        refused = await take(lim, old, 1)
+        assert isinstance(refused, ApiError) and refused.code == "concurrency_limit_exceeded"
+        assert "has 1 requests in flight, its max_concurrency is 1" in refused.message
+        fresh = await take(lim, again, 300)  # the old one's request is still in flight
+        assert isinstance(fresh, Ticket)
+        await lim.release(running, 10, reached_engine=True)  # its refund is the old one's
+        await lim.release(fresh, 300, reached_engine=True)
+        spent = await take(lim, again, 1)
+        assert isinstance(spent, ApiError) and spent.code == "tpm_exceeded"
+
+    run(scenario())
+
+
 def test_a_reservation_over_the_whole_tpm_is_refused_as_never_fitting(
         make_store: Callable[[], StateStore]) -> None:
     async def scenario() -> None:
