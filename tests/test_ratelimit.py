@@ -192,8 +192,8 @@ def test_a_tenant_created_again_under_its_id_starts_with_fresh_limits(
     request still running settles against the old counters."""
     async def scenario() -> None:
         lim = limiter(make_store(), Clock().at(5.0))
-        limits = {"rpm": 2, "tpm": 300, "max_concurrency": 1}
-        old, again = Principal(Tenant("acme", **limits)), Principal(Tenant("acme", **limits))
+        old, again = (Principal(Tenant("acme", rpm=2, tpm=300, max_concurrency=1))
+                      for _ in range(2))
         running = await take(lim, old, 300)
         assert isinstance(running, Ticket)
         refused = await take(lim, old, 1)
