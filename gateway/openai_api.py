@@ -174,8 +174,10 @@ async def _serve(gateway: Gateway, req: _Call,
         jobs.extend(_job(gateway, claim, req, adapter, prompt.token_ids, context, sample)
                     for prompt in prompts for sample in range(k))
         fmt.start([prompt for prompt in prompts for _ in range(k)], k)
-        await gateway.limiter.reserve(claim.ticket, sum(_reserved(gateway, req, job)
-                                                         for job in jobs))
+        await gateway.limiter.reserve(
+            claim.ticket, sum(_reserved(gateway, req, job) for job in jobs),
+            prompt_tokens=None if req.max_tokens is not None else sum(
+                len(job.request.prompt_token_ids) for job in jobs))
         return await _respond(gateway, jobs, req, fmt)
     except BaseException as exc:
         gateway.settle(claim, 0, _outcome(exc))

@@ -127,11 +127,17 @@ class RateLimiter:
             raise
         return Ticket(principal, admission.second, store)
 
-    async def reserve(self, ticket: Ticket | None, tokens: int) -> None:
+    async def reserve(self, ticket: Ticket | None, tokens: int, *,
+                      prompt_tokens: int | None = None) -> None:
         """Claim ``tokens`` (prompt + max_tokens) of the tenant's TPM for an admitted request,
         after it was tokenized; ApiError 429 when the tenant's token budget cannot hold
         them now (or ever), 503 under the closed policy while the store is down. Call at
-        most once per ticket; release() later refunds what the request did not use."""
+        most once per ticket; release() later refunds what the request did not use.
+
+        ``prompt_tokens``: given for a request that set no max_tokens (``tokens`` then
+        holds a reserve for its output, not a bound the client chose): the reserve shrinks
+        to what the TPM leaves beside the prompt, so only a prompt the limit cannot hold
+        is refused as never fitting (what the output uses beyond is charged at release)."""
         if ticket is None or tokens <= 0:
             return
         tenant = ticket.principal.tenant
@@ -139,13 +145,19 @@ class RateLimiter:
         if tenant.tpm is None:
             return
         tpm: int = tenant.tpm
+        if prompt_tokens is not None:
+            tokens = min(tokens, max(prompt_tokens + 1, tpm))
         if tokens > tpm:
             self.rejections.labels("tpm").inc()
+            need, fix = (f"its prompt and one token of output come to {tokens} tokens",
+                         "shorten the prompt") if prompt_tokens is not None else (
+                f"its prompt plus max_tokens come to {tokens} tokens",
+                "lower max_tokens or shorten the prompt")
             raise ApiError(429, f"this request can never fit tenant {tenant.tenant_id}'s "
-                           f"token limit: its prompt plus max_tokens come to {tokens} tokens, "
-                           f"and the tenant may use {tpm} tokens per minute; lower "
-                           f"max_tokens or shorten the prompt", code="tpm_exceeded",
-                           param="max_tokens", headers=dict(NEVER_RETRY))
+                           f"token limit: {need}, and the tenant may use {tpm} tokens per "
+                           f"minute; {fix}", code="tpm_exceeded",
+                           param="max_tokens" if prompt_tokens is None else None,
+                           headers=dict(NEVER_RETRY))
         now = self.clock()
         store, admission = await self._decide(ticket.store, lambda s: s.reserve(
             counted_as(tenant), tokens, tpm, now))

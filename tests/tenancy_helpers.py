@@ -94,9 +94,11 @@ def answer_to_headers(url: str, path: str, key: str, announced: int) -> bytes:
 
 
 def tokens_counted(setup: Setup, tenant: str) -> int:
-    """The tenant's tokens in its TPM window, as the shared Redis holds them."""
+    """The tenant's tokens in its TPM window, as the shared Redis holds them (counted per
+    incarnation: under its id and uid)."""
+    uid = admin(setup, "GET", f"/admin/tenants/{tenant}").json()["uid"]
     counter = redis.Redis.from_url(setup.redis.url)
-    return sum(int(v) for v in counter.hvals(f"lg:rl:{tenant}:tok"))
+    return sum(int(v) for v in counter.hvals(f"lg:rl:{tenant}:{uid}:tok"))
 
 
 def below(value: int, limit: int) -> int | None:

@@ -227,6 +227,31 @@ def test_a_reservation_over_the_whole_tpm_is_refused_as_never_fitting(
     run(scenario())
 
 
+def test_an_unset_max_tokens_reserves_only_what_the_tpm_leaves_beside_the_prompt(
+        make_store: Callable[[], StateStore]) -> None:
+    """A chat client that sets no max_tokens is not refused for the output reserve it never
+    asked for: 40 prompt tokens + a 1024 reserve under a TPM of 100 reserve 100; only a
+    prompt the limit cannot hold (with one token of output) never fits."""
+    async def scenario() -> None:
+        lim = limiter(make_store(), Clock().at(1.0))
+        principal = caller(tpm=100)
+        ticket = await lim.admit(principal)
+        await lim.reserve(ticket, 40 + 1024, prompt_tokens=40)
+        assert ticket is not None and ticket.reserved == 100
+        assert isinstance(await take(lim, principal, 1), ApiError)  # the window is full
+        await lim.release(ticket, 45, reached_engine=True)  # 55 back
+        assert isinstance(await take(lim, principal, 55), Ticket)
+        lim = limiter(make_store(), Clock().at(200.0))
+        ticket = await lim.admit(principal)
+        with pytest.raises(ApiError) as refused:
+            await lim.reserve(ticket, 100 + 1024, prompt_tokens=100)
+        assert (refused.value.code, refused.value.param) == ("tpm_exceeded", None)
+        assert "its prompt and one token of output come to 101 tokens" in \
+            refused.value.message and "shorten the prompt" in refused.value.message
+
+    run(scenario())
+
+
 def test_rpm_is_a_sliding_window_too(make_store: Callable[[], StateStore]) -> None:
     async def scenario() -> None:
         clock = Clock()

@@ -377,6 +377,15 @@ def test_a_chat_without_max_tokens_reserves_a_share_not_the_whole_context(
     used = reply.json()["usage"]["total_tokens"]
     assert poll(lambda: tokens_counted(setup, "iota") == used or None,
                 "the request to be charged what it used")
+    # Under a TPM below prompt + UNSET_RESERVE the reserve shrinks to what the limit leaves
+    # beside the prompt: served, not refused as never fitting.
+    small = new_tenant(setup, "iota-small", tpm=reply.json()["usage"]["prompt_tokens"] + 8)
+    poll(lambda: models(setup, small, 0), "the gateway to know iota-small")
+    served = httpx.post(setup.gateways[0].url + "/v1/chat/completions", timeout=60.0,
+                        headers={"Authorization": f"Bearer {small}"},
+                        json={"model": base, "messages": [{"role": "user", "content": "hi"}],
+                              "temperature": 0})
+    assert served.status_code == 200, served.text
 
 
 def test_redis_outage_fails_open_and_recovers(setup: Setup) -> None:
