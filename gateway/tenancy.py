@@ -32,6 +32,11 @@ def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
+LIMIT_BOUNDS = {"rpm": 10**9, "tpm": 10**12, "max_concurrency": 10**6}
+"""The largest limit of each kind: far above any real tenant's, and exact where the
+counters are kept (the Redis scripts' numbers are doubles, exact to 2**53)."""
+
+
 def new_uid() -> str:
     """A fresh tenant uid: 64 random bits, hex."""
     return secrets.token_hex(8)
@@ -77,11 +82,12 @@ class Tenant:
                                f"digits, '.', '_' or '-', got {self.shared_salt!r}")
         if not isinstance(self.uid, str) or (self.uid and not _UID_PATTERN.fullmatch(self.uid)):
             raise InvalidField("uid", f"uid must be lowercase hex, got {self.uid!r}")
-        for name in ("rpm", "tpm", "max_concurrency"):
+        for name, most in LIMIT_BOUNDS.items():
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise InvalidField(name, f"{name} must be a positive integer or null, got "
-                                   f"{value!r}")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 1 <= value <= most):
+                raise InvalidField(name, f"{name} must be null or an integer from 1 to "
+                                   f"{most}, got {str(value)[:32]}")
         if not -100 <= self.priority <= 100:
             raise InvalidField("priority", f"priority must be in [-100, 100], got "
                                f"{self.priority}")

@@ -228,13 +228,14 @@ def test_shares_name_existing_tenants_only(setup: Setup) -> None:
      "lora_path"),
     ("POST", "/admin/adapters",
      r'{"name": "sur", "path": "/tmp/x", "owner": "ta", "shared_with": ["\ud800"]}',
-     "shared_with"),
+     "shared_with.[0]"),
     ("PATCH", "/admin/tenants/ta", r'{"name": "\ud800"}', "name"),
     ("PATCH", "/admin/tenants/ta", '{"name": "' + "x" * 5000 + '"}', "name"),
     ("PATCH", "/admin/tenants/ta", '{"rpm": true}', "rpm"),
+    ("PATCH", "/admin/tenants/ta", '{"tpm": 1180591620717411303424}', "tpm"),
     ("POST", "/admin/tenants", r'{"tenant_id": "tz", "name": "\udfff"}', "name"),
 ], ids=["nul-path", "nul-lora-path", "surrogate-share", "surrogate-name", "long-name",
-        "bool-rpm", "surrogate-new-tenant"])
+        "bool-rpm", "huge-tpm", "surrogate-new-tenant"])
 def test_admin_bodies_refuse_what_they_could_not_store_or_show(
         setup: Setup, method: str, path: str, body: str, param: str) -> None:
     """Raw JSON: a lone surrogate or a NUL in a JSON string is valid JSON. Each is a 400

@@ -37,9 +37,12 @@ def test_tenant_validation_and_salts() -> None:
     assert Tenant("acme", uid="").cache_salt == "tenant:acme"  # a record from before uids
     for bad in ({"tenant_id": ""}, {"tenant_id": "a b"}, {"tenant_id": "a", "rpm": 0},
                 {"tenant_id": "a", "tpm": -5}, {"tenant_id": "a", "priority": 101},
-                {"tenant_id": "a", "uid": "not hex!"}):
+                {"tenant_id": "a", "uid": "not hex!"}, {"tenant_id": "a", "rpm": 10**9 + 1},
+                {"tenant_id": "a", "tpm": 2**70}, {"tenant_id": "a", "max_concurrency": True},
+                {"tenant_id": "a", "max_concurrency": 10**6 + 1}):
         with pytest.raises(ValueError):
             Tenant(**bad)
+    assert Tenant("a", rpm=10**9, tpm=10**12, max_concurrency=10**6).tpm == 10**12
 
 
 @pytest.mark.parametrize("salt", ["a/b", "", "x" * 129, "a b", "a:b", "café", "a\nb"])
