@@ -120,7 +120,14 @@ class StateView:
 
 
 def bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
+    """The key of the request's ``Authorization: Bearer`` header (None: none given). Two
+    Authorization headers are a 400: which one counts would be up to each proxy on the way
+    (the field is a single value, RFC 9110)."""
+    headers = request.headers.getlist("authorization")
+    if len(headers) > 1:
+        raise ApiError(400, "send one Authorization header, not several",
+                       code="invalid_authorization")
+    header = headers[0] if headers else ""
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 

@@ -193,3 +193,24 @@ def test_extract_refuses_zip_slip(tmp_path: Path) -> None:
         archive.writestr("../../evil.txt", "x")
     with pytest.raises(ValueError, match="unsafe path"):
         _extract(buffer.getvalue(), tmp_path)
+
+
+def test_two_authorization_headers_are_a_400_whichever_comes_first() -> None:
+    async def scenario() -> list[tuple[int, str | None]]:
+        store = MemoryStore()
+        acme = Tenant("acme")
+        assert await store.swap_tenant("acme", None, acme)
+        assert await store.put_key(ApiKey(hash_key("good"), "acme", "k1", 0.0, acme.uid))
+        view = StateView(store)
+        await view.refresh()
+        outcomes = []
+        for first, second in (("good", "bad"), ("bad", "good")):
+            request = Request({"type": "http", "headers": [
+                (b"authorization", f"Bearer {first}".encode()),
+                (b"authorization", f"Bearer {second}".encode())]})
+            with pytest.raises(ApiError) as refused:
+                authenticate(request, view)
+            outcomes.append((refused.value.status, refused.value.code))
+        return outcomes
+
+    assert asyncio.run(scenario()) == [(400, "invalid_authorization")] * 2
