@@ -7,6 +7,7 @@ refuses a whole response that carries one.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
@@ -15,6 +16,10 @@ from engine.prompt_logprobs import PromptLogprob
 from gateway.token_bytes import TokenBytes
 
 Endpoint = Literal["completions", "chat"]
+REPLACEMENT = "\ufffd"
+CONTEXT_TOKENS = 4
+"""Tokens before a part of a character looked at to complete it: a character is at most
+four UTF-8 bytes, so at most four tokens."""
 
 LOGPROB_FLOOR = -9999.0
 """What a logprob of -inf (or NaN) is reported as: OpenAI's own value for "impossible"; a
@@ -49,10 +54,49 @@ class LogprobFormatter:
         self.token_bytes = token_bytes
         self.prompt_logprobs = prompt_logprobs
 
-    def token(self, token_id: int) -> str:
+    def token(self, token_id: int, context: Sequence[int] = ()) -> str:
+        """The token's text where ``context`` (the sequence's tokens before it) precedes it.
+        A token that holds part of a character spells nothing (""), and the one that
+        completes the character spells all of it, as vLLM names them: decoded alone each
+        would be U+FFFD. So the tokens of a text join into that text."""
         if self.tokens_as_ids:
             return f"token_id:{token_id}"
+        text = self._alone(token_id)
+        if not text.endswith(REPLACEMENT) or self._whole(token_id):
+            return text
+        return self._completed(token_id, list(context[-CONTEXT_TOKENS:]))
+
+    def _alone(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
+
+    def _whole(self, token_id: int) -> bool:
+        """Whether the token's bytes are whole UTF-8 (its U+FFFD is text, not a part)."""
+        try:
+            self.token_bytes(token_id).decode()
+        except UnicodeDecodeError:
+            return False
+        return True
+
+    def _completed(self, token_id: int, context: list[int]) -> str:
+        """What the token adds to the text after the nearest of ``context`` that completes
+        its character with it ("" when none does: the character is still incomplete). The
+        parts of the character among those tokens spelled nothing: their bytes are this
+        token's text too."""
+        for size in range(1, len(context) + 1):
+            window = context[-size:]
+            joined = str(self.tokenizer.decode([*window, token_id]))
+            if joined.endswith(REPLACEMENT):
+                continue
+            whole = size
+            while whole and self._alone(window[whole - 1]).endswith(REPLACEMENT) and \
+                    not self._whole(window[whole - 1]):
+                whole -= 1
+            before = str(self.tokenizer.decode(window[:whole])) if whole else ""
+            shared = 0  # before is joined's start, unless the tokenizer normalised it
+            while shared < min(len(before), len(joined)) and before[shared] == joined[shared]:
+                shared += 1
+            return joined[shared:]
+        return ""
 
     def _bytes(self, token_id: int) -> list[int]:
         return list(self.token_bytes(token_id))
@@ -61,47 +105,51 @@ class LogprobFormatter:
         ranked = sorted(step.items(), key=lambda kv: kv[1], reverse=True)
         return ranked[: self.top_logprobs or 0]
 
-    def _completion(self, entries: list[Entry], offsets: list[int]
-                             ) -> dict[str, Any]:
+    def _completion(self, entries: list[Entry], offsets: list[int], context: list[int]
+                    ) -> dict[str, Any]:
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         tops: list[dict[str, float] | None] = []
         for token_id, step in entries:
-            token = self.token(token_id)
+            token = self.token(token_id, context)
             tokens.append(token)
             token_logprobs.append(None if step is None else step.get(token_id))
             if step is None:
                 tops.append(None)
             else:  # the chosen token always among them, as OpenAI: up to logprobs + 1
-                top = {self.token(t): lp for t, lp in self._alternatives(step)}
+                top = {self.token(t, context): lp for t, lp in self._alternatives(step)}
                 if token_id in step:
                     top.setdefault(token, step[token_id])
                 tops.append(top)
+            context.append(token_id)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
 
-    def _chat(self, entries: list[Entry]) -> dict[str, Any]:
+    def _chat(self, entries: list[Entry], context: list[int]) -> dict[str, Any]:
         content = []
         for token_id, step in entries:
             assert step is not None, "chat never echoes its prompt"
-            token = self.token(token_id)
             content.append({
-                "token": token, "logprob": step.get(token_id),
+                "token": self.token(token_id, context), "logprob": step.get(token_id),
                 "bytes": self._bytes(token_id),
-                "top_logprobs": [{"token": self.token(t), "logprob": lp,
+                "top_logprobs": [{"token": self.token(t, context), "logprob": lp,
                                   "bytes": self._bytes(t)}
                                  for t, lp in self._alternatives(step)],
             })
+            context.append(token_id)
         return {"content": content}
 
-    def generated(self, entries: list[Entry], offsets: list[int]) -> dict[str, Any] | None:
+    def generated(self, entries: list[Entry], offsets: list[int],
+                  before: Sequence[int] = ()) -> dict[str, Any] | None:
         """The logprobs object of a choice (or a stream event's part of it); None without
-        logprobs. ``offsets`` are the entries' text_offset (completions only)."""
+        logprobs. ``offsets`` are the entries' text_offset (completions only); ``before``:
+        the choice's tokens before these entries (a stream's earlier events)."""
         if self.top_logprobs is None:
             return None
-        if self.endpoint == "chat":
-            return self._chat(entries)
-        return self._completion(entries, offsets)
+        context = list(before[-CONTEXT_TOKENS:])  # each alternative names itself after
+        if self.endpoint == "chat":                # the tokens sampled before it
+            return self._chat(entries, context)
+        return self._completion(entries, offsets, context)
 
     def prompt(self, scored: list[PromptLogprob | None] | None, token_ids: list[int]
                ) -> list[dict[str, Any] | None] | None:
@@ -110,15 +158,16 @@ class LogprobFormatter:
         if self.prompt_logprobs is None:
             return None
         out: list[dict[str, Any] | None] = []
-        for entry in scored or [None] * len(token_ids):
+        for index, entry in enumerate(scored or [None] * len(token_ids)):
             if entry is None:
                 out.append(None)
                 continue
+            context = token_ids[max(0, index - CONTEXT_TOKENS):index]
             position = {str(t): {"logprob": finite_logprob(lp), "rank": rank,
-                                 "decoded_token": self.token(t)}
+                                 "decoded_token": self.token(t, context)}
                         for rank, (t, lp) in enumerate(entry.top[:self.prompt_logprobs], 1)}
-            position[str(entry.token_id)] = {"logprob": finite_logprob(entry.logprob),
-                                             "rank": entry.rank,
-                                             "decoded_token": self.token(entry.token_id)}
+            position[str(entry.token_id)] = {
+                "logprob": finite_logprob(entry.logprob), "rank": entry.rank,
+                "decoded_token": self.token(entry.token_id, context)}
             out.append(position)
         return out

@@ -297,7 +297,9 @@ class ResponseFormatter:
         first = not choice.started
         choice.started = True
         new_offsets = choice.offsets[len(choice.offsets) - len(entries):]
-        logprobs = self.logprobs.generated(entries, new_offsets)
+        earlier = choice.entries[:len(choice.entries) - len(entries)]
+        logprobs = self.logprobs.generated(entries, new_offsets,
+                                           [token_id for token_id, _ in earlier])
         opening: list[dict[str, Any]] = []
         if self.endpoint == "chat":
             if first:  # as OpenAI and vLLM: the role alone, and the prompt's fields, first

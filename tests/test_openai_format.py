@@ -177,6 +177,16 @@ def test_text_offsets_index_the_text_where_characters_span_tokens(
         assert len(offsets) == len(run) and offsets == sorted(offsets)
         spelled = [full[a:b] for a, b in zip(offsets, [*offsets[1:], len(full)], strict=True)]
         assert "".join(spelled) == full
+        # Each token is named by what it spells there, as vLLM names them: a part of a
+        # character by "", the token completing it by the whole character; streamed alike
+        # (a special token, left out of the text, keeps its own name).
+        special = set(tokenizer.all_special_ids)
+        names = choice["logprobs"]["tokens"]
+        assert [name for name, i in zip(names, run, strict=True) if i not in special] == \
+            [piece for piece, i in zip(spelled, run, strict=True) if i not in special]
+        assert [t for e in events if e["choices"]
+                for t in e["choices"][0]["logprobs"]["tokens"]] == names
+        assert "\ufffd" not in "".join(names)
         base = len(prompt_text) if echo else 0
         for k, offset in enumerate(offsets[-len(ids):]):
             before = str(tokenizer.decode(ids[:k]))  # where token k begins, once complete
