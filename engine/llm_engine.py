@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine import openmp_env
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.fault_isolation import FaultIsolation
@@ -20,7 +19,12 @@ from engine.generation_defaults import SamplingDefaults, read_sampling_defaults
 from engine.kv_cache import KVCacheManager
 from engine.metrics import EngineMetrics, EngineStats, PrefixCacheStats, StepTiming
 from engine.model_runner import ModelRunner
-from engine.models.loader import load_hf_config, load_model, resolve_dtype
+from engine.models.loader import (
+    describe_placement,
+    load_hf_config,
+    load_model,
+    resolve_dtype,
+)
 from engine.models.shape import ModelShape
 from engine.prompt_logprobs import PromptLogprob
 from engine.request import Request, RequestOutput, RequestStatus
@@ -110,16 +114,9 @@ class LLMEngine:
                            prepack_weights=config.prepack_weights,
                            dummy_seed=config.seed if config.load_format == "dummy" else None)
         self.runner = ModelRunner(config, model, self.device, self.dtype, self.eos_token_ids)
-        auto = " (dtype auto)" if config.dtype == "auto" else ""
-        if auto and self.device.type == "cpu" and self.dtype != torch.float32:
-            # Chosen for speed (AMX): say what it changes, once, where the choice is logged.
-            auto = (" (dtype auto: bfloat16 for this CPU's AMX units; greedy output can "
-                    "differ from float32 where two tokens nearly tie: --dtype float32 for "
-                    "reference parity)")
-        threads = f" ({torch.get_num_threads()} threads, {openmp_env.describe()})" \
-            if self.device.type == "cpu" else ""
-        log.info("%s in %s on %s%s%s, %d KV blocks of %d tokens", Path(config.model).name,
-                 str(self.dtype).removeprefix("torch."), self.device, threads, auto,
+        log.info("%s in %s on %s%s, %d KV blocks of %d tokens", Path(config.model).name,
+                 str(self.dtype).removeprefix("torch."), self.device,
+                 describe_placement(config.dtype, self.dtype, self.device),
                  self.runner.num_blocks, config.block_size)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, self.runner.num_swap_blocks,

@@ -62,20 +62,23 @@ class LogprobFormatter:
         if self.tokens_as_ids:
             return f"token_id:{token_id}"
         text = self._alone(token_id)
-        if not text.endswith(REPLACEMENT) or self._whole(token_id):
+        if not self._part(token_id, text):
             return text
         return self._completed(token_id, list(context[-CONTEXT_TOKENS:]))
 
     def _alone(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
 
-    def _whole(self, token_id: int) -> bool:
-        """Whether the token's bytes are whole UTF-8 (its U+FFFD is text, not a part)."""
+    def _part(self, token_id: int, alone: str) -> bool:
+        """Whether the token holds part of a character: decoded ``alone`` it ends in U+FFFD,
+        and its bytes are no whole UTF-8 (else that U+FFFD is text)."""
+        if not alone.endswith(REPLACEMENT):
+            return False
         try:
             self.token_bytes(token_id).decode()
         except UnicodeDecodeError:
-            return False
-        return True
+            return True
+        return False
 
     def _completed(self, token_id: int, context: list[int]) -> str:
         """What the token adds to the text after the nearest of ``context`` that completes
@@ -88,8 +91,7 @@ class LogprobFormatter:
             if joined.endswith(REPLACEMENT):
                 continue
             whole = size
-            while whole and self._alone(window[whole - 1]).endswith(REPLACEMENT) and \
-                    not self._whole(window[whole - 1]):
+            while whole and self._part(window[whole - 1], self._alone(window[whole - 1])):
                 whole -= 1
             before = str(self.tokenizer.decode(window[:whole])) if whole else ""
             shared = 0  # before is joined's start, unless the tokenizer normalised it

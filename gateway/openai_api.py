@@ -174,10 +174,10 @@ async def _serve(gateway: Gateway, req: _Call,
         jobs.extend(_job(gateway, claim, req, adapter, prompt.token_ids, context, sample)
                     for prompt in prompts for sample in range(k))
         fmt.start([prompt for prompt in prompts for _ in range(k)], k)
+        prompt_tokens = sum(len(job.request.prompt_token_ids) for job in jobs)
         await gateway.limiter.reserve(
-            claim.ticket, sum(_reserved(gateway, req, job) for job in jobs),
-            prompt_tokens=None if req.max_tokens is not None else sum(
-                len(job.request.prompt_token_ids) for job in jobs))
+            claim.ticket, prompt_tokens + sum(_output_reserve(gateway, req, job) for job in jobs),
+            prompt_tokens=None if req.max_tokens is not None else prompt_tokens)
         return await _respond(gateway, jobs, req, fmt)
     except BaseException as exc:
         gateway.settle(claim, 0, _outcome(exc))
@@ -189,13 +189,14 @@ async def _serve(gateway: Gateway, req: _Call,
         raise
 
 
-def _reserved(gateway: Gateway, req: _Call, job: Job) -> int:
-    """The TPM a sequence reserves: its prompt and its max_tokens, or, when the request set
-    none, at most the configured share of the context it may fill."""
+def _output_reserve(gateway: Gateway, req: _Call, job: Job) -> int:
+    """The TPM a sequence reserves for its output (its prompt's come beside): its
+    max_tokens, or, when the request set none, at most the configured share of the
+    context it may fill."""
     output = job.request.params.max_tokens
     if req.max_tokens is None:
         output = min(output, gateway.config.tpm_unset_output_reserve)
-    return len(job.request.prompt_token_ids) + output
+    return output
 
 
 def _outcome(exc: BaseException) -> Outcome:

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from engine import openmp_env
 from engine.config import FLOAT_DTYPES
 from engine.models.gemma import GemmaForFlatBatch
 from engine.models.llama import LlamaForFlatBatch
@@ -71,6 +72,20 @@ def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> 
     if isinstance(declared, torch.dtype):
         return declared
     return _DTYPES.get(str(declared), torch.bfloat16)
+
+
+def describe_placement(dtype_name: str, dtype: torch.dtype, device: torch.device) -> str:
+    """What the engine's start line says after "on DEVICE": on a CPU its torch threads and
+    how OpenMP waits; and a dtype chosen by "auto", with what bfloat16 changes where the
+    choice was made for speed (AMX)."""
+    threads = f" ({torch.get_num_threads()} threads, {openmp_env.describe()})" \
+        if device.type == "cpu" else ""
+    auto = " (dtype auto)" if dtype_name == "auto" else ""
+    if auto and device.type == "cpu" and dtype != torch.float32:
+        auto = (" (dtype auto: bfloat16 for this CPU's AMX units; greedy output can "
+                "differ from float32 where two tokens nearly tie: --dtype float32 for "
+                "reference parity)")
+    return threads + auto
 
 
 def _safetensors_files(path: Path) -> list[Path]:
