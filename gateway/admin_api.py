@@ -32,7 +32,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 from engine.http.errors import ApiError
 from engine.models.loader import load_hf_config
 from engine.models.shape import ModelShape
-from engine.protocol import EngineClient
+from engine.protocol import EngineClient, EngineRejected
 from gateway import adapter_admin as lifecycle
 from gateway.adapter_upload import remove_tree
 from gateway.admin_common import (
@@ -59,7 +59,12 @@ def _no_nul(path: str) -> str:
 
 AdapterPath = Annotated[Text, Field(min_length=1, max_length=4096), AfterValidator(_no_nul)]
 TenantId = Annotated[str, Field(pattern=NAME_PATTERN)]
-SharedWith = Annotated[list[TenantId], Field(max_length=1024)]
+def _each_once(tenant_ids: list[str]) -> list[str]:
+    # A share is a set of tenants: a repeated id is the same share, kept once, in the order sent.
+    return list(dict.fromkeys(tenant_ids))
+
+
+SharedWith = Annotated[list[TenantId], Field(max_length=1024), AfterValidator(_each_once)]
 
 
 UPLOAD_PARAMS = frozenset({"name", "owner", "public"})
@@ -275,8 +280,17 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
     async def unload(name: str, body: PlacementBody,
                      gw: AdminGateway) -> dict[str, Any]:
         await _get_adapter(gw, name)
-        return {"name": name, "instances": await on_instances(
-            gw, body.instance, lambda c: c.unload_adapter(name))}
+
+        async def unload_on(client: EngineClient) -> str | None:
+            try:
+                await client.unload_adapter(name)
+            except EngineRejected as exc:
+                if exc.status != 404:
+                    raise
+                return "not loaded"  # an unload done twice is done: nothing to refuse
+            return None
+
+        return {"name": name, "instances": await on_instances(gw, body.instance, unload_on)}
 
     @router.post("/adapters/{name}/pin")
     async def pin(name: str, body: PlacementBody,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Request
 
@@ -77,9 +77,10 @@ def unavailable(instance_id: str, exc: EngineUnavailable) -> str:
 
 
 async def on_instances(gw: Gateway, instance: str | None,
-                       action: Callable[[EngineClient], Awaitable[Any]]) -> dict[str, str]:
+                       action: Callable[[EngineClient], Awaitable[object]]
+                       ) -> dict[str, str]:
     """Run action on every healthy instance, or on the one ``instance`` names (its public id,
-    or its URL); each instance's outcome, by public id."""
+    or its URL); each instance's outcome, by public id: the text action returned, else "ok"."""
     targets = [i for i in gw.pool.healthy()
                if instance in (None, i.instance_id, public_id(gw, i.instance_id))]
     if instance is not None and not targets:  # not echoed: it may be a URL
@@ -89,8 +90,8 @@ async def on_instances(gw: Gateway, instance: str | None,
     for target in targets:
         shown = public_id(gw, target.instance_id)
         try:
-            await action(target.client)
-            results[shown] = "ok"
+            outcome = await action(target.client)
+            results[shown] = outcome if isinstance(outcome, str) else "ok"
         except EngineRejected as exc:
             results[shown] = f"refused: {exc.message}"
         except EngineUnavailable as exc:

@@ -172,6 +172,10 @@ def test_admin_answers_name_instances_by_their_opaque_id(setup: Setup) -> None:
         admin(setup, "POST", "/admin/adapters/ids/unload", json={}),
         admin(setup, "POST", "/admin/adapters/ids/load", json={})]
     assert [p.json()["instances"] for p in placements] == [{tag: "ok"}] * 4
+    admin(setup, "POST", "/admin/adapters/ids/unload", json={})
+    again = admin(setup, "POST", "/admin/adapters/ids/unload", json={})
+    assert again.status_code == 200 and again.json()["instances"] == {tag: "not loaded"}
+    assert admin(setup, "POST", "/admin/adapters/ids/load", json={}).status_code == 200
     unknown = admin(setup, "POST", "/admin/adapters/ids/load",
                     json={"instance": "http://10.0.0.1:9"})
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "instance"

@@ -217,6 +217,10 @@ def test_shares_name_existing_tenants_only(setup: Setup) -> None:
                     json={"shared_with": ["tb", "nosuch"]})
     assert patched.status_code == 400 and patched.json()["error"]["param"] == "shared_with"
     assert admin(setup, "GET", "/admin/adapters/real-share").json()["shared_with"] == ["tb"]
+    repeated = admin(setup, "PATCH", "/admin/adapters/real-share",
+                     json={"shared_with": ["tb", "ta", "tb"]})
+    assert repeated.status_code == 200, repeated.text
+    assert admin(setup, "GET", "/admin/adapters/real-share").json()["shared_with"] == ["tb", "ta"]
     assert complete(setup, "tb", "real-share").status_code == 200
     wait_engines_idle(setup.engine.url)
 
