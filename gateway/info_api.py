@@ -32,6 +32,7 @@ from engine.invalid_field import InvalidField
 from gateway import openai_fields
 from gateway.admission import Admitted, AdmittedRoute
 from gateway.caller import Caller
+from gateway.chat_documents import Documents
 from gateway.job import Claim
 from gateway.openai_chat_protocol import (
     MAX_MESSAGES,
@@ -50,7 +51,7 @@ from gateway.prompts import PromptEncoder
 from gateway.service import Gateway
 
 CHAT_ONLY = frozenset({"add_generation_prompt", "continue_final_message",
-                       "chat_template_kwargs", "tools", "tool_choice"})
+                       "chat_template_kwargs", "tools", "tool_choice", "documents"})
 """TokenizeRequest's fields that a prompt (not messages) cannot use."""
 
 
@@ -73,6 +74,7 @@ class TokenizeRequest(StrictRequest):
     chat_template_kwargs: TemplateKwargs | None = None
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    documents: Documents | None = None
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = openai_fields.TOKENIZE
 
     @model_validator(mode="before")
@@ -104,7 +106,7 @@ class TokenizeRequest(StrictRequest):
             model=model, messages=self.messages or [], tools=self.tools,
             tool_choice=self.tool_choice, add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
-            chat_template_kwargs=self.chat_template_kwargs)
+            chat_template_kwargs=self.chat_template_kwargs, documents=self.documents)
 
 
 class DetokenizeRequest(StrictRequest):

@@ -23,6 +23,7 @@ from pydantic import (
 from engine.invalid_field import InvalidField
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
+from gateway.chat_documents import Documents, documents_chars, documents_system_text
 from gateway.openai_fields import Unsupported
 from gateway.openai_protocol import (
     MAX_CONTENT_PARTS,
@@ -224,6 +225,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
     """Empty as none, as vLLM takes it (langchain's bind_tools([]) and litellm send [])."""
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    documents: Documents | None = None
+    """Retrieved documents (gateway/chat_documents.py): rendered by a template that reads
+    them, else in a system message. Empty as none."""
     parallel_tool_calls: StrictBool = True
     """False: at most one call per answer (required: the grammar allows one; auto: the first
     call the model wrote is kept)."""
@@ -307,7 +311,8 @@ class ChatCompletionRequest(SamplingFields):
 
     def prompt_chars(self) -> int:
         """Characters the conversation brings (contents and names), before the template."""
-        return sum(len(m.text()) + len(m.name or "") for m in self.messages)
+        return sum(len(m.text()) + len(m.name or "") for m in self.messages) \
+            + documents_chars(self.documents or [])
 
     def _compact_json_elsewhere(self) -> bool:
         return self.tool_plan().mode in ("required", "named")  # its calls are compact JSON
@@ -322,10 +327,12 @@ class ChatCompletionRequest(SamplingFields):
         mode = choice or ("auto" if functions else "none")
         return ToolPlan(functions, mode, None, self.parallel_tool_calls)
 
-    def template_messages(self, tools_in_template: bool = True) -> list[dict[str, Any]]:
+    def template_messages(self, tools_in_template: bool = True,
+                          documents_in_template: bool = True) -> list[dict[str, Any]]:
         """The conversation as chat templates take it. Calls in the history carry their
         arguments as objects (what templates render); a template that takes no tools gets
-        the calls as the text a model answers with, and the tools in a system message."""
+        the calls as the text a model answers with, and the tools in a system message; one
+        that takes no documents gets them in the system message, before the tools."""
         plan = self.tool_plan()
         messages: list[dict[str, Any]] = []
         for m in self.messages:
@@ -348,15 +355,25 @@ class ChatCompletionRequest(SamplingFields):
             if m.name is not None:
                 message["name"] = m.name
             messages.append(message)
+        if self.documents and not documents_in_template:
+            _add_system_text(messages, documents_system_text(self.documents))
         if plan.functions and plan.mode != "none" and not tools_in_template:
-            if messages[0]["role"] == "system":
-                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n"
-                               + plan.system_prompt()}
-            else:
-                messages.insert(0, {"role": "system", "content": plan.system_prompt()})
+            _add_system_text(messages, plan.system_prompt())
         return messages
+
+    def template_documents(self) -> list[dict[str, str]] | None:
+        """The documents argument of apply_chat_template (None: no documents)."""
+        return list(self.documents) if self.documents else None
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools argument of apply_chat_template (None: no tools, or tool_choice none)."""
         plan = self.tool_plan()
         return [f.to_template() for f in plan.functions] if plan.active else None
+
+
+def _add_system_text(messages: list[dict[str, Any]], text: str) -> None:
+    """Append ``text`` to the conversation's leading system message, or open it with one."""
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + text}
+    else:
+        messages.insert(0, {"role": "system", "content": text})

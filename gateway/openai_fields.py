@@ -120,7 +120,6 @@ CHAT: Mapping[str, Unsupported] = {
                                         "prefixes"),
     "add_special_tokens": _off(False, reason="the chat template places special tokens"),
     "chat_template": _off(reason="the model's own chat template is used"),
-    "documents": _off(reason="put documents in the messages"),
     "mm_processor_kwargs": _off(reason="text only"),
     "media_io_kwargs": _off(reason="text only"),
     "include_reasoning": _off(True, False, reason="the model does not reason in a separate "

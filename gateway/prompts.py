@@ -26,6 +26,7 @@ import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from engine.http.errors import ApiError
+from gateway.chat_documents import template_takes_documents
 from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.tool_calls import template_takes_tools
 
@@ -109,9 +110,10 @@ class PromptEncoder:
 
     async def encode_chat_request(self, chat: ChatCompletionRequest, context: int,
                                   keep_tokens: int | None = None) -> list[int]:
-        """The ids a chat request sends: its messages and tools rendered by the model's chat
-        template (tools a template does not take go in a system message:
-        gateway/tool_calls.py); control-token text inside a message is encoded as plain
+        """The ids a chat request sends: its messages, tools and documents rendered by the
+        model's chat template (tools or documents a template does not take go in a system
+        message: gateway/tool_calls.py, gateway/chat_documents.py); control-token text
+        inside a message, a tool or a document is encoded as plain
         text. Refused (context_length_exceeded) without tokenizing when its contents, or
         then its rendered text, are longer than ``context`` tokens can spell, unless only
         its last ``keep_tokens`` are wanted (as encode_prompt's, of the rendered text).
@@ -121,7 +123,7 @@ class PromptEncoder:
         if keep_tokens is None:
             self.check_chars(chat.prompt_chars(), context, "messages")
         inline = len(chat.messages) <= INLINE_MESSAGES and not chat.tools and \
-            not any(m.tool_calls for m in chat.messages)
+            not chat.documents and not any(m.tool_calls for m in chat.messages)
         cost = chat.prompt_chars() if inline else INLINE_CHARS + 1
         try:
             return await self._run(cost, functools.partial(
@@ -175,11 +177,16 @@ class PromptEncoder:
     def _chat_request_ids(self, chat: ChatCompletionRequest, keep: int | None,
                           context: int | None) -> list[int]:
         in_template = template_takes_tools(self.tokenizer.chat_template)
+        documents_in_template = template_takes_documents(self.tokenizer.chat_template)
         options = chat.template_options()
         tools = chat.template_tools()
         if tools is not None and in_template:
             options["tools"] = tools
-        return self._chat_ids(chat.template_messages(in_template), options, keep, context)
+        documents = chat.template_documents()
+        if documents is not None and documents_in_template:
+            options["documents"] = documents
+        return self._chat_ids(chat.template_messages(in_template, documents_in_template),
+                              options, keep, context)
 
     def _kept_ids(self, text: str, keep: int, add_special_tokens: bool = False) -> list[int]:
         """The last ``keep`` ids of the text's tokenization: from its tail (tail_chars) when
@@ -233,8 +240,9 @@ class PromptEncoder:
             safe.append({**message, "content": content})
             if "tool_calls" in message:
                 safe[-1]["tool_calls"] = swap_json(message["tool_calls"])
-        if "tools" in options:
-            options = {**options, "tools": swap_json(options["tools"])}
+        for rendered_data in ("tools", "documents"):
+            if rendered_data in options:
+                options = {**options, rendered_data: swap_json(options[rendered_data])}
         rendered = str(self.tokenizer.apply_chat_template(safe, tokenize=False, **options))
         if context is not None:
             # A marker (~23 characters) may be longer than the text it stands for: a few

@@ -73,7 +73,7 @@ ACTIVE: dict[str, Any] = {
     "web_search_options": {"search_context_size": "low"},
     "moderation": {"type": "auto"}, "prompt_cache_key": "k",
     "prompt_cache_options": {"x": 1}, "chat_template": "{{ messages }}",
-    "documents": [{"title": "t", "text": "x"}], "mm_processor_kwargs": {"x": 1},
+    "mm_processor_kwargs": {"x": 1},
     "request_id": "trace-1", "session_id": "s", "thinking_token_budget": 100,
     "watermarking": {"x": 1}, "truncation_side": "right", "logprob_token_ids": [1],
     "return_token_offsets": True, "repetition_detection": {"x": 1}, "stream_interval": 4,
