@@ -228,7 +228,7 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     # Added last: outermost, so refusals are logged and counted too.
     app.add_middleware(AccessLog, observe=count_response)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health() -> JSONResponse:
         pool = pool_holder.get("pool")
         ready = len(pool.healthy()) if pool else 0
@@ -239,7 +239,8 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                             if status != "ready" else None)
 
     # vLLM's names for the same check (SageMaker's load balancer probes /ping).
-    app.add_api_route("/ping", health, methods=["GET", "POST"], include_in_schema=False)
+    app.add_api_route("/ping", health, methods=["GET", "HEAD", "POST"],
+                      include_in_schema=False)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -113,6 +113,10 @@ class GatewayConfig:
     body_read_timeout_s: float = 30.0
     """A request body must arrive within this many seconds, plus one per MiB received (so
     large uploads are not cut off); else 408 and the connection is closed."""
+    write_timeout_s: float = 60.0
+    """A client that reads nothing of its response for this many seconds while output waits
+    for it is dropped (the connection closed, its request aborted): it cannot hold a request
+    and the output buffered for it open-ended."""
     engine_token: str | None = field(default=None, repr=False)
     """Shared secret the engines require (their --engine-token): sent to every engine, and
     the key that signs the Redis engine registry (discovery needs it). `serve` makes one up
@@ -136,7 +140,7 @@ class GatewayConfig:
                              f"{self.store_failure_policy!r}")
         for name in ("request_timeout_s", "poll_interval_s", "startup_timeout_s",
                      "drain_timeout_s", "state_refresh_s", "header_read_timeout_s",
-                     "body_read_timeout_s"):
+                     "body_read_timeout_s", "write_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:  # `not <` also refuses NaN
                 raise ValueError(f"{name} must be a finite number > 0, got "
                                  f"{getattr(self, name)}")

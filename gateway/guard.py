@@ -3,6 +3,11 @@
 No BaseHTTPMiddleware: that one relays every streamed chunk through an extra task and memory
 stream, a cost paid per token. In order, for each HTTP request:
 
+- 400 for a request two proxies could read as two different ones: more than one Host
+  header, or an encoded slash (%2F) in the path outside a model id (Starlette decodes it
+  before routing, so "/admin%2Ftenants" would pass a proxy's "/admin/" rule and reach the
+  admin API here); 501 for a Transfer-Encoding other than chunked (uvicorn reads any as
+  chunked: a proxy that reads it otherwise sees another body, RFC 9112 6.1);
 - 400 when the Host header is not allowed (the open mode's DNS-rebinding defence, see
   gateway/exposure.py);
 - 413 for a Content-Length over the path's limit;
@@ -30,6 +35,9 @@ from engine.http.errors import ERROR_CODE_KEY, ApiError, CodedHTTPException
 from gateway.exposure import host_allowed
 
 REQUEST_TOO_LARGE = "request_too_large"
+MODEL_PATH = b"/v1/models/"
+"""GET /v1/models/{id}: an id may hold a slash (a served name such as "org/model"), which a
+client may encode."""
 BYTES_PER_EXTRA_SECOND = 1 << 20
 """Each MiB of body received moves the body's deadline one second later."""
 
@@ -106,6 +114,17 @@ class Guard:
     def _refusal(self, scope: Scope, headers: dict[bytes, bytes], length: bytes | None,
                  max_bytes: int, no_body: bool) -> ApiError | None:
         """The answer to a request refused on its headers alone, or None."""
+        if sum(name == b"host" for name, _ in scope["headers"]) > 1:
+            return ApiError(400, "more than one Host header", code="invalid_host")
+        raw_path = scope.get("raw_path") or b""
+        if b"%2f" in raw_path.lower() and not raw_path.startswith(MODEL_PATH):
+            return ApiError(400, "the path holds an encoded slash (%2F): write '/'",
+                            code="invalid_path")
+        coding = headers.get(b"transfer-encoding", b"chunked").strip().lower()
+        if coding != b"chunked":
+            return ApiError(501, f"Transfer-Encoding {coding[:32].decode('latin-1')!r} is "
+                            f"not supported: send the body chunked or with a Content-Length",
+                            code="unsupported_transfer_encoding")
         if self.restrict_hosts() and not host_allowed(
                 headers.get(b"host", b"").decode("latin-1"), self.allowed_hosts):
             return ApiError(400, "the Host header names a host this gateway does not serve "

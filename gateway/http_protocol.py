@@ -1,5 +1,5 @@
-"""uvicorn's HTTP protocol plus the two limits it lacks: a deadline and a size cap for request
-headers.
+"""uvicorn's HTTP protocol plus the limits it lacks: a deadline and a size cap for request
+headers, and a deadline for a client that stops reading its response.
 
 uvicorn (httptools) times out idle keep-alive connections between requests, but not a
 connection that never sends anything or trickles a request's headers, and httptools buffers
@@ -10,17 +10,25 @@ gateway's memory without bound, before any route (or key check) runs. This proto
   the request line and headers must be complete before it fires, else 408 and close;
 - counts the bytes of a request's line and headers, both as they arrive (a header block that
   never ends) and as the parser reads them (a block that came in one read): past
-  max_header_bytes, 431 and close.
+  max_header_bytes, 431 and close;
+- arms a timer whenever the transport's write buffer is full (asyncio pauses writing: the
+  client reads nothing), disarmed when it drains: past write_timeout_s the connection is
+  dropped. Without it a client that stops reading a stream holds its request, and the
+  output buffered for it, for as long as it keeps the socket open; dropped, the request
+  sees a disconnect and ends (its engine work is aborted).
 
 These answers, and the 400 for a request that is not valid HTTP, carry an OpenAI-style error
-body. Request bodies are bounded where the route is
-known, in gateway/guard.py (size limit and read deadline).
+body. A request whose own body is malformed (a bad chunk) is answered 400 unless its
+response has started; a malformed request pipelined after complete ones gets its 400 once
+they are answered. Request bodies are bounded where the route is known, in gateway/guard.py
+(size limit and read deadline).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from asyncio import TimerHandle
 from typing import Any
 
@@ -30,6 +38,7 @@ from uvicorn.server import ServerState
 
 from engine.http.errors import error_body
 
+log = logging.getLogger(__name__)
 
 class _HeadersTooLarge(Exception):
     """Raised from a parser callback: httptools stops parsing, and uvicorn answers the
@@ -37,11 +46,12 @@ class _HeadersTooLarge(Exception):
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
-    """HttpToolsProtocol with a header deadline and a header size cap (class attributes:
-    ``guarded_protocol`` makes a subclass with the configured values)."""
+    """HttpToolsProtocol with a header deadline, a header size cap and a write-stall deadline
+    (class attributes: ``guarded_protocol`` makes a subclass with the configured values)."""
 
     header_timeout_s: float = 10.0
     max_header_bytes: int = 65536
+    write_timeout_s: float = 60.0
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -53,6 +63,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._parsed_header_bytes = 0
         self._headers_too_large = False
+        self._write_timer: TimerHandle | None = None
+        self._deferred_reject: tuple[int, str, str] | None = None
+        """A parser error after complete pipelined requests: answered once they are."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -60,9 +73,34 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        self._cancel_write_timer()
         super().connection_lost(exc)
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_timer()
+        super().resume_writing()
+
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_stalled(self) -> None:
+        self._write_timer = None
+        if not self.transport.is_closing():
+            peer = "{}:{}".format(*self.client) if self.client else "a client"
+            log.warning("dropping the connection of %s: it read nothing of its response for "
+                        "%g s", peer, self.write_timeout_s)
+            self.transport.abort()  # unsent output is dropped; the request sees a disconnect
+
     def data_received(self, data: bytes) -> None:
+        if self._deferred_reject is not None:
+            return  # the parser stopped at an error: nothing after it is a request
         super().data_received(data)
         if not self._awaiting_headers or self.transport.is_closing():
             return
@@ -125,23 +163,41 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._reject(408, f"request headers not received within "
                               f"{self.header_timeout_s:g} s", "request_timeout")
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._deferred_reject is not None and self.cycle is not None \
+                and self.cycle.response_complete and not self.transport.is_closing():
+            self._reject(*self._deferred_reject)  # every request before it is answered
+
     def _reject(self, status: int, message: str, code: str) -> None:
-        """Answer (unless an earlier response on this connection is still being written:
-        bytes now would corrupt it) and close."""
+        """Answer and close. A request in progress on this connection decides when: one
+        whose response has started is only closed (bytes now would corrupt it); one whose
+        body the error cut is told the client is gone and the answer goes now; complete
+        ones still running (pipelined) are answered first."""
         self._cancel_header_timer()
-        if self.cycle is None or self.cycle.response_complete:
-            body = json.dumps(error_body(status, message, code=code),
-                              separators=(",", ":")).encode()
-            head = [STATUS_LINE[status]]
-            for name, value in self.server_state.default_headers:
-                head += [name, b": ", value, b"\r\n"]
-            head += [b"content-type: application/json\r\n",
-                     b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n"]
-            self.transport.write(b"".join(head) + body)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started or (cycle.more_body and self.pipeline):
+                self.transport.close()
+                return
+            if not cycle.more_body:
+                self._deferred_reject = (status, message, code)
+                return
+            cycle.disconnected = True  # its app reads a disconnect and answers nothing
+            cycle.message_event.set()
+        body = json.dumps(error_body(status, message, code=code),
+                          separators=(",", ":")).encode()
+        head = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [b"content-type: application/json\r\n",
+                 b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n"]
+        self.transport.write(b"".join(head) + body)
         self.transport.close()
 
 
-def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[HttpToolsProtocol]:
+def guarded_protocol(header_timeout_s: float, max_header_bytes: int,
+                     write_timeout_s: float) -> type[HttpToolsProtocol]:
     """The protocol class to give uvicorn.Config(http=...) for these limits."""
 
     class Configured(GuardedHttpProtocol):
@@ -149,4 +205,5 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int) -> type[Htt
 
     Configured.header_timeout_s = header_timeout_s
     Configured.max_header_bytes = max_header_bytes
+    Configured.write_timeout_s = write_timeout_s
     return Configured

@@ -232,7 +232,8 @@ def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: st
                      watch_adapter_dir=watch_adapter_dir, local=local, store=store)
     server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
-        http=guarded_protocol(config.header_read_timeout_s, config.max_header_bytes)),
+        http=guarded_protocol(config.header_read_timeout_s, config.max_header_bytes,
+                              config.write_timeout_s)),
         config.drain_timeout_s)
     server.on_drain = lambda: start_drain(app, config.drain_timeout_s)
     server.on_deadline = lambda: cut_off(app)

@@ -35,7 +35,7 @@ def test_a_template_that_reads_documents_renders_them(tiny_model_dir: Path) -> N
     assert template_takes_documents(tokenizer.chat_template)
     ids = asyncio.run(PromptEncoder(tokenizer).encode_chat_request(
         _chat(documents=DOCUMENTS), context=4096))
-    text = tokenizer.decode(ids)
+    text = str(tokenizer.decode(ids))
     assert text.startswith(f"<|im_start|>system\n[0] a: {FORGED}\n[1] : second\n<|im_end|>")
     assert "Document: 0" not in text  # not a second time in a system message
     # The forged turn is text: the template's own three turn ends and starts only.

@@ -1,8 +1,8 @@
 """What a live gateway reveals, to whom, and how long a client may hold it (real processes).
 
 Two gateways over one engine: `keyed` (an admin key, a metrics token, one tenant) and `open`
-(no keys: the open mode, with --debug-headers, an allowed host and 1 s header and body
-deadlines). Slow clients are raw sockets that trickle a request byte by byte.
+(no keys: the open mode, with --debug-headers, an allowed host and 1 s header, body and
+write deadlines). Slow clients are raw sockets that trickle a request byte by byte.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
                           "--metrics-token", METRICS_TOKEN, "--state-refresh-s", "0.1")
     open_ = start_gateway(tiny_model_dir, [engine.url], root, "--debug-headers", "true",
                           "--allowed-hosts", ALLOWED, "--header-read-timeout-s", "1",
-                          "--body-read-timeout-s", "1")
+                          "--body-read-timeout-s", "1", "--write-timeout-s", "1")
     try:
         for server in (engine, keyed, open_):
             server.wait_ready()
@@ -265,6 +265,71 @@ def test_an_early_answer_closes_a_connection_whose_body_is_still_coming(setup: S
     answer = drip_until_closed(sock, b"x")
     assert parse_answer(answer)[0] == 401
     assert b"\r\nconnection: close\r\n" in answer.lower()
+
+
+def test_a_client_that_reads_nothing_of_its_stream_is_dropped(setup: Setup) -> None:
+    """A stream whose client stops reading fills the socket, then the gateway's buffer: after
+    --write-timeout-s of nothing read the connection is dropped, so the request ends instead
+    of holding its output for as long as the socket stays open."""
+    base = httpx.get(setup.open.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    body = json.dumps({"model": base, "prompt": "hello " * 200, "max_tokens": 16, "n": 16,
+                       "stream": True, "echo": True, "logprobs": 20}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", int(setup.open.url.rsplit(":", 1)[1])))
+    sock.sendall(request_head(setup.open, "POST", "/v1/completions",
+                              "Content-Type: application/json",
+                              f"Content-Length: {len(body)}") + body)
+    poll(lambda: "read nothing of its response for 1 s" in setup.open.log(),
+         "the stalled client to be dropped", timeout_s=BOUND_S)
+    sock.settimeout(DRIP_S)
+    assert b"data: [DONE]" not in drip_until_closed(sock, b"")  # what was sent, then reset
+    assert complete(setup.open.url).status_code == 200
+
+
+@pytest.mark.parametrize("framing, code", [
+    (b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n", "invalid_http_request"),
+    (b"Transfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+     "unsupported_transfer_encoding"),
+], ids=["bad-chunk", "unknown-coding"])
+def test_a_body_framed_wrong_gets_an_answer(setup: Setup, framing: bytes, code: str) -> None:
+    """Not a silent close: a chunk that is not hex is a 400; a transfer coding uvicorn would
+    read as plain chunked (another reading than a proxy's) is a 501."""
+    sock = connect(setup.open)
+    sock.sendall(request_head(setup.open, "POST", "/v1/completions",
+                              "Content-Type: application/json")[:-2] + framing)
+    assert parse_answer(drip_until_closed(sock, b""))[1]["code"] == code
+    assert complete(setup.open.url).status_code == 200
+
+
+def test_a_malformed_request_pipelined_after_a_whole_one_is_answered_after_it(
+        setup: Setup) -> None:
+    sock = connect(setup.open)
+    sock.sendall(request_head(setup.open, "GET", "/health") + b"GARBAGE\r\n\r\n")
+    answer = drip_until_closed(sock, b"")
+    assert answer.startswith(b"HTTP/1.1 200 ") and b'"status":"ready"' in answer
+    assert parse_answer(answer[answer.index(b"HTTP/1.1 400 "):])[1]["code"] == \
+        "invalid_http_request"
+
+
+@pytest.mark.parametrize("path, head, status, code", [
+    ("/v1/models", "Host: 127.0.0.1", 400, "invalid_host"),  # a second Host header
+    ("/admin%2Ftenants", "", 400, "invalid_path"),
+    ("/v1/chat%2fcompletions", "", 400, "invalid_path"),
+    ("/v1/models/org%2Fname", "", 404, "model_not_found"),  # a model id may hold a slash
+], ids=["two-hosts", "admin", "chat", "model-id"])
+def test_requests_proxies_could_read_otherwise_are_refused(
+        setup: Setup, path: str, head: str, status: int, code: str) -> None:
+    sock = connect(setup.open)
+    sock.sendall(request_head(setup.open, "GET", path, *[head] if head else []))
+    answer = parse_answer(drip_until_closed(sock, b""))
+    assert (answer[0], answer[1]["code"]) == (status, code), answer
+
+
+def test_health_answers_head(setup: Setup) -> None:
+    for server in (setup.open, setup.engine):
+        answer = httpx.head(server.url + "/health", timeout=10)
+        assert answer.status_code == 200 and answer.content == b""
 
 
 # ---------------------------------------------------------------------- startup log

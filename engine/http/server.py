@@ -143,7 +143,7 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
         await engine.pin_adapter(name, body.pinned)
         return {"name": name, "pinned": body.pinned}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: open as GET (auth.py)
     async def health() -> JSONResponse:
         status = "draining" if engine.draining else "ready" if engine.is_alive() else "dead"
         return JSONResponse({"status": status, "in_flight": engine.in_flight},
