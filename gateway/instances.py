@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -49,6 +50,9 @@ class Instance:
     consecutive_failures: int = 0
     in_flight: int = 0
     """Requests this gateway sent and that have not ended (its own admission count)."""
+    routed_adapters: Counter[str] = field(default_factory=Counter)
+    """Of those, how many use each adapter: each such adapter holds or awaits a slot there
+    from the moment it is sent, while the polled residency shows it only a poll later."""
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
@@ -130,6 +134,33 @@ class Instance:
             if began < began_before and not scope.expired():
                 self._ended.add(scope)
                 scope.reschedule(now)
+
+    def take(self, adapter: str | None) -> None:
+        """A request of this gateway (on ``adapter``, None: the base model) was sent there."""
+        self.in_flight += 1
+        if adapter is not None:
+            self.routed_adapters[adapter] += 1
+
+    def release(self, adapter: str | None) -> None:
+        """A request ``take`` counted has ended there (or was never opened)."""
+        self.in_flight -= 1
+        if adapter is not None:
+            self.routed_adapters[adapter] -= 1
+            if self.routed_adapters[adapter] <= 0:
+                del self.routed_adapters[adapter]
+
+    @property
+    def slot_claims(self) -> frozenset[str]:
+        """Adapters that hold a slot there or will take one: resident at the last poll, or
+        used by a request this gateway sent since (what the router counts against
+        max_loras: a burst of new adapters must not all see the same free slots)."""
+        return self.resident | self.routed_adapters.keys()
+
+    @property
+    def unevictable(self) -> frozenset[str]:
+        """Adapters whose slot cannot be taken now: busy at the last poll, or used by a
+        request of this gateway that has not ended."""
+        return self.busy_adapters | self.routed_adapters.keys()
 
     @property
     def resident(self) -> frozenset[str]:

@@ -47,7 +47,7 @@ def candidates(pool: InstancePool, config: GatewayConfig, job: Job,
     return [Candidate(
         instance_id=i.instance_id, in_flight=i.in_flight, max_in_flight=bound,
         max_num_seqs=i.max_num_seqs, kv_usage=i.kv_usage, max_loras=i.max_loras,
-        resident=i.resident, busy_adapters=i.busy_adapters,
+        resident=i.slot_claims, busy_adapters=i.unevictable,
         matched_tokens=matched.get(i.instance_id, 0)) for i in instances]
 
 

@@ -7,7 +7,10 @@ in-flight count:
 
 - tier: the adapter is resident in a slot (3) > a slot is free under max_loras (2) > an idle
   resident adapter must be evicted (1) > every slot is busy (0, the request would wait for
-  one). Base-model requests are tier 3 everywhere.
+  one). Base-model requests are tier 3 everywhere. An adapter of a request this gateway sent
+  there and that has not ended counts as resident and busy at once (gateway/instances.py
+  slot_claims): a burst of new adapters fills an instance's free slots, then goes elsewhere,
+  instead of all seeing the same free slots until the next poll.
 - matched: the longest prefix of the prompt this instance has cached, from the published
   sparse chain hashes (computed with the engines' own hashing), in tokens.
 - load: in_flight / max_num_seqs + kv_usage.
@@ -46,6 +49,7 @@ class Candidate:
     kv_usage: float
     max_loras: int
     resident: frozenset[str]
+    """Adapters in its slots, or claimed by this gateway's requests there."""
     busy_adapters: frozenset[str]
     """Resident adapters that cannot be evicted (running requests or pinned)."""
     matched_tokens: int = 0

@@ -229,7 +229,7 @@ class Gateway:
         self.metrics.queue_time.observe(time.monotonic() - job.arrival)
 
         def never_read() -> None:
-            instance.in_flight -= 1
+            instance.release(job.adapter)
             self._later(stream.aclose())
 
         return ChunkStream(self._relay(job, tried, instance, stream), never_read)
@@ -240,19 +240,19 @@ class Gateway:
             instance = self._route(job, tried)
             tried.add(instance.instance_id)
             job.instance_id = instance.instance_id
-            instance.in_flight += 1
+            instance.take(job.adapter)
             try:
                 async with instance.watched(self._deadline(job)):
                     return instance, await self.placement.open_on(instance, job)
             except EngineUnavailable as exc:
-                instance.in_flight -= 1
+                instance.release(job.adapter)
                 # A frozen engine may run it when it wakes: nobody would read it.
                 self._later(instance.client.abort(job.request_id))
                 self.pool.mark_failed(instance, exc)
                 self.metrics.retries.labels(type(exc).__name__).inc()
                 log.warning("retrying %s elsewhere: %s", job.request_id, exc)
             except BaseException as exc:
-                instance.in_flight -= 1
+                instance.release(job.adapter)
                 if isinstance(exc, TimeoutError):
                     self._later(instance.client.abort(job.request_id))
                     raise ApiError(504, self._timeout_message(), code="timeout") from None
@@ -321,7 +321,7 @@ class Gateway:
                 self._later(instance.client.abort(job.request_id))
                 raise
             finally:
-                instance.in_flight -= 1
+                instance.release(job.adapter)
             try:
                 instance, stream = await self._dispatch(job, tried)
             except ApiError as exc:
