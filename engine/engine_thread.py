@@ -122,8 +122,12 @@ class EngineThread:
         return self._thread.is_alive()
 
     def fail_in_flight(self, exc: BaseException) -> concurrent.futures.Future[None]:
-        """Abort every request, waiting or running, and end each stream with ``exc``
-        (between two steps, on the engine thread)."""
+        """End each open stream with ``exc`` now, and abort every request, waiting or
+        running, between two steps on the engine thread (which frees their blocks, and ends
+        the stream of any request opened meanwhile). The streams end at once, not after the
+        step in progress: a server at its drain deadline has a second or so left to send
+        their last chunks, and a CPU step can take longer."""
+        self._fail_streams(exc)
         return self.submit(lambda: self._fail_all(exc))
 
     def stop(self, timeout: float = 30) -> None:
@@ -221,6 +225,8 @@ class EngineThread:
         self._fail_streams(exc)
 
     def _fail_streams(self, exc: BaseException) -> None:
+        # Safe from any thread (fail_in_flight calls it from the event loop's): the map is
+        # swapped under the lock, and push hands the item to each stream's own loop.
         with self._lock:
             streams, self._streams = self._streams, {}
         for stream in streams.values():

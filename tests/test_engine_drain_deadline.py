@@ -60,6 +60,43 @@ def test_cut_off_ends_every_request_with_a_shutting_down_error(tiny_model_dir: P
         engine.shutdown()
 
 
+def test_cut_off_ends_the_streams_without_waiting_for_the_engine_thread(
+        tiny_model_dir: Path) -> None:
+    """At the drain deadline the server gives the cut streams a second to send their last
+    chunk; a long CPU step in progress must not hold them. The engine thread is held here
+    by a command (what a step would do): the streams end before it is let go, and the
+    requests' blocks are freed once it is."""
+    engine = AsyncEngine.from_config(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256,
+                                                  max_num_seqs=1))
+    release = threading.Event()
+
+    async def scenario() -> tuple[list[str | None], bool, EngineStats]:
+        streams = [await engine.open(GenerateRequest(f"r{i}", PROMPT, SamplingParams(**LONG)))
+                   for i in range(2)]
+        await anext(aiter(streams[0]))
+        held = asyncio.ensure_future(engine.call(lambda: release.wait(60)))
+        await asyncio.sleep(0.05)  # the engine thread is in the command now
+        engine.cut_off()
+        codes = []
+        for stream in streams:
+            last = None
+            async for chunk in stream:
+                last = chunk
+            codes.append(None if last is None or last.error is None else last.error.code)
+        still_held = not held.done()
+        release.set()
+        await held
+        return codes, still_held, await engine.fresh_stats()
+
+    try:
+        codes, still_held, stats = asyncio.run(scenario())
+        assert codes == ["shutting_down"] * 2 and still_held
+        assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
+    finally:
+        release.set()
+        engine.shutdown()
+
+
 def test_a_gateway_runs_elsewhere_what_a_stopping_engine_cut_before_the_client_saw_it(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     stopping = start_engine(tiny_model_dir, tmp_path, "--max-num-seqs", "1",
