@@ -112,9 +112,13 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         if not view.store_available:
             raise RuntimeError(f"the state store at {redact_url(config.redis_url or '')} is "
                                f"unreachable")
-        # Adapters given on the command line are public unless the store already knows them.
-        for adapter_name, path in (adapters or {}).items():
-            await store.swap_adapter(adapter_name, None, AdapterRecord(adapter_name, path))
+        async def register_configured() -> None:
+            # Adapters given on the command line are public unless the store knows them.
+            for adapter_name, path in (adapters or {}).items():
+                await store.swap_adapter(adapter_name, None, AdapterRecord(adapter_name, path))
+
+        await register_configured()
+        view.reset_hooks.append(register_configured)  # a Redis that lost them gets them back
         await view.refresh()
         connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0)
         # Control calls apart from the streams: see HttpEngineClient.

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -61,6 +61,10 @@ class StateView:
         """Every ticket up to this one was answered by a version check that began after it."""
         self.listeners: list[Callable[[Snapshot], None]] = []
         """Called with every newly loaded snapshot."""
+        self.reset_hooks: list[Callable[[], Awaitable[None]]] = []
+        """Awaited when the store's version went back (a Redis restarted empty, or restored
+        from an older dump), before the snapshot is reloaded: what this gateway wrote at
+        startup (the adapters given on its command line) may be gone and is written again."""
 
     async def refresh(self) -> None:
         """Reload the snapshot if the store's version moved; never raises on an outage.
@@ -71,6 +75,13 @@ class StateView:
     async def _reload(self) -> None:
         try:
             version = await self.store.version()
+            if version < self.snapshot.version:
+                log.warning("the state store went back from version %d to %d (restarted "
+                            "empty, or restored): writing this gateway's startup records "
+                            "again", self.snapshot.version, version)
+                for hook in self.reset_hooks:
+                    await hook()
+                version = await self.store.version()
             if version != self.snapshot.version:
                 self.snapshot = await self.store.snapshot()
                 for listener in self.listeners:
