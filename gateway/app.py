@@ -266,9 +266,10 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
         pool = pool_holder.get("pool")
         if pool is None:
             return []
+        routable = {i.instance_id for i in pool.healthy()}  # as the router and /health see
         return [{"instance_id": i.instance_id,
                  "public_id": instance_tag(i.instance_id, config.admin_key),
-                 "healthy": i.healthy, "draining": i.draining,
+                 "healthy": i.instance_id in routable, "draining": i.draining,
                  "in_flight": i.in_flight, "num_running": i.num_running,
                  "num_waiting": i.num_waiting, "kv_usage": i.kv_usage,
                  "max_loras": i.max_loras, "resident": sorted(i.resident),

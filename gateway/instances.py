@@ -274,6 +274,11 @@ class InstancePool:
                 instance.silent_since = None
             elif instance.silent_since is None:
                 instance.silent_since = began
+            if instance.silent_since is not None:
+                # Frozen (neither the state call nor /health answered): the waits that began
+                # before this poll have had nothing from it either. They end now, retried
+                # elsewhere before a first token, not at the ejection a poll or more later.
+                instance.end_waits(began)
             instance.consecutive_failures += 1
             if instance.consecutive_failures < self.eject_after:
                 return

@@ -33,8 +33,10 @@ class _InstanceCollector(Collector):
         kv = GaugeMetricFamily(PREFIX + "instance_kv_usage",
                                "KV usage the instance last reported", labels=["instance"])
         pool = self._pool()
+        routable = {i.instance_id for i in pool.healthy()} if pool else set()
         for instance in (pool.instances.values() if pool else ()):
-            healthy.add_metric([instance.instance_id], float(instance.healthy))
+            # What routing sees (InstancePool.healthy): a silent instance is out at once.
+            healthy.add_metric([instance.instance_id], float(instance.instance_id in routable))
             in_flight.add_metric([instance.instance_id], instance.in_flight)
             waiting.add_metric([instance.instance_id], instance.num_waiting)
             kv.add_metric([instance.instance_id], instance.kv_usage)

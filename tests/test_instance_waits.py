@@ -4,14 +4,15 @@ waits end, which go on, and which state-call failures count as frozen."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import aiohttp
 import pytest
 
 from engine.protocol import EngineUnavailable
-from gateway.engine_client import HttpEngineClient
-from gateway.instances import Instance, _frozen
+from gateway.engine_client import ClientTimeouts, HttpEngineClient
+from gateway.instances import Instance, InstancePool, _frozen
 
 
 async def _instance() -> tuple[Instance, aiohttp.ClientSession]:
@@ -106,3 +107,39 @@ def test_a_timeout_of_the_awaited_work_itself_is_not_an_ejection() -> None:
         await session.close()
 
     asyncio.run(scenario())
+
+
+def test_a_frozen_engine_ends_the_waits_on_it_at_its_first_silent_poll() -> None:
+    """A peer that takes connections and answers nothing (a SIGSTOPped engine: the kernel
+    still accepts). Its first poll finds it silent (the state call and /health both time
+    out): the waits on it end then, although ejection waits for --eject-after-failures
+    polls, and it gets no new request meanwhile."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # never accepted: connections complete in the backlog, then silence
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    async def scenario() -> tuple[BaseException | None, bool, int, list[Instance]]:
+        async with aiohttp.ClientSession() as session:
+            pool = InstancePool([], session, eject_after=3)
+            instance = Instance(url, HttpEngineClient(
+                url, session, ClientTimeouts(connect=0.2, state=0.3)), healthy=True)
+            pool.instances[url] = instance
+            loop = asyncio.get_running_loop()
+
+            async def wait() -> None:
+                async with instance.watched(loop.time() + 30.0):
+                    await asyncio.sleep(30.0)
+
+            task = asyncio.create_task(wait())
+            await asyncio.sleep(0.01)  # the wait begins before the poll
+            await pool.poll()
+            outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+            return outcome, instance.healthy, instance.consecutive_failures, pool.healthy()
+
+    try:
+        outcome, healthy, failures, routable = asyncio.run(scenario())
+    finally:
+        listener.close()
+    assert isinstance(outcome, EngineUnavailable), outcome
+    assert (healthy, failures, routable) == (True, 1, [])  # not ejected yet; no new request
