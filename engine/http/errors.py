@@ -260,9 +260,16 @@ def install_error_handlers(app: FastAPI, openai_routes: str | None = None) -> No
         code = exc.code if isinstance(exc, CodedHTTPException) else None
         request.scope[ERROR_CODE_KEY] = code
         detail = str(exc.detail)
-        if "integer string conversion" in str(exc.__cause__):  # Python's JSON parser's bound
+        cause = exc.__cause__
+        if "integer string conversion" in str(cause):  # Python's JSON parser's bound
             detail = (f"the request body is not valid JSON here: it has an integer of more "
                       f"than {sys.get_int_max_str_digits()} digits")
+        elif isinstance(cause, UnicodeDecodeError):  # FastAPI's generic "error parsing"
+            detail = (f"the request body is not valid JSON: it is not UTF-8 text (byte "
+                      f"{cause.start})")
+        elif isinstance(cause, RecursionError):
+            detail = ("the request body is not valid JSON here: its arrays and objects nest "
+                      "deeper than the parser goes")
         elif exc.status_code == 404 and detail == "Not Found":  # no route: say which
             detail = _no_route(request, openai_routes)
         return JSONResponse(error_body(exc.status_code, detail, code=code),

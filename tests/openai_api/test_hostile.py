@@ -227,6 +227,17 @@ def test_a_bound_in_an_error_message_is_the_exact_integer(gateway: LiveServer,
     assert "more than 4300 digits" in huge.json()["error"]["message"], huge.text
 
 
+@pytest.mark.parametrize("body, says", [
+    (b'{"model": "m", "prompt": "caf\xe9"}', "is not UTF-8 text (byte 29)"),
+    (b"[" * 100_000, "nest deeper than the parser goes"),
+], ids=["latin-1", "deep"])
+def test_a_body_the_parser_cannot_read_says_why(gateway: LiveServer, body: bytes,
+                                                says: str) -> None:
+    answer = httpx.post(gateway.url + "/v1/completions", content=body, timeout=30,
+                        headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and says in answer.json()["error"]["message"], answer.text
+
+
 def test_a_prompt_over_the_character_cap_is_refused_before_tokenizing(
         gateway: LiveServer, base_model: str) -> None:
     """1024 tokens x 17 characters (the tiny vocabulary's longest entry), floored at 32768:
