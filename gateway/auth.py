@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from engine.http.errors import ApiError
-from gateway.store import Snapshot, StateStore, StoreUnavailable
+from gateway.store import Snapshot, StateStore, StoreStamp, StoreUnavailable
 from gateway.tenancy import AdapterRecord, Tenant, hash_key
 
 log = logging.getLogger(__name__)
@@ -61,9 +61,12 @@ class StateView:
         """Every ticket up to this one was answered by a version check that began after it."""
         self.listeners: list[Callable[[Snapshot], None]] = []
         """Called with every newly loaded snapshot."""
+        self._stamp: StoreStamp | None = None
+        """The store's stamp at the last refresh that reached it."""
         self.reset_hooks: list[Callable[[], Awaitable[None]]] = []
-        """Awaited when the store's version went back (a Redis restarted empty, or restored
-        from an older dump), before the snapshot is reloaded: what this gateway wrote at
+        """Awaited when the store lost its data or went back to older data (a Redis
+        restarted empty, or restored from a dump: a new incarnation, or a version lower
+        than seen), before the snapshot is reloaded: what this gateway wrote at
         startup (the adapters given on its command line) may be gone and is written again."""
 
     async def refresh(self) -> None:
@@ -74,15 +77,18 @@ class StateView:
 
     async def _reload(self) -> None:
         try:
-            version = await self.store.version()
-            if version < self.snapshot.version:
-                log.warning("the state store went back from version %d to %d (restarted "
-                            "empty, or restored): writing this gateway's startup records "
-                            "again", self.snapshot.version, version)
+            stamp = await self.store.stamp()
+            known = self._stamp
+            if known is not None and (stamp.incarnation != known.incarnation
+                                      or stamp.version < known.version):
+                log.warning("the state store lost or rolled back its data (restarted empty, "
+                            "or restored: version %d, %d before): writing this gateway's "
+                            "startup records again", stamp.version, known.version)
                 for hook in self.reset_hooks:
                     await hook()
-                version = await self.store.version()
-            if version != self.snapshot.version:
+                stamp = await self.store.stamp()
+            self._stamp = stamp
+            if stamp.version != self.snapshot.version or stamp != known:
                 self.snapshot = await self.store.snapshot()
                 for listener in self.listeners:
                     listener(self.snapshot)

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
@@ -44,7 +45,7 @@ from engine.http.registry import REGISTRY_KEY, register
 from gateway import redis_scripts
 from gateway import sliding_window as sw
 from gateway.redact import redact_text, redact_url
-from gateway.store import Admission, Snapshot, StoreUnavailable
+from gateway.store import Admission, Snapshot, StoreStamp, StoreUnavailable
 from gateway.store_records import adapter_record, key_record, record_id, tenant_record
 from gateway.tenancy import AdapterRecord, ApiKey, Tenant
 
@@ -177,6 +178,18 @@ class RedisStore:
 
     async def version(self) -> int:
         return int(await self._call(self._redis.get(self._k("version"))) or 0)
+
+    async def stamp(self) -> StoreStamp:
+        """One round trip. The incarnation is made up by whichever gateway asks first after
+        Redis started without this data (SET NX), so every gateway reads the same one, and
+        one that missed a restart (paused meanwhile) still sees it changed, however far
+        the version has climbed since."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(self._k("incarnation"), uuid.uuid4().hex, nx=True)
+            pipe.get(self._k("incarnation"))
+            pipe.get(self._k("version"))
+            _, incarnation, version = await self._call(pipe.execute())
+        return StoreStamp(str(incarnation), int(version or 0))
 
     async def _delete(self, table: str, field: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:

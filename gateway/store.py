@@ -23,6 +23,7 @@ Refusals carry Retry-After: seconds until enough of the oldest buckets leave the
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
@@ -59,12 +60,24 @@ class Admission:
     retry_after_s: int = 0
 
 
+@dataclass(frozen=True)
+class StoreStamp:
+    """Which data the store holds: ``incarnation`` stays the same from the store's first use
+    until it loses its data (a Redis restarted empty gets a new one); ``version`` counts the
+    writes since."""
+
+    incarnation: str
+    version: int
+
+
 class StateStore(Protocol):
     """What a gateway needs from shared state (see the module docstring)."""
 
     async def snapshot(self) -> Snapshot: ...
 
     async def version(self) -> int: ...
+
+    async def stamp(self) -> StoreStamp: ...
 
     async def swap_tenant(self, tenant_id: str, expected: Tenant | None,
                           new: Tenant | None) -> bool:
@@ -123,6 +136,7 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self._version = 0
+        self._incarnation = uuid.uuid4().hex
         self._tenants: dict[str, Tenant] = {}
         self._keys: dict[str, ApiKey] = {}
         self._adapters: dict[str, AdapterRecord] = {}
@@ -139,6 +153,9 @@ class MemoryStore:
 
     async def version(self) -> int:
         return self._version
+
+    async def stamp(self) -> StoreStamp:
+        return StoreStamp(self._incarnation, self._version)
 
     async def swap_tenant(self, tenant_id: str, expected: Tenant | None,
                           new: Tenant | None) -> bool:

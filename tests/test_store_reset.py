@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gateway.auth import StateView
@@ -55,3 +56,47 @@ def test_startup_adapters_come_back_when_redis_restarts_empty(tmp_path: Path) ->
         server.stop()
     assert before == ["cfg-a", "cfg-b"] and after_delete == ["cfg-a"]
     assert after_reset == ["cfg-a", "cfg-b"] and calls == 2
+
+
+def test_a_gateway_that_missed_the_restart_still_sees_the_data_is_new(tmp_path: Path) -> None:
+    """Gateway x is paused through the restart; meanwhile gateway y writes its records back
+    and more writes push the version past the one x saw last. x's next refresh still finds
+    the store a new incarnation and writes its own startup adapter back."""
+    server = private_redis(tmp_path)
+
+    async def scenario() -> list[str]:
+        stores = [RedisStore(server.url), RedisStore(server.url)]
+        views = [StateView(store, refresh_s=0.1) for store in stores]
+
+        def registering(store: RedisStore, name: str) -> Callable[[], Awaitable[None]]:
+            async def register() -> None:
+                await store.swap_adapter(name, None, AdapterRecord(name, f"/adapters/{name}"))
+            return register
+
+        try:
+            for view, store, name in zip(views, stores, ("solo", "shared"), strict=True):
+                await registering(store, name)()
+                view.reset_hooks.append(registering(store, name))
+            for view in views:
+                await view.refresh()
+            seen_by_x = views[0].snapshot.version
+            server.stop()
+            shutil.rmtree(tmp_path / "appendonlydir")
+            server.start()
+            for _ in range(2):  # y notices (a reconnect may cost the first call)
+                await views[1].refresh()
+            for tenant in range(seen_by_x + 2):
+                assert await stores[1].swap_tenant(f"t{tenant}", None, Tenant(f"t{tenant}"))
+            assert await stores[1].version() > seen_by_x
+            for _ in range(2):
+                await views[0].refresh()
+            return sorted(views[0].snapshot.adapters)
+        finally:
+            for store in stores:
+                await store.close()
+
+    try:
+        adapters = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert adapters == ["shared", "solo"]
