@@ -36,7 +36,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from engine.http.errors import error_body
+from engine.http.errors import REFUSED_FRAMING_KEY, error_body
 
 log = logging.getLogger(__name__)
 
@@ -164,26 +164,33 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                               f"{self.header_timeout_s:g} s", "request_timeout")
 
     def on_response_complete(self) -> None:
+        last = not self.pipeline  # else super() starts the next queued request
         super().on_response_complete()
-        if self._deferred_reject is not None and self.cycle is not None \
-                and self.cycle.response_complete and not self.transport.is_closing():
+        if self._deferred_reject is not None and last and not self.transport.is_closing():
             self._reject(*self._deferred_reject)  # every request before it is answered
 
     def _reject(self, status: int, message: str, code: str) -> None:
         """Answer and close. A request in progress on this connection decides when: one
         whose response has started is only closed (bytes now would corrupt it); one whose
-        body the error cut is told the client is gone and the answer goes now; complete
-        ones still running (pipelined) are answered first."""
+        body the error cut is told the client is gone and the answer goes now, unless
+        requests before it are still to be answered (pipelined): then it is dropped from
+        their queue, and the answer goes after theirs, as for an error after whole ones."""
         self._cancel_header_timer()
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
-            if cycle.response_started or (cycle.more_body and self.pipeline):
+            if cycle.response_started:
                 self.transport.close()
                 return
-            if not cycle.more_body:
+            queued = cycle.more_body and bool(self.pipeline)
+            if queued:  # the last parsed request is the queue's newest: it never runs
+                self.pipeline.popleft()
+            if queued or not cycle.more_body:
                 self._deferred_reject = (status, message, code)
                 return
-            cycle.disconnected = True  # its app reads a disconnect and answers nothing
+            # Its app reads a disconnect and answers nothing more; its access line and
+            # metrics count this answer (engine/http/errors.py).
+            cycle.scope[REFUSED_FRAMING_KEY] = (status, message, code)  # type: ignore[literal-required]
+            cycle.disconnected = True
             cycle.message_event.set()
         body = json.dumps(error_body(status, message, code=code),
                           separators=(",", ":")).encode()

@@ -294,20 +294,38 @@ def test_a_client_that_reads_nothing_of_its_stream_is_dropped(setup: Setup) -> N
 ], ids=["bad-chunk", "unknown-coding"])
 def test_a_body_framed_wrong_gets_an_answer(setup: Setup, framing: bytes, code: str) -> None:
     """Not a silent close: a chunk that is not hex is a 400; a transfer coding uvicorn would
-    read as plain chunked (another reading than a proxy's) is a 501."""
+    read as plain chunked (another reading than a proxy's) is a 501. The metrics count the
+    answer the client got (not a client that left)."""
+    def answered() -> float:
+        return metric(httpx.get(setup.open.url + "/metrics", timeout=10).text,
+                      "loragate_gateway_responses_total", route="/v1/completions", code=code)
+
+    before = answered()
     sock = connect(setup.open)
     sock.sendall(request_head(setup.open, "POST", "/v1/completions",
                               "Content-Type: application/json")[:-2] + framing)
     assert parse_answer(drip_until_closed(sock, b""))[1]["code"] == code
+    poll(lambda: answered() == before + 1, f"the {code} answer to be counted")
     assert complete(setup.open.url).status_code == 200
 
 
+@pytest.mark.parametrize("malformed", [
+    b"GARBAGE\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"zz\r\n",
+], ids=["garbage", "bad-chunk"])
 def test_a_malformed_request_pipelined_after_a_whole_one_is_answered_after_it(
-        setup: Setup) -> None:
+        setup: Setup, malformed: bytes) -> None:
+    """In one write: a whole request, then a malformed one (not HTTP, or a body whose chunk
+    is not hex): the first is answered, then the 400 comes and the connection closes."""
+    base = httpx.get(setup.open.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    body = json.dumps({"model": base, "prompt": "hi", "max_tokens": 2}).encode()
     sock = connect(setup.open)
-    sock.sendall(request_head(setup.open, "GET", "/health") + b"GARBAGE\r\n\r\n")
+    sock.sendall(request_head(setup.open, "POST", "/v1/completions",
+                              "Content-Type: application/json",
+                              f"Content-Length: {len(body)}") + body + malformed)
     answer = drip_until_closed(sock, b"")
-    assert answer.startswith(b"HTTP/1.1 200 ") and b'"status":"ready"' in answer
+    assert answer.startswith(b"HTTP/1.1 200 ") and b'"completion_tokens":2' in answer
     assert parse_answer(answer[answer.index(b"HTTP/1.1 400 "):])[1]["code"] == \
         "invalid_http_request"
 

@@ -209,9 +209,19 @@ CLIENT_CLOSED = 499
 line and the response metrics count a request whose body never came whole as."""
 
 
+REFUSED_FRAMING_KEY = "loragate.refused_framing"
+"""Scope key: the (status, message, code) the HTTP protocol already answered a request whose
+body it could not parse (gateway/http_protocol.py) before ending the request's body."""
+
+
 def _client_closed(request: Request) -> JSONResponse:
     """The answer to a request whose client left while its body was read (nobody reads it:
-    it is what the access line and the metrics record, not a 400 or a crash)."""
+    it is what the access line and the metrics record, not a 400 or a crash). When the
+    protocol ended the body itself, refusing its framing, that refusal is what counts."""
+    refused = request.scope.get(REFUSED_FRAMING_KEY)
+    if refused is not None:
+        status, message, code = refused
+        return answer(request, ApiError(status, message, code=code))
     return answer(request, ApiError(CLIENT_CLOSED, "the client closed the connection before "
                                     "its request body was read", code="client_closed"))
 
