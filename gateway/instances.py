@@ -282,10 +282,10 @@ class InstancePool:
             instance.consecutive_failures += 1
             if instance.consecutive_failures < self.eject_after:
                 return
-            if instance.healthy:
+            if instance.healthy or instance.draining:  # a drained engine that exited too
                 log.warning("ejecting %s after %d failed polls: %s", instance.instance_id,
                             instance.consecutive_failures, exc)
-                instance.healthy = False
+                instance.healthy = instance.draining = False
                 self._forget(instance)
             if instance.silent_since is not None:  # frozen: nothing of it moves
                 instance.end_waits(asyncio.get_running_loop().time())
@@ -294,7 +294,7 @@ class InstancePool:
         instance.busy = False
         was_healthy = instance.healthy
         self._apply_state(instance, state)
-        if not was_healthy:
+        if not was_healthy and not instance.draining:  # a draining one is not coming up
             await self._register_adapters(instance)
             log.info("instance %s is up", instance.instance_id)
         instance.healthy = not instance.draining

@@ -392,6 +392,11 @@ def test_engine_sigterm_drains_its_stream_then_gateway_answers_503(servers: Serv
     health_response = httpx.get(gw.url + "/health")
     assert (health_response.status_code, health_response.json()) == (
         503, {"status": "no_instances", "ready_instances": 0})
+    # Gone, not draining: ejected once its polls fail, and never said to be up meanwhile.
+    poll(lambda: not instances(gw.url)[engine.url]["draining"],
+         "the gateway to eject the engine that drained and exited")
+    assert f"ejecting {engine.url}" in gw.log()
+    assert gw.log().count(f"instance {engine.url} is up") == 1, gw.log()
 
 
 def test_gateway_sigterm_finishes_in_flight_stream_and_refuses_new_requests(
