@@ -40,6 +40,7 @@ from engine.http.errors import REFUSED_FRAMING_KEY, error_body
 
 log = logging.getLogger(__name__)
 
+
 class _HeadersTooLarge(Exception):
     """Raised from a parser callback: httptools stops parsing, and uvicorn answers the
     parser error (send_400_response, which answers 431 instead)."""
@@ -65,7 +66,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._headers_too_large = False
         self._write_timer: TimerHandle | None = None
         self._deferred_reject: tuple[int, str, str] | None = None
-        """A parser error after complete pipelined requests: answered once they are."""
+        """A refusal that waits for the pipelined requests before it to be answered."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
