@@ -70,8 +70,10 @@ SHARED: Mapping[str, Unsupported] = {
     # vLLM's sampling extras
     "use_beam_search": _off(False, reason="no beam search"),
     "length_penalty": _off(1, reason="no beam search"),
-    "spaces_between_special_tokens": _off(True, reason="special tokens are decoded as the "
-                                                       "tokenizer joins them"),
+    # Either value decodes alike: a fast tokenizer's decoder joins special tokens as it
+    # joins any other, so neither transformers nor vLLM inserts spaces between them.
+    "spaces_between_special_tokens": _off(True, False, reason="special tokens are decoded "
+                                                              "as the tokenizer joins them"),
     "logits_processors": _off(reason="no custom logits processors"),
     "guided_decoding_backend": _off("auto", "xgrammar",
                                     reason="structured outputs use xgrammar"),
@@ -178,7 +180,7 @@ def _nulls_as_unset(data: Any, names: frozenset[str]) -> Any:
 def _defaulted_non_nullable(model: type[BaseModel]) -> frozenset[str]:
     """Wire names of ``model``'s fields that have a default but do not take None:
     for them null can only mean "the default". A field that takes None keeps its null, which
-    may differ from its default (completions' max_tokens: null is "up to the context")."""
+    may differ from its default (chat's max_tokens: null is "up to the context")."""
     names: set[str] = set()
     for name, field in model.model_fields.items():
         if not field.is_required() and not _takes_none(field.annotation):

@@ -309,8 +309,10 @@ class CompletionRequest(SamplingFields):
     """Always a list of prompts once validated (a single prompt is a batch of one)."""
     echo: StrictBool = False
     """Return the prompt before the completion (with logprobs: its tokens' logprobs too)."""
-    max_tokens: Annotated[Int, Field(ge=0, lt=INT32_LIMIT)] | None = 16
-    """0 only with echo: the prompt is scored and returned, nothing generated."""
+    max_tokens: Annotated[Int, Field(ge=0, lt=INT32_LIMIT)] = 16
+    """0 only with echo: the prompt is scored and returned, nothing generated. null is the
+    default, 16, as OpenAI documents it and vLLM reads it: a client passing None through
+    must not get a whole context's worth of tokens."""
     logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: SampleCount | None = None
     """Generate this many per prompt and return the n with the highest cumulative logprob
@@ -353,7 +355,7 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("max_tokens")
     @classmethod
-    def _nothing_to_generate(cls, value: int | None, info: ValidationInfo) -> int | None:
+    def _nothing_to_generate(cls, value: int, info: ValidationInfo) -> int:
         if value == 0 and not info.data.get("echo"):
             raise ValueError("max_tokens=0 needs echo=true (the prompt is all the answer)")
         return value
