@@ -27,9 +27,10 @@ _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(
                   r"\.lora_([AB])\.weight$")
 
 # Config switches that select LoRA variants we do not implement: (key, value that is fine).
+# Not fan_in_fan_out: PEFT turns it off for nn.Linear, which every target module is.
 _UNSUPPORTED_SWITCHES: tuple[tuple[str, Any], ...] = (
     ("use_dora", False), ("lora_bias", False), ("use_qalora", False),
-    ("fan_in_fan_out", False), ("alora_invocation_tokens", None), ("modules_to_save", None),
+    ("alora_invocation_tokens", None), ("modules_to_save", None),
     ("layer_replication", None), ("trainable_token_indices", None),
     ("target_parameters", None), ("use_bdlora", None),
 )
@@ -104,8 +105,11 @@ def _check_config(config: dict[str, Any], where: str, max_rank: int) -> tuple[in
         if value not in (fine, None, False, [], {}):
             raise ValueError(f"{where}: {key}={value!r} is a LoRA variant loragate does not "
                              f"implement")
-    if config.get("bias", "none") != "none":
-        raise ValueError(f"{where}: bias={config['bias']!r} is not supported (only 'none')")
+    # bias "all" or "lora_only" trains the base layers' own biases: a model without them
+    # (Llama) saves none, and the weights check below refuses any bias a file holds.
+    if config.get("bias", "none") not in ("none", "all", "lora_only"):
+        raise ValueError(f"{where}: bias={config['bias']!r} is not one of PEFT's 'none', "
+                         f"'all', 'lora_only'")
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise ValueError(f"{where}: per-module {key} is not supported")
@@ -138,13 +142,18 @@ def load_adapter(name: str, path: str | Path, targets: LoraTargets, max_rank: in
 
 def _load(name: str, path: Path, targets: LoraTargets, max_rank: int) -> LoraAdapter:
     if not path.is_dir():
-        raise ValueError(f"adapter directory {str(path)!r} does not exist")
+        raise ValueError(f"adapter directory {str(path)!r} does not exist" if not path.exists()
+                         else f"adapter path {str(path)!r} is not a directory (give the "
+                              f"directory that holds adapter_config.json)")
     where = f"adapter {name!r}"
     config = _read_config(path)
     rank, alpha, use_rslora = _check_config(config, where, max_rank)
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():
-        raise ValueError(f"{where}: {str(path)!r} has no adapter_model.safetensors")
+        # A pickle (adapter_model.bin) can run code as it loads: an uploader's is not read.
+        pickled = " (adapter_model.bin is not read: save the adapter as safetensors, PEFT's " \
+                  "default, or convert it)" if (path / "adapter_model.bin").is_file() else ""
+        raise ValueError(f"{where}: {str(path)!r} has no adapter_model.safetensors{pickled}")
     raw = weights_file.read_bytes()
     try:  # parsed from the bytes digested below: the digest names exactly these weights
         tensors = load_safetensors(raw)
@@ -152,7 +161,7 @@ def _load(name: str, path: Path, targets: LoraTargets, max_rank: int) -> LoraAda
         raise ValueError(f"{where}: adapter_model.safetensors is corrupt: {exc}") from exc
 
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
-    targeted = module_targeter(config, where)
+    targeted = module_targeter(config, where, targets.model_type)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)

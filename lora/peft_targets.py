@@ -2,7 +2,8 @@
 model (``check_target_module_exists``): ``target_modules`` as a list of names (a module's
 full name, or its end after a dot), as a regular expression the full name must match, or
 "all-linear"; ``layers_to_transform`` (with ``layers_pattern``) for a list; and
-``exclude_modules``.
+``exclude_modules``. A config without ``target_modules`` targets PEFT's defaults for the
+model type.
 
 PEFT loads only the weights of the modules it targets and ignores the others, so an adapter
 whose file holds weights its config does not target would run differently here than under
@@ -28,15 +29,22 @@ PATTERN_TIMEOUT_S = 0.5
 characters): far more than any sane pattern needs."""
 MAX_PATTERN_CHARS = 4096
 
+PEFT_DEFAULT_TARGETS = {model_type: ("q_proj", "v_proj") for model_type in (
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")}
+"""What PEFT targets when target_modules is null (its
+TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, for the model types the engine serves;
+a test holds them to peft's). Kept here because importing peft takes seconds."""
+
 _LAYER_ANY = regex.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
 """PEFT's reading of a module's layer index without a layers_pattern: the first number
 between dots after some segment."""
 
 
-def module_targeter(config: dict[str, Any], where: str) -> Callable[[str], bool]:
-    """A predicate on module names: does ``config`` (adapter_config.json) target it?
-    ValueError naming ``where`` for a config PEFT would not take (wrong types, a bad or slow
-    regular expression)."""
+def module_targeter(config: dict[str, Any], where: str, model_type: str
+                    ) -> Callable[[str], bool]:
+    """A predicate on module names: does ``config`` (adapter_config.json), applied to a
+    model of ``model_type``, target it? ValueError naming ``where`` for a config PEFT would
+    not take (wrong types, a bad or slow regular expression, no targets it can default)."""
     targets = config.get("target_modules")
     # LoraConfig's own rules, so that a config PEFT refuses is refused here too.
     if isinstance(targets, str) and (config.get("layers_to_transform") is not None or
@@ -46,9 +54,11 @@ def module_targeter(config: dict[str, Any], where: str) -> Callable[[str], bool]
     if config.get("layers_pattern") and config.get("layers_to_transform") is None:
         raise ValueError(f"{where}: layers_pattern needs layers_to_transform")
     if targets is None:
-        # PEFT then picks the model type's defaults: no file weight can be checked against
-        # them here, and the weights present are what PEFT's defaults were trained into.
-        return lambda _: True
+        # PEFT then targets the model type's defaults, and ignores weights of other modules.
+        if model_type not in PEFT_DEFAULT_TARGETS:
+            raise ValueError(f"{where}: adapter_config.json names no target_modules, and "
+                             f"PEFT has no default targets for model type {model_type!r}")
+        targets = list(PEFT_DEFAULT_TARGETS[model_type])
     excluded = _names_or_pattern(config.get("exclude_modules"), "exclude_modules", where)
     if targets == "all-linear":
         targets = list(SUPPORTED_MODULES)

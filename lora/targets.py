@@ -18,6 +18,9 @@ class LoraTargets:
     num_layers: int
     dims: tuple[tuple[int, int], ...]
     """(in, out) per module of SUPPORTED_MODULES, in that order."""
+    model_type: str = "llama"
+    """config.json's model_type: PEFT's default targets for a config that names none
+    depend on it (lora/peft_targets.py)."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:

@@ -100,7 +100,8 @@ class ModelShape:
         dims = {"q_proj": (h, q_out), "k_proj": (h, kv_out), "v_proj": (h, kv_out),
                 "o_proj": (q_out, h), "gate_proj": (h, i), "up_proj": (h, i),
                 "down_proj": (i, h)}
-        return LoraTargets(self.num_layers, tuple(dims[m] for m in SUPPORTED_MODULES))
+        return LoraTargets(self.num_layers, tuple(dims[m] for m in SUPPORTED_MODULES),
+                           self.model_type)
 
     @classmethod
     def from_hf_config(cls, config: PretrainedConfig) -> ModelShape:

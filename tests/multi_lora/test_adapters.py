@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from engine.demo_model import make_peft_adapter
 from engine.models.shape import ModelShape
@@ -44,7 +46,10 @@ def _edit_config(path: Path, **changes: object) -> None:
     ("corrupt_weights", "is corrupt"),
     ("bad_json", "is not valid JSON"),
     ("dora", "use_dora=True is a LoRA variant loragate does not implement"),
-    ("bias", "bias='all' is not supported"),
+    ("bias", "bias='some' is not one of PEFT's"),
+    ("bias_weights", r"unexpected weight '.*q_proj\.bias'"),
+    ("pickled", "adapter_model.bin is not read"),
+    ("a_file", "is not a directory"),
     ("rank_over_cap", "rank 32 exceeds max_lora_rank 16"),
     ("rank_mismatch", r"has A \(32, 64\)"),
     ("not_lora", "peft_type 'IA3' is not supported"),
@@ -64,7 +69,16 @@ def test_bad_adapters_are_refused(adapters: dict[str, Path], shape: ModelShape, 
     elif breakage == "dora":
         _edit_config(path, use_dora=True)
     elif breakage == "bias":
-        _edit_config(path, bias="all")
+        _edit_config(path, bias="some")
+    elif breakage == "bias_weights":  # trained base biases (a model that has them)
+        _edit_config(path, bias="lora_only")
+        tensors = load_file(path / "adapter_model.safetensors")
+        tensors["base_model.model.model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+        save_file(tensors, path / "adapter_model.safetensors")
+    elif breakage == "pickled":
+        (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
+    elif breakage == "a_file":
+        path = path / "adapter_config.json"
     elif breakage == "rank_mismatch":
         _edit_config(path, r=16)
     elif breakage == "not_lora":
@@ -248,3 +262,49 @@ def test_load_error_clears_when_the_files_are_repaired(shape: ModelShape,
     m.poll()
     got = m.acquire("flaky")
     assert got is not None and got[1] is not None and got[1].name == "flaky"
+
+
+def _without_targets(path: Path) -> Path:
+    config_file = path / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["target_modules"] = None
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+def test_a_config_without_target_modules_targets_peft_defaults(
+        tiny_model_dir: Path, shape: ModelShape, tmp_path: Path) -> None:
+    # PEFT then targets the model type's defaults (q_proj and v_proj for Llama) and ignores
+    # any other weight in the file: such weights would be served here and not under PEFT.
+    plain = make_peft_adapter(tiny_model_dir, tmp_path / "qv", rank=4,
+                              target_modules=("q_proj", "v_proj"), seed=3)
+    served = load_adapter("qv", _without_targets(plain), shape.lora_targets(), max_rank=16)
+    assert {module for _, module in served.weights} == {"q_proj", "v_proj"}
+    wider = make_peft_adapter(tiny_model_dir, tmp_path / "qvd", rank=4,
+                              target_modules=("q_proj", "v_proj", "down_proj"), seed=3)
+    with pytest.raises(ValueError, match=r"down_proj, which adapter_config.json does not"):
+        load_adapter("qvd", _without_targets(wider), shape.lora_targets(), max_rank=16)
+
+
+def test_peft_default_targets_are_peft_s_own() -> None:
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    from engine.models.shape import SUPPORTED_MODEL_TYPES
+    from lora.peft_targets import PEFT_DEFAULT_TARGETS
+
+    assert set(PEFT_DEFAULT_TARGETS) == set(SUPPORTED_MODEL_TYPES)
+    for model_type, modules in PEFT_DEFAULT_TARGETS.items():
+        assert list(modules) == TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING[model_type]
+
+
+def test_switches_peft_resets_for_linear_layers_change_nothing(
+        adapters: dict[str, Path], shape: ModelShape, tmp_path: Path) -> None:
+    # PEFT turns fan_in_fan_out off for nn.Linear; bias "lora_only" on a model without
+    # biases saves none: the adapter is the plain one.
+    plain = load_adapter("ad3", adapters["ad3"], shape.lora_targets(), max_rank=64)
+    path = _broken_copy(adapters["ad3"], tmp_path / "switches")
+    _edit_config(path, fan_in_fan_out=True, bias="lora_only")
+    switched = load_adapter("ad3", path, shape.lora_targets(), max_rank=64)
+    assert switched.weights.keys() == plain.weights.keys()
+    assert all(torch.equal(switched.weights[k][i], plain.weights[k][i])
+               for k in plain.weights for i in (0, 1))
