@@ -17,6 +17,12 @@ gateway's memory without bound, before any route (or key check) runs. This proto
   output buffered for it, for as long as it keeps the socket open; dropped, the request
   sees a disconnect and ends (its engine work is aborted).
 
+- closes a connection whose request body is still arriving (an early 413, 408 or 401) by
+  lingering: the answer is sent and the write side shut (FIN), and what the client still
+  sends is read and dropped until it closes, for at most LINGER_S and LINGER_MAX_BYTES. A
+  socket closed with unread bytes in its buffer sends a reset, which can destroy the
+  answer before the client reads it (the openai SDK then retries the whole upload).
+
 These answers, and the 400 for a request that is not valid HTTP, carry an OpenAI-style error
 body. A request whose own body is malformed (a bad chunk) is answered 400 unless its
 response has started; a malformed request pipelined after complete ones gets its 400 once
@@ -30,7 +36,7 @@ import asyncio
 import json
 import logging
 from asyncio import TimerHandle
-from typing import Any
+from typing import Any, cast
 
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -44,6 +50,36 @@ log = logging.getLogger(__name__)
 class _HeadersTooLarge(Exception):
     """Raised from a parser callback: httptools stops parsing, and uvicorn answers the
     parser error (send_400_response, which answers 431 instead)."""
+
+
+LINGER_S = 5.0
+"""How long a closing connection keeps reading (and dropping) a request body still arriving."""
+LINGER_MAX_BYTES = 64 << 20
+"""How much of it it reads before closing regardless."""
+
+
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: close() lingers (see the module
+    docstring) while the current request's body is still arriving; the rest is the real
+    transport's."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedHttpProtocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        cycle = self._protocol.cycle
+        if (not self._protocol.lingering and not self._transport.is_closing()
+                and cycle is not None and cycle.more_body):
+            self._protocol.linger()
+        else:
+            self._transport.close()
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -67,15 +103,36 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._write_timer: TimerHandle | None = None
         self._deferred_reject: tuple[int, str, str] | None = None
         """A refusal that waits for the pipelined requests before it to be answered."""
+        self.lingering = False
+        """Answered and half-closed: what arrives now is dropped until the client closes."""
+        self._lingered_bytes = 0
+        self._linger_timer: TimerHandle | None = None
+        self._real_transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self._real_transport = transport
+        super().connection_made(cast(asyncio.Transport, _LingeringTransport(transport, self)))
         self._arm_header_timer()  # the first request's deadline runs from the connect
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
         self._cancel_write_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
+
+    def linger(self) -> None:
+        """Shut the write side once the answer is out, and drop what still arrives until
+        the client closes (its FIN closes the transport), LINGER_S pass or LINGER_MAX_BYTES
+        arrive."""
+        transport = self._real_transport
+        assert transport is not None
+        self.lingering = True
+        self._cancel_header_timer()
+        self.flow.resume_reading()  # a body over uvicorn's high-water mark paused reading
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -100,6 +157,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.abort()  # unsent output is dropped; the request sees a disconnect
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            self._lingered_bytes += len(data)
+            if self._lingered_bytes > LINGER_MAX_BYTES and self._real_transport is not None:
+                self._real_transport.close()
+            return
         if self._deferred_reject is not None:
             return  # the parser stopped at an error: nothing after it is a request
         super().data_received(data)

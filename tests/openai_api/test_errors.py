@@ -6,8 +6,10 @@ engine + gateway (conftest.py).
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -201,6 +203,27 @@ def test_a_body_over_8_mib_is_413(gateway: LiveServer, client: openai.OpenAI,
                           headers={"content-type": "application/json"}, timeout=60.0)
     assert response.status_code == 413, response.text[:300]
     assert response.json()["error"]["type"] == "invalid_request_error"
+    assert_healthy(gateway, client, base_model)
+
+
+def test_a_client_still_uploading_reads_the_413(gateway: LiveServer, client: openai.OpenAI,
+                                                base_model: str) -> None:
+    # The 413 goes out on the headers while the body is still arriving. Closed at once,
+    # the socket would reset under the client's upload, and the client would see a broken
+    # pipe instead of the answer (the openai SDK then uploads it all again, twice).
+    address = urlsplit(gateway.url)
+    body = b'{"model": "m", "prompt": "' + b"x" * (9 << 20) + b'"}'
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {address.hostname}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    for _ in range(3):
+        with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+            sock.sendall(head.encode() + body)
+            answer = b""
+            while chunk := sock.recv(65536):  # the server closes once the answer is out
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == \
+            "request_too_large"
     assert_healthy(gateway, client, base_model)
 
 
