@@ -46,6 +46,23 @@ def served_adapters(specs: Sequence[str], adapter_dir: str | None, model: str,
     return adapters, adapter_dir
 
 
+def check_lora_flags(specs: Sequence[str], model: str, max_rank: int) -> None:
+    """Refuse to start, as vLLM does for --lora-modules, when an adapter named by --lora
+    cannot be loaded on this model: the gateway would list it, and every request for it
+    would fail. (Engines started apart, and --adapter-dir's adapters, skip one that does
+    not load and keep the others.)"""
+    from engine.models.loader import load_hf_config
+    from engine.models.shape import ModelShape
+    from lora.adapter import load_adapter
+
+    targets = ModelShape.from_hf_config(load_hf_config(model)).lora_targets()
+    for name, path in parse_adapters(specs, None).items():
+        try:
+            load_adapter(name, path, targets, max_rank)
+        except ValueError as exc:
+            raise ValueError(f"--lora {name}={path}: {exc}") from None
+
+
 def _configs(args: argparse.Namespace, model: str) -> tuple[Any, Any]:
     from engine.config import EngineConfig
     from engine.config_args import build_config, load_config_file
@@ -105,6 +122,8 @@ def _serve(args: argparse.Namespace) -> int:
     adapters, adapter_dir = served_adapters(args.lora, args.adapter_dir, model,
                                             attached=attached)
     gateway_config, engine_config = _configs(args, model)
+    if not attached:
+        check_lora_flags(args.lora, model, engine_config.max_lora_rank)
     if gateway_config.adapter_upload_dir:  # recorded in adapter paths the engines load
         gateway_config = dataclasses.replace(
             gateway_config, adapter_upload_dir=local_path(gateway_config.adapter_upload_dir))

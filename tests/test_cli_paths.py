@@ -4,6 +4,7 @@ which adapters `serve` registers by itself."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,22 @@ def test_a_missing_model_directory_is_one_line_before_anything_starts(
     assert main(["serve", "--model", str(missing), "--redis-url", "redis://127.0.0.1:1/0"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"loragate: error: model directory {str(missing)!r} does not exist"]
+
+
+def test_a_lora_adapter_that_does_not_load_stops_the_start(
+        tiny_model_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    # Listed and advertised, it would fail every request for it: refused as vLLM refuses a
+    # --lora-modules entry, before any engine starts.
+    [good, *_] = tiny_adapters.values()
+    broken = tmp_path / "broken"
+    shutil.copytree(good, broken)
+    weights = broken / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert main(["serve", "--model", str(tiny_model_dir), "--lora", f"ok={good}",
+                 "--lora", f"bad={broken}", "--state-path", ""]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"loragate: error: --lora bad={broken}: adapter 'bad': "
+                           f"adapter_model.safetensors is corrupt")
