@@ -145,7 +145,8 @@ def test_force_delete_of_a_busy_adapter_is_pending_until_its_requests_end(
         assert (bot / "adapter_model.safetensors").is_file()
     # A's request ends (the client went away): the delete completes by itself.
     poll(functools.partial(deleted, setup, "bot"), "the pending delete to complete")
-    assert not bot.exists()
+    # The record goes first (nothing loads the files after), then the directory.
+    poll(lambda: not bot.exists(), "the deleted upload's directory to go")
     assert upload(setup, "bot", tar_dir(setup.new), "&owner=tb").status_code == 201
     # A directory of its own per upload: the new one never reuses the old one's.
     assert Path(admin(setup, "GET", "/admin/adapters/bot").json()["path"]) != bot
