@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import subprocess
 import sys
 import threading
@@ -23,6 +24,8 @@ from engine.http import cli as engine_cli
 from engine.openmp_env import apply_spin_default
 from gateway.cli_common import DEMO_HOME
 from gateway.cli_models import add_model_commands
+
+log = logging.getLogger(__name__)
 
 
 def is_loopback(host: str) -> bool:
@@ -46,21 +49,37 @@ def served_adapters(specs: Sequence[str], adapter_dir: str | None, model: str,
     return adapters, adapter_dir
 
 
-def check_lora_flags(specs: Sequence[str], model: str, max_rank: int) -> None:
-    """Refuse to start, as vLLM does for --lora-modules, when an adapter named by --lora
-    cannot be loaded on this model: the gateway would list it, and every request for it
-    would fail. (Engines started apart, and --adapter-dir's adapters, skip one that does
-    not load and keep the others.)"""
+def check_served_adapters(specs: Sequence[str], adapters: dict[str, str], model: str,
+                          max_rank: int, base_name: str, load: bool) -> dict[str, str]:
+    """The adapters ``serve`` registers. A --lora name given twice, and an adapter named as
+    the base model, stop the start, as vLLM refuses such --lora-modules: listed, each would
+    never reach (or silently replace) what was asked for. With ``load`` (the engines are
+    serve's own, on this host), each is loaded once against the model first: one named by
+    --lora that does not load stops the start too, and one found in the adapter directory
+    is left out with a warning, so the others are served."""
     from engine.models.loader import load_hf_config
     from engine.models.shape import ModelShape
     from lora.adapter import load_adapter
 
+    named = [spec.partition("=")[0] for spec in specs]
+    if twice := sorted({name for name in named if named.count(name) > 1}):
+        raise ValueError(f"--lora {twice[0]} is given more than once")
+    if base_name in adapters:
+        raise ValueError(f"adapter name {base_name!r} is the base model's name")
+    if not load:
+        return adapters
     targets = ModelShape.from_hf_config(load_hf_config(model)).lora_targets()
-    for name, path in parse_adapters(specs, None).items():
+    served: dict[str, str] = {}
+    for name, path in adapters.items():
         try:
             load_adapter(name, path, targets, max_rank)
         except ValueError as exc:
-            raise ValueError(f"--lora {name}={path}: {exc}") from None
+            if name in named:
+                raise ValueError(f"--lora {name}={path}: {exc}") from None
+            log.warning("not serving the adapter directory's %s: %s", name, exc)
+            continue
+        served[name] = path
+    return served
 
 
 def _configs(args: argparse.Namespace, model: str) -> tuple[Any, Any]:
@@ -122,8 +141,10 @@ def _serve(args: argparse.Namespace) -> int:
     adapters, adapter_dir = served_adapters(args.lora, args.adapter_dir, model,
                                             attached=attached)
     gateway_config, engine_config = _configs(args, model)
-    if not attached:
-        check_lora_flags(args.lora, model, engine_config.max_lora_rank)
+    adapters = check_served_adapters(
+        args.lora, adapters, model, engine_config.max_lora_rank,
+        gateway_config.served_model_name or model.rstrip("/").split("/")[-1],
+        load=not attached)
     if gateway_config.adapter_upload_dir:  # recorded in adapter paths the engines load
         gateway_config = dataclasses.replace(
             gateway_config, adapter_upload_dir=local_path(gateway_config.adapter_upload_dir))

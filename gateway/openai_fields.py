@@ -14,6 +14,7 @@ API returned, with all its fields.
 
 from __future__ import annotations
 
+import json
 import types
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -29,8 +30,8 @@ class Unsupported:
     """A field we do not implement: the values that leave a request unchanged, and why."""
 
     neutral: tuple[Any, ...]
-    """Values accepted (None, and empty lists and maps unless empty_asks, are always
-    accepted too)."""
+    """Values accepted (None is always accepted too, and so are empty lists and maps unless
+    empty_asks or the field takes only scalars: an empty list is no boolean)."""
     reason: str
     """Completes "NAME is not supported: ..."."""
     empty_asks: bool = False
@@ -38,9 +39,10 @@ class Unsupported:
     on in OpenAI's API): refused like any other value."""
 
     def allows(self, value: Any) -> bool:
-        if value is None or (isinstance(value, list | dict) and not value
-                             and not self.empty_asks):
+        if value is None:
             return True
+        if isinstance(value, list | dict) and not value and not self.empty_asks:
+            return not self.neutral or any(isinstance(n, list | dict) for n in self.neutral)
         return any(_same(value, n) for n in self.neutral)
 
 
@@ -209,7 +211,7 @@ def check_unsupported(data: Any, table: Mapping[str, Unsupported], known: Collec
         if unsupported is None and name not in known:
             detail = f"Unrecognized request argument supplied: {_name(name)}"
         elif unsupported is not None and not unsupported.allows(value):
-            allowed = ", ".join(repr(n) for n in unsupported.neutral)
+            allowed = ", ".join(json.dumps(n) for n in unsupported.neutral)  # as sent
             detail = f"{name} is not supported: {unsupported.reason}" + (
                 f" (allowed: {allowed})" if allowed else "")
         else:

@@ -91,3 +91,35 @@ def test_a_lora_adapter_that_does_not_load_stops_the_start(
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"loragate: error: --lora bad={broken}: adapter 'bad': "
                            f"adapter_model.safetensors is corrupt")
+
+
+def test_lora_names_that_could_never_be_reached_stop_the_start(
+        tiny_model_dir: Path, tiny_adapters: dict[str, Path],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    a0, a1 = tiny_adapters["a0"], tiny_adapters["a1"]
+    for flags, reason in (
+            (["--lora", f"a={a0}", "--lora", f"a={a1}"], "--lora a is given more than once"),
+            (["--lora", f"{tiny_model_dir.name}={a0}"],
+             f"adapter name {tiny_model_dir.name!r} is the base model's name"),
+            (["--lora", f"base={a0}", "--served-model-name", "base"],
+             "adapter name 'base' is the base model's name")):
+        assert main(["serve", "--model", str(tiny_model_dir), "--state-path", "",
+                     *flags]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"loragate: error: {reason}"]
+
+
+def test_an_adapter_directory_s_broken_adapter_is_left_out(
+        tiny_model_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from gateway.cli import check_served_adapters
+
+    shutil.copytree(tiny_adapters["a0"], tmp_path / "good")
+    shutil.copytree(tiny_adapters["a1"], tmp_path / "broken")
+    (tmp_path / "broken" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    found = served_adapters([], str(tmp_path), str(tiny_model_dir), attached=False)[0]
+    assert set(found) == {"good", "broken"}
+    served = check_served_adapters([], found, str(tiny_model_dir), 16, "base", load=True)
+    assert served == {"good": found["good"]}  # listed, it would fail every request for it
+    assert "not serving the adapter directory's broken: adapter 'broken'" in caplog.text

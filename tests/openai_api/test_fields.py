@@ -115,6 +115,17 @@ def test_an_unsupported_field_is_refused_naming_it(endpoint: str, name: str) -> 
         model.model_validate({**BASE[endpoint], name: neutral})
 
 
+@pytest.mark.parametrize("empty", [[], {}], ids=["list", "map"])
+def test_an_empty_container_is_no_boolean(empty: Any) -> None:
+    # Neutral there only where the field takes a list or map: `[]` is no `false`.
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest.model_validate({**BASE["completions"],
+                                          "spaces_between_special_tokens": empty})
+    [error] = caught.value.errors()
+    assert error["msg"].endswith("(allowed: true, false)")  # spelt as JSON, as sent
+    CompletionRequest.model_validate({**BASE["completions"], "logits_processors": []})
+
+
 def test_an_empty_object_that_asks_for_a_feature_is_refused() -> None:
     # In OpenAI's API web_search_options: {} turns web search on (all its keys optional).
     with pytest.raises(ValidationError, match="web_search_options is not supported"):
