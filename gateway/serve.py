@@ -39,6 +39,7 @@ from engine.config import EngineConfig
 from engine.config_args import field_default
 from engine.http.auth import TOKEN_ENV
 from engine.http.draining import DrainingServer
+from engine.http.guarded_protocol import guarded_protocol
 from engine.http.listen import check_port_free
 from engine.kv_events import for_instance
 from engine.models.loader import load_hf_config
@@ -46,7 +47,6 @@ from engine.parent_watch import child_env
 from gateway.app import check_engine_sources, create_app, open_store
 from gateway.config import GatewayConfig
 from gateway.engine_supervisor import EngineSupervisor
-from gateway.http_protocol import guarded_protocol
 from gateway.local_engine import LocalEngine
 from gateway.ready_banner import ready_banner
 from gateway.stop_signals import StoppedWhileStarting, StopSignals

@@ -211,7 +211,7 @@ line and the response metrics count a request whose body never came whole as."""
 
 REFUSED_FRAMING_KEY = "loragate.refused_framing"
 """Scope key: the (status, message, code) the HTTP protocol already answered a request whose
-body it could not parse (gateway/http_protocol.py) before ending the request's body."""
+body it could not parse (engine/http/guarded_protocol.py) before ending the request's body."""
 
 
 def _client_closed(request: Request) -> JSONResponse:

@@ -47,6 +47,7 @@ from engine.http.auth import TokenAuth, check_exposure
 from engine.http.bodies import AbortBody, AdapterBody, GenerateBody, PinBody
 from engine.http.draining import DrainingServer, stop_background
 from engine.http.errors import ApiError, install_error_handlers
+from engine.http.guarded_protocol import GuardedHttpProtocol
 from engine.http.metrics import EngineMetricsRegistry
 from engine.invalid_field import field_of
 from engine.llm_engine import LLMEngine
@@ -202,7 +203,10 @@ def serve(config: EngineConfig, host: str, port: int, instance_id: str | None = 
     engine = AsyncEngine(lambda: load_engine(config, adapters), on_fatal)
     instance_id = instance_id or f"{host}:{port}"
     app = create_app(engine, instance_id, model_name, background, token, roots)
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning"),
+    # The gateway's protocol, at its default limits: an engine reached over the network
+    # meets slow and hostile clients too (/health needs no token).
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           http=GuardedHttpProtocol),
                             drain_timeout_s)
 
     def drain() -> None:

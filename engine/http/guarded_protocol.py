@@ -1,10 +1,11 @@
 """uvicorn's HTTP protocol plus the limits it lacks: a deadline and a size cap for request
-headers, and a deadline for a client that stops reading its response.
+headers, a deadline for a client that stops reading its response, and a bounded close for
+a client whose upload an early answer cut short. The gateway and the engine servers use it.
 
 uvicorn (httptools) times out idle keep-alive connections between requests, but not a
 connection that never sends anything or trickles a request's headers, and httptools buffers
 a header line of any length. So one client could hold a socket forever, or grow the
-gateway's memory without bound, before any route (or key check) runs. This protocol:
+server's memory without bound, before any route (or key check) runs. This protocol:
 
 - arms a timer when a connection opens, and again at the first byte of each later request;
   the request line and headers must be complete before it fires, else 408 and close;
@@ -15,13 +16,14 @@ gateway's memory without bound, before any route (or key check) runs. This proto
   client reads nothing), disarmed when it drains: past write_timeout_s the connection is
   dropped. Without it a client that stops reading a stream holds its request, and the
   output buffered for it, for as long as it keeps the socket open; dropped, the request
-  sees a disconnect and ends (its engine work is aborted).
-
-- closes a connection whose request body is still arriving (an early 413, 408 or 401) by
-  lingering: the answer is sent and the write side shut (FIN), and what the client still
-  sends is read and dropped until it closes, for at most LINGER_S and LINGER_MAX_BYTES. A
-  socket closed with unread bytes in its buffer sends a reset, which can destroy the
-  answer before the client reads it (the openai SDK then retries the whole upload).
+  sees a disconnect and ends (its engine work is aborted);
+- closes a connection whose request was answered while its body still arrives (an early
+  413, 401 or 404: uvicorn would keep the connection and read that body to its end, the
+  keep-alive deadline off while it arrives), by lingering: the answer is sent and the
+  write side shut (FIN), and what the client still sends is read and dropped until it
+  closes, for at most LINGER_S and LINGER_MAX_BYTES. A socket closed with unread bytes in
+  its buffer sends a reset, which can destroy the answer before the client reads it (the
+  openai SDK then retries the whole upload).
 
 These answers, and the 400 for a request that is not valid HTTP, carry an OpenAI-style error
 body. A request whose own body is malformed (a bad chunk) is answered 400 unless its
@@ -228,6 +230,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         last = not self.pipeline  # else super() starts the next queued request
+        # Only the last request parsed can have a body still arriving; with none queued
+        # (and none refused from the queue: its 400 comes next) it is the one just answered.
+        if last and self._deferred_reject is None and self.cycle is not None and \
+                self.cycle.more_body and not self.transport.is_closing():
+            self.transport.close()  # answered early: linger, then close (see the docstring)
         super().on_response_complete()
         if self._deferred_reject is not None and last and not self.transport.is_closing():
             self._reject(*self._deferred_reject)  # every request before it is answered
