@@ -101,3 +101,36 @@ def parse_adapters(specs: Sequence[str], adapter_dir: str | None,
                              f"adapter_config.json there)")
         adapters[name] = str(Path(path).resolve())
     return adapters
+
+
+def check_served_adapters(specs: Sequence[str], adapters: dict[str, str], model: str,
+                          max_rank: int, base_name: str, load: bool) -> dict[str, str]:
+    """The adapters `serve` or `loragate engine` registers. A --lora name given twice, and
+    an adapter named as the base model, stop the start, as vLLM refuses such
+    --lora-modules: listed, each would never reach (or silently replace) what was asked
+    for. With ``load`` (the engines are on this host), each is loaded once against the
+    model first: one named by --lora that does not load stops the start too, and one found
+    in the adapter directory is left out with a warning, so the others are served."""
+    from engine.models.loader import load_hf_config
+    from engine.models.shape import ModelShape
+    from lora.adapter import load_adapter
+
+    named = [spec.partition("=")[0] for spec in specs]
+    if twice := sorted({name for name in named if named.count(name) > 1}):
+        raise ValueError(f"--lora {twice[0]} is given more than once")
+    if base_name in adapters:
+        raise ValueError(f"adapter name {base_name!r} is the base model's name")
+    if not load:
+        return adapters
+    targets = ModelShape.from_hf_config(load_hf_config(model)).lora_targets()
+    served: dict[str, str] = {}
+    for name, path in adapters.items():
+        try:
+            load_adapter(name, path, targets, max_rank)
+        except ValueError as exc:
+            if name in named:
+                raise ValueError(f"--lora {name}={path}: {exc}") from None
+            log.warning("not serving the adapter directory's %s: %s", name, exc)
+            continue
+        served[name] = path
+    return served

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import subprocess
 import sys
 import threading
@@ -18,14 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.adapter_roots import parse_adapters
+from engine.adapter_roots import check_served_adapters, parse_adapters
 from engine.config_args import local_path
 from engine.http import cli as engine_cli
 from engine.openmp_env import apply_spin_default
 from gateway.cli_common import DEMO_HOME
 from gateway.cli_models import add_model_commands
-
-log = logging.getLogger(__name__)
 
 
 def is_loopback(host: str) -> bool:
@@ -47,39 +44,6 @@ def served_adapters(specs: Sequence[str], adapter_dir: str | None, model: str,
         adapter_dir = str(own)
         adapters = parse_adapters([], adapter_dir)
     return adapters, adapter_dir
-
-
-def check_served_adapters(specs: Sequence[str], adapters: dict[str, str], model: str,
-                          max_rank: int, base_name: str, load: bool) -> dict[str, str]:
-    """The adapters ``serve`` registers. A --lora name given twice, and an adapter named as
-    the base model, stop the start, as vLLM refuses such --lora-modules: listed, each would
-    never reach (or silently replace) what was asked for. With ``load`` (the engines are
-    serve's own, on this host), each is loaded once against the model first: one named by
-    --lora that does not load stops the start too, and one found in the adapter directory
-    is left out with a warning, so the others are served."""
-    from engine.models.loader import load_hf_config
-    from engine.models.shape import ModelShape
-    from lora.adapter import load_adapter
-
-    named = [spec.partition("=")[0] for spec in specs]
-    if twice := sorted({name for name in named if named.count(name) > 1}):
-        raise ValueError(f"--lora {twice[0]} is given more than once")
-    if base_name in adapters:
-        raise ValueError(f"adapter name {base_name!r} is the base model's name")
-    if not load:
-        return adapters
-    targets = ModelShape.from_hf_config(load_hf_config(model)).lora_targets()
-    served: dict[str, str] = {}
-    for name, path in adapters.items():
-        try:
-            load_adapter(name, path, targets, max_rank)
-        except ValueError as exc:
-            if name in named:
-                raise ValueError(f"--lora {name}={path}: {exc}") from None
-            log.warning("not serving the adapter directory's %s: %s", name, exc)
-            continue
-        served[name] = path
-    return served
 
 
 def _configs(args: argparse.Namespace, model: str) -> tuple[Any, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import build_parser, served_adapters
+from gateway.serve import free_port
 
 
 @pytest.mark.parametrize("command", ["serve", "engine", "generate", "chat"])
@@ -86,11 +87,12 @@ def test_a_lora_adapter_that_does_not_load_stops_the_start(
     shutil.copytree(good, broken)
     weights = broken / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    assert main(["serve", "--model", str(tiny_model_dir), "--lora", f"ok={good}",
-                 "--lora", f"bad={broken}", "--state-path", ""]) == 2
-    [line] = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(f"loragate: error: --lora bad={broken}: adapter 'bad': "
-                           f"adapter_model.safetensors is corrupt")
+    for command in (["serve", "--state-path", ""], ["engine", "--port", str(free_port())]):
+        assert main([*command, "--model", str(tiny_model_dir), "--lora", f"ok={good}",
+                     "--lora", f"bad={broken}"]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"loragate: error: --lora bad={broken}: adapter 'bad': "
+                               f"adapter_model.safetensors is corrupt"), command
 
 
 def test_lora_names_that_could_never_be_reached_stop_the_start(
@@ -113,7 +115,7 @@ def test_lora_names_that_could_never_be_reached_stop_the_start(
 def test_an_adapter_directory_s_broken_adapter_is_left_out(
         tiny_model_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path,
         caplog: pytest.LogCaptureFixture) -> None:
-    from gateway.cli import check_served_adapters
+    from engine.adapter_roots import check_served_adapters
 
     shutil.copytree(tiny_adapters["a0"], tmp_path / "good")
     shutil.copytree(tiny_adapters["a1"], tmp_path / "broken")

@@ -52,7 +52,7 @@ def engine_token(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.adapter_roots import parse_adapters, roots_from_env
+    from engine.adapter_roots import check_served_adapters, parse_adapters, roots_from_env
     from engine.http.auth import check_exposure
     from engine.http.listen import check_port_free
 
@@ -70,10 +70,13 @@ def run(args: argparse.Namespace) -> int:
     from engine.parent_watch import PARENT_ENV, exit_with_parent
 
     setup_logging()
+    config = engine_config(args, load_config_file(args.config), args.model)
     if PARENT_ENV not in os.environ:  # a child of serve: serve checked what it passed on
         warn_unknown("loragate engine", EngineConfig)
+        adapters = check_served_adapters(args.lora, adapters, args.model,
+                                         config.max_lora_rank,
+                                         args.model.rstrip("/").split("/")[-1], load=True)
     exit_with_parent()
-    config = engine_config(args, load_config_file(args.config), args.model)
     # Flags win over the environment; --adapter-dir is a root as its adapters are trusted.
     roots = [*(args.adapter_root or roots_from_env()), *filter(None, [args.adapter_dir])]
     background = []
