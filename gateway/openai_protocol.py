@@ -310,9 +310,7 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     """Return the prompt before the completion (with logprobs: its tokens' logprobs too)."""
     max_tokens: Annotated[Int, Field(ge=0, lt=INT32_LIMIT)] = 16
-    """0 only with echo: the prompt is scored and returned, nothing generated. null is the
-    default, 16, as OpenAI documents it and vLLM reads it: a client passing None through
-    must not get a whole context's worth of tokens."""
+    """0 only with echo (the prompt scored, nothing generated); null is 16, as in OpenAI, vLLM."""
     logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: SampleCount | None = None
     """Generate this many per prompt and return the n with the highest cumulative logprob

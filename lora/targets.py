@@ -18,7 +18,7 @@ class LoraTargets:
     num_layers: int
     dims: tuple[tuple[int, int], ...]
     """(in, out) per module of SUPPORTED_MODULES, in that order."""
-    model_type: str = "llama"
+    model_type: str
     """config.json's model_type: PEFT's default targets for a config that names none
     depend on it (lora/peft_targets.py)."""
 
