@@ -17,9 +17,8 @@ server's memory without bound, before any route (or key check) runs. This protoc
   dropped. Without it a client that stops reading a stream holds its request, and the
   output buffered for it, for as long as it keeps the socket open; dropped, the request
   sees a disconnect and ends (its engine work is aborted);
-- closes a connection whose request was answered while its body still arrives (an early
-  413, 401 or 404: uvicorn would keep the connection and read that body to its end, the
-  keep-alive deadline off while it arrives), by lingering: the answer is sent and the
+- closes a connection answered while its request body still arrives (an early 413 or 401
+  with ``connection: close``, gateway/guard.py), by lingering: the answer is sent and the
   write side shut (FIN), and what the client still sends is read and dropped until it
   closes, for at most LINGER_S and LINGER_MAX_BYTES. A socket closed with unread bytes in
   its buffer sends a reset, which can destroy the answer before the client reads it (the
@@ -230,11 +229,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         last = not self.pipeline  # else super() starts the next queued request
-        # Only the last request parsed can have a body still arriving; with none queued
-        # (and none refused from the queue: its 400 comes next) it is the one just answered.
-        if last and self._deferred_reject is None and self.cycle is not None and \
-                self.cycle.more_body and not self.transport.is_closing():
-            self.transport.close()  # answered early: linger, then close (see the docstring)
         super().on_response_complete()
         if self._deferred_reject is not None and last and not self.transport.is_closing():
             self._reject(*self._deferred_reject)  # every request before it is answered
