@@ -23,6 +23,12 @@ server's memory without bound, before any route (or key check) runs. This protoc
   closes, for at most LINGER_S and LINGER_MAX_BYTES. A socket closed with unread bytes in
   its buffer sends a reset, which can destroy the answer before the client reads it (the
   openai SDK then retries the whole upload).
+- bounds a request answered while its body still arrives when the answer keeps the
+  connection (an early 401 or 404, or a route that reads no body): uvicorn drops that body
+  as it comes, but each byte stops its keep-alive deadline and nothing starts it again,
+  so such a connection stayed open for good. The body must end within LINGER_S and
+  LINGER_MAX_BYTES, else the connection closes; once it ends, the keep-alive deadline runs
+  again and the connection serves the client's next request.
 
 These answers, and the 400 for a request that is not valid HTTP, carry an OpenAI-style error
 body. A request whose own body is malformed (a bad chunk) is answered 400 unless its
@@ -109,6 +115,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._lingered_bytes = 0
         self._linger_timer: TimerHandle | None = None
         self._real_transport: asyncio.Transport | None = None
+        self._answered_body_timer: TimerHandle | None = None
+        """Runs while the body of a request answered before it arrived is read and dropped."""
+        self._answered_body_bytes = 0
+        self._answered_body_ended = False
+        """Set by the parser when that body ends; data_received then restarts keep-alive."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._real_transport = transport
@@ -118,6 +129,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
         self._cancel_write_timer()
+        self._cancel_answered_body_timer()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         super().connection_lost(exc)
@@ -165,7 +177,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         if self._deferred_reject is not None:
             return  # the parser stopped at an error: nothing after it is a request
+        if self._answered_body_timer is not None:
+            self._answered_body_bytes += len(data)
+            if self._answered_body_bytes > LINGER_MAX_BYTES:
+                self._close_answered_connection()
+                return
         super().data_received(data)
+        if self._answered_body_ended:
+            self._answered_body_ended = False
+            self._restart_keep_alive()
         if not self._awaiting_headers or self.transport.is_closing():
             return
         # The whole chunk counts (a pipelined request's first bytes may share it with the
@@ -229,9 +249,49 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         last = not self.pipeline  # else super() starts the next queued request
+        # Only the last request parsed can have a body still arriving: with none queued (and
+        # none refused from the queue) it is the one just answered.
+        body_arriving = (last and self._deferred_reject is None and self.cycle is not None
+                         and self.cycle.more_body)
         super().on_response_complete()
         if self._deferred_reject is not None and last and not self.transport.is_closing():
             self._reject(*self._deferred_reject)  # every request before it is answered
+        elif body_arriving and not self.transport.is_closing():
+            # Its bytes would stop the keep-alive deadline super() just started: the body's
+            # own deadline holds instead, and its end starts keep-alive again.
+            self._unset_keepalive_if_required()
+            self._answered_body_bytes = 0
+            self._answered_body_timer = self.loop.call_later(
+                LINGER_S, self._close_answered_connection)
+
+    def on_message_complete(self) -> None:
+        if self._answered_body_timer is not None:  # the parser is mid-message, so it is
+            self._cancel_answered_body_timer()      # that answered request's body that ended
+            self._answered_body_ended = True
+        super().on_message_complete()
+
+    def _restart_keep_alive(self) -> None:
+        """uvicorn's deadline between requests, unless the read that ended the answered
+        body also began the next request (its header deadline runs instead)."""
+        cycle = self.cycle
+        if (self._awaiting_headers or cycle is None or not cycle.response_complete
+                or self.pipeline or self.timeout_keep_alive_task is not None
+                or self.transport.is_closing()):
+            return
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def _close_answered_connection(self) -> None:
+        """The answered request's body is late or too large: close (the answer went out
+        before it, so a reset from unread bytes can no longer destroy it)."""
+        self._cancel_answered_body_timer()
+        if self._real_transport is not None and not self._real_transport.is_closing():
+            self._real_transport.close()
+
+    def _cancel_answered_body_timer(self) -> None:
+        if self._answered_body_timer is not None:
+            self._answered_body_timer.cancel()
+            self._answered_body_timer = None
 
     def _reject(self, status: int, message: str, code: str) -> None:
         """Answer and close. A request in progress on this connection decides when: one

@@ -1,0 +1,88 @@
+"""The engine server's connections under a request answered before its body arrived: the
+guarded protocol (engine/http/guarded_protocol.py) keeps the connection for the client's next
+request, and bounds how long that body may take. uvicorn alone kept such a connection open
+for good: each byte of the body stops its keep-alive deadline, and nothing starts it again."""
+
+from __future__ import annotations
+
+import socket
+import time
+from urllib.parse import urlsplit
+
+from engine.http.guarded_protocol import LINGER_S
+from tests.live_servers import LiveServer
+
+BODY_BYTES = 100_000
+KEEP_ALIVE_S = 5.0  # uvicorn's default, which the engine keeps
+
+
+def _connect(engine: LiveServer) -> socket.socket:
+    address = urlsplit(engine.url)
+    assert address.hostname is not None and address.port is not None
+    return socket.create_connection((address.hostname, address.port), timeout=30)
+
+
+def _health_request(body_bytes: int) -> bytes:
+    # GET /health needs no token and reads no body: it is answered as soon as its headers are.
+    return f"GET /health HTTP/1.1\r\nHost: engine\r\nContent-Length: {body_bytes}\r\n\r\n".encode()
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before a response: {received!r}"
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "closed inside a response"
+        body += chunk
+    return head
+
+
+def _seconds_until_closed(sock: socket.socket) -> float:
+    start = time.monotonic()
+    while sock.recv(65536):
+        pass
+    return time.monotonic() - start
+
+
+def test_the_connection_serves_the_next_request_then_times_out(engine: LiveServer) -> None:
+    with _connect(engine) as sock:
+        sock.sendall(_health_request(BODY_BYTES))
+        assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"x" * BODY_BYTES)  # the body, after its answer
+        sock.sendall(_health_request(0))
+        assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
+        assert _seconds_until_closed(sock) < KEEP_ALIVE_S + 5
+
+
+def test_an_answered_body_that_ends_restarts_the_keep_alive_deadline(
+        engine: LiveServer) -> None:
+    with _connect(engine) as sock:
+        sock.sendall(_health_request(BODY_BYTES))
+        assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"x" * BODY_BYTES)
+        assert _seconds_until_closed(sock) < KEEP_ALIVE_S + 5
+
+
+def test_an_answered_body_that_trickles_is_cut_off(engine: LiveServer) -> None:
+    with _connect(engine) as sock:
+        sock.sendall(_health_request(BODY_BYTES))
+        assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
+        answered = time.monotonic()
+        try:
+            while time.monotonic() - answered < LINGER_S + 10:
+                sock.sendall(b"x")
+                sock.settimeout(1.0)
+                try:
+                    if not sock.recv(65536):
+                        break  # closed
+                except TimeoutError:
+                    continue
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        assert time.monotonic() - answered < LINGER_S + 5
