@@ -29,6 +29,10 @@ server's memory without bound, before any route (or key check) runs. This protoc
   so such a connection stayed open for good. The body must end within LINGER_S and
   LINGER_MAX_BYTES, else the connection closes; once it ends, the keep-alive deadline runs
   again and the connection serves the client's next request.
+- answers a client that shut its write side after its requests (a half-close, as `nc -N`
+  or `shutdown(SHUT_WR)` in a script does): uvicorn closed at once, and the request in
+  progress saw a disconnect. Requests it sent whole are answered, then the connection
+  closes; one cut short is dropped as before.
 
 These answers, and the 400 for a request that is not valid HTTP, carry an OpenAI-style error
 body. A request whose own body is malformed (a bad chunk) is answered 400 unless its
@@ -120,6 +124,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._answered_body_bytes = 0
         self._answered_body_ended = False
         """Set by the parser when that body ends; data_received then restarts keep-alive."""
+        self._client_done = False
+        """The client shut its write side: close once its requests are answered."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._real_transport = transport
@@ -133,6 +139,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        """Keep the connection to answer the requests the client sent whole (True keeps
+        the write side open); else close, as uvicorn does."""
+        cycle = self.cycle
+        if (self.lingering or self._deferred_reject is not None or self._awaiting_headers
+                or cycle is None or cycle.more_body
+                or (cycle.response_complete and not self.pipeline)):
+            return None  # nothing whole is left to answer, or a request was cut short
+        self._client_done = True
+        return True
 
     def linger(self) -> None:
         """Shut the write side once the answer is out, and drop what still arrives until
@@ -256,6 +273,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if self._deferred_reject is not None and last and not self.transport.is_closing():
             self._reject(*self._deferred_reject)  # every request before it is answered
+        elif self._client_done and last:
+            self.transport.close()  # the client's last request is answered
         elif body_arriving and not self.transport.is_closing():
             # Its bytes would stop the keep-alive deadline super() just started: the body's
             # own deadline holds instead, and its end starts keep-alive again.

@@ -5,11 +5,13 @@ for good: each byte of the body stops its keep-alive deadline, and nothing start
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from urllib.parse import urlsplit
 
 from engine.http.guarded_protocol import LINGER_S
+from tests.engine_server.helpers import GREEDY
 from tests.live_servers import LiveServer
 
 BODY_BYTES = 100_000
@@ -86,3 +88,19 @@ def test_an_answered_body_that_trickles_is_cut_off(engine: LiveServer) -> None:
         except (ConnectionResetError, BrokenPipeError):
             pass
         assert time.monotonic() - answered < LINGER_S + 5
+
+
+def test_a_client_that_shuts_its_write_side_gets_its_answers(engine: LiveServer) -> None:
+    # Two requests, the second pipelined, then a half-close while the first still runs:
+    # both are answered, then the server closes. uvicorn alone closed at the client's FIN.
+    body = json.dumps({"prompt": "one two three", "params": GREEDY, "stream": False}).encode()
+    request = (b"POST /generate HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    with _connect(engine) as sock:
+        sock.sendall(request + request)
+        sock.shutdown(socket.SHUT_WR)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.count(b"HTTP/1.1 200 ") == 2, received[:500]
+    assert received.count(b'"finish_reason"') == 2, received[-500:]
