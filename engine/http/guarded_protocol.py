@@ -140,7 +140,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._linger_timer.cancel()
         super().connection_lost(exc)
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio.Protocol's type
         """Keep the connection to answer the requests the client sent whole (True keeps
         the write side open); else close, as uvicorn does."""
         cycle = self.cycle
