@@ -10,8 +10,8 @@ server's memory without bound, before any route (or key check) runs. This protoc
 - arms a timer when a connection opens, and again at the first byte of each later request;
   the request line and headers must be complete before it fires, else 408 and close;
 - counts the bytes of a request's line and headers, both as they arrive (a header block that
-  never ends) and as the parser reads them (a block that came in one read): past
-  max_header_bytes, 431 and close;
+  never ends: every read after the one the request began in) and as the parser reads them
+  (a block that came in one read): past max_header_bytes, 431 and close;
 - arms a timer whenever the transport's write buffer is full (asyncio pauses writing: the
   client reads nothing), disarmed when it drains: past write_timeout_s the connection is
   dropped. Without it a client that stops reading a stream holds its request, and the
@@ -110,6 +110,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         request's headers."""
         self._header_bytes = 0
         self._parsed_header_bytes = 0
+        self._request_began_in_read = False
+        """A request began in the read being parsed: the bytes before it in that read are
+        not its own (a body, earlier pipelined requests), and how many there were is unknown."""
         self._headers_too_large = False
         self._write_timer: TimerHandle | None = None
         self._deferred_reject: tuple[int, str, str] | None = None
@@ -143,11 +146,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio.Protocol's type
         """Keep the connection to answer the requests the client sent whole (True keeps
         the write side open); else close, as uvicorn does."""
-        cycle = self.cycle
-        if (self.lingering or self._deferred_reject is not None or self._awaiting_headers
-                or cycle is None or cycle.more_body
-                or (cycle.response_complete and not self.pipeline)):
-            return None  # nothing whole is left to answer, or a request was cut short
+        cycle = self.cycle  # the newest request whose headers are whole
+        if self.lingering or self._deferred_reject is not None or cycle is None:
+            return None
+        if cycle.more_body and not cycle.response_complete:  # cut short in its body
+            if not self.pipeline:
+                return None  # it is the one running: it sees a disconnect, as in uvicorn
+            self.pipeline.popleft()  # queued behind whole ones: it never runs
+        elif cycle.response_complete and not self.pipeline:
+            return None  # all whole requests are answered
+        self._cancel_header_timer()  # a request begun after the whole ones never ends
         self._client_done = True
         return True
 
@@ -199,14 +207,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if self._answered_body_bytes > LINGER_MAX_BYTES:
                 self._close_answered_connection()
                 return
+        self._request_began_in_read = False
         super().data_received(data)
         if self._answered_body_ended:
             self._answered_body_ended = False
             self._restart_keep_alive()
-        if not self._awaiting_headers or self.transport.is_closing():
+        if (not self._awaiting_headers or self._request_began_in_read
+                or self.transport.is_closing()):
             return
-        # The whole chunk counts (a pipelined request's first bytes may share it with the
-        # previous body: an overcount of at most one read, on a rare path).
+        # The request began in an earlier read and its headers are still incomplete: all of
+        # this read is theirs. The read it began in is left out (the parser's count covers
+        # its complete header lines), so a never-ending block is cut one read late.
         self._header_bytes += len(data)
         if self._header_bytes > self.max_header_bytes:
             self._reject_large_headers()
@@ -214,6 +225,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._awaiting_headers = True
+        self._request_began_in_read = True
         self._header_bytes = self._parsed_header_bytes = 0
         if self._header_timer is None:
             self._arm_header_timer()
@@ -287,6 +299,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._answered_body_timer is not None:  # the parser is mid-message, so it is
             self._cancel_answered_body_timer()      # that answered request's body that ended
             self._answered_body_ended = True
+            self.cycle.more_body = False  # super() leaves an answered cycle's flag as it was
         super().on_message_complete()
 
     def _restart_keep_alive(self) -> None:
@@ -317,9 +330,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         whose response has started is only closed (bytes now would corrupt it); one whose
         body the error cut is told the client is gone and the answer goes now, unless
         requests before it are still to be answered (pipelined): then it is dropped from
-        their queue, and the answer goes after theirs, as for an error after whole ones."""
+        their queue, and the answer goes after theirs, as for an error after whole ones.
+        One answered before its body arrived (the error is in that body) is only closed:
+        it had its answer."""
         self._cancel_header_timer()
         cycle = self.cycle
+        if cycle is not None and cycle.response_complete and cycle.more_body:
+            self._close_answered_connection()
+            return
         if cycle is not None and not cycle.response_complete:
             if cycle.response_started:
                 self.transport.close()

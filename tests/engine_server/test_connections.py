@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from engine.http.guarded_protocol import LINGER_S
@@ -27,6 +28,13 @@ def _connect(engine: LiveServer) -> socket.socket:
 def _health_request(body_bytes: int) -> bytes:
     # GET /health needs no token and reads no body: it is answered as soon as its headers are.
     return f"GET /health HTTP/1.1\r\nHost: engine\r\nContent-Length: {body_bytes}\r\n\r\n".encode()
+
+
+def _generate_request(padding: int = 0) -> bytes:
+    body = json.dumps({"prompt": "one two three", "params": GREEDY, "stream": False}).encode()
+    body = body.ljust(len(body) + padding)  # JSON allows the trailing spaces
+    return (b"POST /generate HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 
 
 def _read_response(sock: socket.socket) -> bytes:
@@ -93,14 +101,49 @@ def test_an_answered_body_that_trickles_is_cut_off(engine: LiveServer) -> None:
 def test_a_client_that_shuts_its_write_side_gets_its_answers(engine: LiveServer) -> None:
     # Two requests, the second pipelined, then a half-close while the first still runs:
     # both are answered, then the server closes. uvicorn alone closed at the client's FIN.
-    body = json.dumps({"prompt": "one two three", "params": GREEDY, "stream": False}).encode()
-    request = (b"POST /generate HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    # A third request, begun and cut short, is dropped.
     with _connect(engine) as sock:
-        sock.sendall(request + request)
+        sock.sendall(_generate_request() + _generate_request() + b"GET /heal")
         sock.shutdown(socket.SHUT_WR)
         received = b""
         while chunk := sock.recv(65536):
             received += chunk
     assert received.count(b"HTTP/1.1 200 ") == 2, received[:500]
     assert received.count(b'"finish_reason"') == 2, received[-500:]
+
+
+def test_a_request_begun_in_the_read_of_a_large_body_is_not_counted_as_its_headers(
+        engine: LiveServer) -> None:
+    # A read holds a 70 KB body and the first bytes of the next request: counted whole as
+    # that request's headers, it was over the 64 KiB cap (a false 431).
+    following = _health_request(0)
+    with _connect(engine) as sock:
+        sock.sendall(_generate_request(padding=70_000) + following[:12])
+        time.sleep(0.5)
+        sock.sendall(following[12:])
+        assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
+        assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_malformed_chunk_in_an_answered_body_only_closes(engine: LiveServer) -> None:
+    with _connect(engine) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: engine\r\nTransfer-Encoding: chunked\r\n\r\n")
+        assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"zz\r\nhello\r\n")  # not a chunk size
+        assert sock.recv(65536) == b""  # closed, with no second answer to the one request
+
+
+def test_an_answered_body_that_ends_leaves_no_socket_behind(engine: LiveServer) -> None:
+    # Its request's later close (here the keep-alive deadline) is a plain close: the server
+    # held the socket 5 s more, lingering for a body that had already ended.
+    fds = Path(f"/proc/{engine.process.pid}/fd")
+    before = len(list(fds.iterdir()))
+    with _connect(engine) as sock:
+        sock.sendall(_health_request(10))
+        assert _read_response(sock).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"0123456789")
+        _seconds_until_closed(sock)
+        deadline = time.monotonic() + 2.0  # the client keeps its end open meanwhile
+        while len(list(fds.iterdir())) > before:
+            assert time.monotonic() < deadline, "the server still holds the socket"
+            time.sleep(0.05)
