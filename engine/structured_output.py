@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.grammar_probe import GrammarProbe, compile_spec
 from engine.invalid_field import InvalidField
+from engine.json_schema_support import structural_tag_schemas, unenforced_keyword
 
 if TYPE_CHECKING:
     import torch  # annotations only: the gateway imports this module for its specs
@@ -147,8 +148,13 @@ class GrammarCompiler:
         text = {"json_object": '{"type": "object"}',
                 "choice": _choice_grammar(spec.choices)}.get(spec.kind, spec.spec)
         try:
-            if spec.kind == "json":
-                json.loads(text)  # a clear error for text that is not JSON at all
+            if spec.kind in ("json", "structural_tag"):
+                parsed = json.loads(text)  # a clear error for text that is not JSON at all
+                schemas = [parsed] if spec.kind == "json" else structural_tag_schemas(parsed)
+                for schema in schemas:
+                    if (reason := unenforced_keyword(schema)) is not None:
+                        raise InvalidField(spec.param, f"the JSON schema's {reason}; remove "
+                                                       "it, or check the output yourself")
             if self._probe is not None and spec.kind != "json_object":  # a constant schema
                 self._probe.check(spec.kind, text, spec.any_whitespace, spec.param)
             return compile_spec(self._compiler, spec.kind, text, spec.any_whitespace)

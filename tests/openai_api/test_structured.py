@@ -156,6 +156,13 @@ def test_bad_structured_output_requests_are_400(gateway: LiveServer, base_model:
     ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "no-such-type"}}}}, "response_format"),
+    # Keywords the grammar would ignore (a schema the output would then break).
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+        "schema": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}},
+     "response_format"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {
+            "n": {"type": "number", "multipleOf": 7}}}}}]}, "tools"),
 ])
 def test_a_spec_that_does_not_compile_is_refused_naming_its_field(
         gateway: LiveServer, base_model: str, body: dict[str, Any], param: str) -> None:

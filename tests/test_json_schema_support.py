@@ -1,0 +1,112 @@
+"""JSON Schema keywords structured output cannot enforce are refused, and the list is held
+to the grammar library itself: each refused keyword's schema, compiled by xgrammar, accepts
+an instance the keyword forbids (when a release starts enforcing one, its case fails here and
+the keyword can be let through)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import xgrammar
+from xgrammar.testing import _is_grammar_accept_string
+
+from engine.invalid_field import InvalidField
+from engine.json_schema_support import structural_tag_schemas, unenforced_keyword
+from engine.structured_output import GrammarCompiler, StructuredOutput
+
+INTEGERS = {"type": "integer"}
+# (keyword, schema, an instance the keyword forbids, an instance it allows)
+UNENFORCED = [
+    ("not", {"type": "integer", "not": {"const": 5}}, "5", "4"),
+    ("uniqueItems", {"type": "array", "items": INTEGERS, "uniqueItems": True}, "[1, 1]",
+     "[1, 2]"),
+    ("contains", {"type": "array", "items": INTEGERS, "contains": {"const": 3}}, "[1]", "[3]"),
+    ("dependentRequired", {"type": "object", "properties": {"a": INTEGERS, "b": INTEGERS},
+                           "dependentRequired": {"a": ["b"]}}, '{"a": 1}', '{"a": 1, "b": 2}'),
+    ("dependentSchemas", {"type": "object", "properties": {"a": INTEGERS, "b": INTEGERS},
+                          "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}',
+     '{"a": 1, "b": 2}'),
+    ("dependencies", {"type": "object", "properties": {"a": INTEGERS, "b": INTEGERS},
+                      "dependencies": {"a": ["b"]}}, '{"a": 1}', '{"a": 1, "b": 2}'),
+    ("if", {"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}, "9", "6"),
+    ("allOf", {"allOf": [INTEGERS, {"minimum": 3}]}, "2", "3"),
+    ("multipleOf", {"type": "number", "multipleOf": 7}, "5.5", "14"),
+]
+ENFORCED = [  # what stays allowed, and why it may: the grammar refuses the violation
+    ({"type": "integer", "multipleOf": 7}, "5"),
+    ({"allOf": [{"type": "integer", "minimum": 3}]}, "2"),
+    ({"type": "string", "format": "email"}, '"abc"'),
+    ({"type": "object", "properties": {"a": INTEGERS}, "additionalProperties": False},
+     '{"b": 1}'),
+    ({"oneOf": [INTEGERS, {"type": "string"}]}, "true"),
+]
+
+
+def _accepts(schema: dict[str, Any], instance: str) -> bool:
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=True)
+    return bool(_is_grammar_accept_string(grammar, instance))
+
+
+@pytest.mark.parametrize(("keyword", "schema", "forbidden", "allowed"), UNENFORCED,
+                         ids=[case[0] for case in UNENFORCED])
+def test_each_refused_keyword_is_one_the_library_ignores(
+        keyword: str, schema: dict[str, Any], forbidden: str, allowed: str) -> None:
+    assert _accepts(schema, allowed)
+    assert _accepts(schema, forbidden), f"xgrammar now enforces {keyword}: let it through"
+    reason = unenforced_keyword(schema)
+    assert reason is not None and reason.startswith(f"`{keyword}` at #:")
+
+
+@pytest.mark.parametrize(("schema", "forbidden"), ENFORCED)
+def test_what_the_library_enforces_is_let_through(schema: dict[str, Any],
+                                                  forbidden: str) -> None:
+    assert not _accepts(schema, forbidden)
+    assert unenforced_keyword(schema) is None
+
+
+def test_the_keyword_is_found_where_it_is_nested_and_only_where_it_is_one() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "not": {"type": "string"},  # a property's name, not the keyword
+            "choice": {"enum": [{"not": 1}], "default": {"if": 2}},  # data, not schemas
+            "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}},
+        },
+        "$defs": {"tag": {"anyOf": [{"type": "string"},
+                                    {"type": "array", "prefixItems": [
+                                        {"type": "array", "uniqueItems": True}]}]}},
+    }
+    assert unenforced_keyword(schema) == (
+        "`uniqueItems` at #/$defs/tag/anyOf/1/prefixItems/0: structured output does not "
+        "enforce it")
+    assert unenforced_keyword({"properties": {"a/b~": {"not": {}}}}) == (
+        "`not` at #/properties/a~1b~0: structured output does not enforce it")
+    assert unenforced_keyword({"type": "array", "uniqueItems": False}) is None
+    assert unenforced_keyword(True) is None
+
+
+def test_a_structural_tags_schemas_are_checked() -> None:
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "tags": [
+        {"begin": "<a>", "content": {"type": "json_schema", "json_schema": INTEGERS}},
+        {"begin": "<b>", "content": {"type": "json_schema",
+                                     "json_schema": {"type": "number", "multipleOf": 2}}}]}}
+    assert list(structural_tag_schemas(tag)) == [INTEGERS, {"type": "number", "multipleOf": 2}]
+
+
+def test_the_engine_refuses_the_spec_naming_its_field(tiny_model_dir: Any) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cache = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id],
+                         compile_timeout_s=0)
+    try:
+        spec = StructuredOutput("json", json.dumps(UNENFORCED[1][1]), param="response_format")
+        with pytest.raises(InvalidField, match=r"^the JSON schema's `uniqueItems` at #: ") as \
+                caught:
+            cache.compile(spec)
+        assert caught.value.field == "response_format"
+        cache.compile(StructuredOutput("json", json.dumps(ENFORCED[0][0])))
+    finally:
+        cache.close()
