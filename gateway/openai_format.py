@@ -271,6 +271,20 @@ class ResponseFormatter:
         choice.content_sent = len(text)
         return rest, [{"index": i, **call} for i, call in enumerate(calls)]
 
+    def _named_call_delta(self, choice: _Choice) -> list[dict[str, Any]]:
+        """A named tool_choice's call as stream deltas, its arguments sent as they are
+        generated (as OpenAI and vLLM stream them): the first opens the call (its id, name
+        and the arguments so far), each later one adds to the arguments."""
+        assert self.tools is not None
+        text = "".join(choice.text)
+        new, opening = text[choice.content_sent:], choice.content_sent == 0
+        choice.content_sent = len(text)
+        if not new:
+            return []
+        if opening:
+            return [{"index": 0, **self.tools.named_call(new)}]
+        return [{"index": 0, "function": {"arguments": new}}]
+
     def _add_prompt_fields(self, response: dict[str, Any], body: dict[str, Any],
                            choice: _Choice, token_ids: list[int], first: bool) -> None:
         """vLLM's return_token_ids and prompt_logprobs fields, where vLLM puts them."""
@@ -306,7 +320,9 @@ class ResponseFormatter:
                 opening.append(self._role_event(choice, index, usage))
                 first = False
             calls: list[dict[str, Any]] = []
-            if self.tools is not None:
+            if self._named:  # its text is the call's arguments, never content
+                text, calls = "", self._named_call_delta(choice)
+            elif self.tools is not None:
                 text, calls = self._content_delta(choice, finish is not None)
             if (not text and not calls and finish is None and logprobs is None
                     and not (self.return_token_ids and new_ids)):
@@ -318,7 +334,9 @@ class ResponseFormatter:
                                      else text}
             body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": finish}
-            if calls:
+            if calls and finish is None:  # a named call's arguments as they come
+                delta["tool_calls"] = calls
+            elif calls:
                 # The calls in a chunk of their own, the finish in the next with an empty
                 # delta, as OpenAI ends a choice: clients close a call's arguments when a
                 # later chunk comes (the openai SDK's arguments.done event).

@@ -59,7 +59,7 @@ class ResponseEvents:
         """Logprobs that came with no text yet (they go with the next delta)."""
         self.finish: str | None = None
         self.calls: list[dict[str, Any]] = []
-        """Chat tool-call deltas not yet told (they are told once the finish comes)."""
+        """Chat tool calls not yet told, their deltas joined (told once the finish comes)."""
         self.ended = False
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -90,7 +90,8 @@ class ResponseEvents:
             self.unsent += (choice.get("logprobs") or {}).get("content") or []
             if delta.get("content"):
                 events += self._text(delta["content"])
-            self.calls += delta.get("tool_calls") or []
+            for call in delta.get("tool_calls") or []:
+                self._add_call_delta(call)
             if choice.get("finish_reason") is not None:
                 # The calls come in the chunk before the finish: the message before them
                 # closes first (its status is the finish's), then each call is an item.
@@ -103,6 +104,15 @@ class ResponseEvents:
         if payload.get("usage") and not payload.get("choices"):
             events += self._completed(payload["usage"])
         return events
+
+    def _add_call_delta(self, call: dict[str, Any]) -> None:
+        """A chat tool-call delta: one that opens a call (it has an id) is a new call, a
+        later one adds to that call's arguments (a named call's arguments come in pieces)."""
+        if "id" in call or not self.calls:
+            self.calls.append({"function": {"name": call["function"]["name"],
+                                            "arguments": call["function"]["arguments"]}})
+        else:
+            self.calls[-1]["function"]["arguments"] += call["function"]["arguments"]
 
     def _open_message(self) -> list[dict[str, Any]]:
         if self.message is not None:

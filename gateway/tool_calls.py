@@ -124,10 +124,9 @@ class ToolPlan:
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, OpenAI tool_calls) of a finished output; no calls when none parse."""
         if self.mode == "named":
-            arguments = _json(text)
-            if not isinstance(arguments, dict):
+            if not isinstance(_json(text), dict):
                 return text, []
-            return None, [_call(self.named or "", arguments)]
+            return None, [self.named_call(text.strip())]  # the text as generated, as streamed
         if self.mode == "required":
             calls = _json(text)
             found = [_call(c["name"], c["arguments"]) for c in calls or []
@@ -149,6 +148,11 @@ class ToolPlan:
                           for c in candidates[:most]]
         return text, []
 
+    def named_call(self, arguments: str) -> dict[str, Any]:
+        """The call of a named tool_choice, with its arguments' text (so far, when it opens
+        a streamed call)."""
+        return _raw_call(self.named or "", arguments)
+
     def parse_cut(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, OpenAI tool_calls) of an output cut at max_tokens. A forced call stays
         a call, as OpenAI returns it: a named function's arguments are the text so far (not
@@ -158,7 +162,7 @@ class ToolPlan:
         no call and no content (the array is the grammar's, never the answer's text).
         Under ``auto`` the text is content."""
         if self.mode == "named":
-            return None, [_raw_call(self.named or "", text)]
+            return None, [self.named_call(text)]
         if self.mode != "required":
             return text, []
         found = [_call(c["name"], c["arguments"]) for c in _array_prefix(text)
