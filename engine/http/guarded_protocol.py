@@ -29,10 +29,12 @@ server's memory without bound, before any route (or key check) runs. This protoc
   so such a connection stayed open for good. The body must end within LINGER_S and
   LINGER_MAX_BYTES, else the connection closes; once it ends, the keep-alive deadline runs
   again and the connection serves the client's next request.
-- answers a client that shut its write side after its requests (a half-close, as `nc -N`
-  or `shutdown(SHUT_WR)` in a script does): uvicorn closed at once, and the request in
-  progress saw a disconnect. Requests it sent whole are answered, then the connection
-  closes; one cut short is dropped as before.
+
+A client's FIN is taken as a hang-up, as uvicorn and nginx take it: the connection closes
+and its request's engine work is aborted. A FIN cannot tell a client gone from one that
+only shut its write side (`nc -N`), and keeping the request for the second would let every
+client that hangs up mid-request hold its generation to the end, unseen until the answer
+is written; a half-closing client gets no answer.
 
 These answers, and the 400 for a request that is not valid HTTP, carry an OpenAI-style error
 body. A request whose own body is malformed (a bad chunk) is answered 400 unless its
@@ -127,8 +129,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._answered_body_bytes = 0
         self._answered_body_ended = False
         """Set by the parser when that body ends; data_received then restarts keep-alive."""
-        self._client_done = False
-        """The client shut its write side: close once its requests are answered."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._real_transport = transport
@@ -142,22 +142,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         super().connection_lost(exc)
-
-    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio.Protocol's type
-        """Keep the connection to answer the requests the client sent whole (True keeps
-        the write side open); else close, as uvicorn does."""
-        cycle = self.cycle  # the newest request whose headers are whole
-        if self.lingering or self._deferred_reject is not None or cycle is None:
-            return None
-        if cycle.more_body and not cycle.response_complete:  # cut short in its body
-            if not self.pipeline:
-                return None  # it is the one running: it sees a disconnect, as in uvicorn
-            self.pipeline.popleft()  # queued behind whole ones: it never runs
-        elif cycle.response_complete and not self.pipeline:
-            return None  # all whole requests are answered
-        self._cancel_header_timer()  # a request begun after the whole ones never ends
-        self._client_done = True
-        return True
 
     def linger(self) -> None:
         """Shut the write side once the answer is out, and drop what still arrives until
@@ -285,8 +269,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if self._deferred_reject is not None and last and not self.transport.is_closing():
             self._reject(*self._deferred_reject)  # every request before it is answered
-        elif self._client_done and last:
-            self.transport.close()  # the client's last request is answered
         elif body_arriving and not self.transport.is_closing():
             # Its bytes would stop the keep-alive deadline super() just started: the body's
             # own deadline holds instead, and its end starts keep-alive again.
