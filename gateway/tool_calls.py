@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from engine.json_schema_support import unenforced_keyword
 from engine.structured_output import StructuredOutput
 
 OPEN_TAG = "<tool_call>"
@@ -78,6 +79,10 @@ class ToolPlan:
         """The structured output a forced call generates under; with auto, the one that
         holds every call block to its function when a function is strict (None otherwise,
         and for none)."""
+        for function in self._held_functions():  # checked before the grammar's wrapping
+            if (reason := unenforced_keyword(function.schema())) is not None:
+                raise ValueError(f"the parameters of function {function.name!r}: {reason}; "
+                                 "remove it, or check the arguments yourself")
         if self.mode == "auto" and any(f.strict for f in self.functions):
             return self._strict_blocks()
         if self.mode == "named":
@@ -104,6 +109,14 @@ class ToolPlan:
         # model's forced call would wander.
         return StructuredOutput("json", json.dumps(array), any_whitespace=False,
                                 param="tools")
+
+    def _held_functions(self) -> list[Function]:
+        """The functions whose arguments the grammar holds to their parameters."""
+        if self.mode == "auto":
+            return [f for f in self.functions if f.strict]
+        if self.mode == "named":
+            return [f for f in self.functions if f.name == self.named]
+        return list(self.functions) if self.mode == "required" else []
 
     def _strict_blocks(self) -> StructuredOutput:
         """Free text, but every call block that opens names a known function and is closed

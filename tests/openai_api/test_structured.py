@@ -176,3 +176,17 @@ def test_the_xgrammar_backend_name_is_accepted(client: openai.OpenAI, base_model
     text, _ = _chat(client, base_model, guided_choice=["x", "y"],
                     guided_decoding_backend="xgrammar")
     assert text in ("x", "y")
+
+
+def test_a_tools_unenforced_keyword_is_named_in_the_users_terms(gateway: LiveServer,
+                                                                 base_model: str) -> None:
+    # The function and the pointer into its own parameters, not into the grammar's wrapping.
+    tool = {"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}
+    answer = httpx.post(gateway.url + "/v1/chat/completions", timeout=30.0, json={
+        "model": base_model, "messages": MESSAGES, "max_tokens": 4, "tools": [tool],
+        "tool_choice": "required"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "tools"
+    assert answer.json()["error"]["message"].startswith(
+        "the parameters of function 'tag': `uniqueItems` at #/properties/tags: ")
