@@ -2,9 +2,10 @@
 ``response.in_progress`` first; for the message, ``output_item.added``,
 ``content_part.added``, an ``output_text.delta`` per piece of content (with its tokens'
 logprobs when asked), ``output_text.done``, ``content_part.done``, ``output_item.done``;
-then for each call ``output_item.added``, ``function_call_arguments.delta`` / ``.done``,
-``output_item.done``; last ``response.completed`` (or ``response.incomplete`` when cut at
-max_output_tokens) with the whole response and its usage. Every event carries its ``type``
+then for each call ``output_item.added``, ``function_call_arguments.delta`` (a named
+call's as its arguments are generated, others' whole) / ``.done``, ``output_item.done``;
+last ``response.completed`` (or ``response.incomplete`` when cut at max_output_tokens) with
+the whole response and its usage. Every event carries its ``type``
 and a ``sequence_number`` counting from 0, and is sent as a named SSE event (``event:
 <type>``); there is no ``[DONE]``, as OpenAI sends none for this API.
 
@@ -59,7 +60,9 @@ class ResponseEvents:
         """Logprobs that came with no text yet (they go with the next delta)."""
         self.finish: str | None = None
         self.calls: list[dict[str, Any]] = []
-        """Chat tool calls not yet told, their deltas joined (told once the finish comes)."""
+        """Whole chat tool calls not yet told (told once the finish comes)."""
+        self.open_call: int | None = None
+        """The output index of the call being told as its arguments come."""
         self.ended = False
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -91,28 +94,36 @@ class ResponseEvents:
             if delta.get("content"):
                 events += self._text(delta["content"])
             for call in delta.get("tool_calls") or []:
-                self._add_call_delta(call)
+                events += self._call_delta(call)
             if choice.get("finish_reason") is not None:
-                # The calls come in the chunk before the finish: the message before them
+                # Whole calls come in the chunk before the finish: the message before them
                 # closes first (its status is the finish's), then each call is an item.
                 self.finish = choice["finish_reason"]
-                events += self._close_message()
+                events += self._close_message() + self._close_call()
                 for call in self.calls:
-                    events += self._call(call["function"]["name"],
-                                         call["function"]["arguments"])
+                    events += self._open_call(call["function"]["name"],
+                                              call["function"]["arguments"])
+                    events += self._close_call()
                 self.calls = []
         if payload.get("usage") and not payload.get("choices"):
             events += self._completed(payload["usage"])
         return events
 
-    def _add_call_delta(self, call: dict[str, Any]) -> None:
-        """A chat tool-call delta: one that opens a call (it has an id) is a new call, a
-        later one adds to that call's arguments (a named call's arguments come in pieces)."""
-        if "id" in call or not self.calls:
-            self.calls.append({"function": {"name": call["function"]["name"],
-                                            "arguments": call["function"]["arguments"]}})
-        else:
-            self.calls[-1]["function"]["arguments"] += call["function"]["arguments"]
+    def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """A chat tool-call delta. One that opens a call (it has an id) with no message
+        open is told at once, and the arguments that follow it as they come (a named
+        call's, streamed as generated); beside a message, whole calls wait for the finish."""
+        opens = "id" in call or (self.open_call is None and not self.calls)
+        name, piece = call["function"].get("name"), call["function"]["arguments"]
+        if not opens and self.open_call is not None:
+            return self._arguments_delta(piece)
+        if not opens:
+            self.calls[-1]["function"]["arguments"] += piece
+            return []
+        if self.message is None and not self.calls:
+            return self._close_call() + self._open_call(name, piece)
+        self.calls.append({"function": {"name": name, "arguments": piece}})
+        return []
 
     def _open_message(self) -> list[dict[str, Any]]:
         if self.message is not None:
@@ -154,19 +165,34 @@ class ResponseEvents:
                 self._event("response.output_item.done", output_index=where["output_index"],
                             item=item)]
 
-    def _call(self, name: str, arguments: str) -> list[dict[str, Any]]:
+    def _open_call(self, name: str, arguments: str) -> list[dict[str, Any]]:
         index = len(self.output)
         item_id, call_id = new_id("fc"), new_id("call")
-        self.output.append(function_call_item(item_id, call_id, name, arguments,
-                                              call_status(arguments)))
-        where = {"item_id": item_id, "output_index": index}
+        self.output.append(function_call_item(item_id, call_id, name, "", "in_progress"))
+        self.open_call = index
         return [self._event("response.output_item.added", output_index=index,
-                            item=function_call_item(item_id, call_id, name, "",
-                                                    "in_progress")),
-                self._event("response.function_call_arguments.delta", **where,
-                            delta=arguments),
-                self._event("response.function_call_arguments.done", **where, name=name,
-                            arguments=arguments),
+                            item=dict(self.output[index])),  # as it is now: it grows
+                *self._arguments_delta(arguments)]
+
+    def _arguments_delta(self, piece: str) -> list[dict[str, Any]]:
+        assert self.open_call is not None
+        if not piece:
+            return []
+        item = self.output[self.open_call]
+        item["arguments"] += piece
+        return [self._event("response.function_call_arguments.delta", item_id=item["id"],
+                            output_index=self.open_call, delta=piece)]
+
+    def _close_call(self) -> list[dict[str, Any]]:
+        if self.open_call is None:
+            return []
+        index, item = self.open_call, self.output[self.open_call]
+        self.open_call = None
+        arguments = item["arguments"]
+        self.output[index] = function_call_item(item["id"], item["call_id"], item["name"],
+                                                arguments, call_status(arguments))
+        return [self._event("response.function_call_arguments.done", item_id=item["id"],
+                            output_index=index, name=item["name"], arguments=arguments),
                 self._event("response.output_item.done", output_index=index,
                             item=self.output[index])]
 
@@ -187,6 +213,9 @@ class ResponseEvents:
             item = self.output[self.message]
             self.output[self.message] = {**item, "status": "incomplete", "content": [
                 output_text("".join(self.text), self.logprobs + self.unsent)]}
+        if self.open_call is not None:  # a call cut by the failure: its arguments so far
+            self.output[self.open_call] = {**self.output[self.open_call],
+                                           "status": "incomplete"}
         message = str(error.get("message") or "the request failed")
         code, param = error.get("code"), error.get("param")
         if isinstance(param, str):
