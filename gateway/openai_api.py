@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerBase
 
+from engine.http.disconnect import next_or_disconnect
 from engine.http.errors import ApiError
 from engine.invalid_field import field_of
 from engine.protocol import ChunkStream, GenerateRequest
@@ -43,7 +44,7 @@ from gateway.job import Claim, Job, Outcome, new_request_id
 from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.openai_format import PromptEcho, ResponseFormatter
 from gateway.openai_protocol import RANDOM_SEED, SEED_LIMIT, CompletionRequest, SamplingFields
-from gateway.openai_stream import ClosingStream, collect, next_or_disconnect, sse
+from gateway.openai_stream import ClosingStream, collect, sse
 from gateway.prompts import PromptEncoder
 from gateway.responses_api import RESPONSES_PATH, build_responses_router
 from gateway.service import Gateway

@@ -14,19 +14,16 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from fastapi import Request
 from fastapi.sse import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.http.errors import CLIENT_CLOSED, ERROR_CODE_KEY, ApiError
+from engine.http.errors import ERROR_CODE_KEY, ApiError
 from engine.protocol import EngineError, StreamChunk
 from gateway.batch_stream import BatchStream
 from gateway.job import Job
 from gateway.openai_format import ResponseFormatter
 from gateway.openai_protocol import StreamUsage
 from gateway.service import Gateway
-
-DISCONNECT_POLL_S = 0.25
 
 
 class ClosingStream(EventSourceResponse):
@@ -50,28 +47,6 @@ class ClosingStream(EventSourceResponse):
                     await close()
             finally:
                 self._settle()
-
-
-async def next_or_disconnect(request: Request, awaitable: Any) -> Any:
-    """Await while watching the client: a disconnect cancels the work (which aborts the
-    request on its engine) instead of finishing it for nobody."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-                raise ApiError(CLIENT_CLOSED, "client disconnected", code="client_closed")
-    finally:
-        if not task.done():  # we were cancelled (a shutdown's cut-off, a timeout)
-            task.cancel()
-            # Until it has ended: its generators are not closed twice at once (the
-            # caller's cleanup closes the same streams).
-            await asyncio.wait({task})
 
 
 async def collect(gateway: Gateway, jobs: list[Job], streams: BatchStream,

@@ -10,8 +10,9 @@ server's memory without bound, before any route (or key check) runs. This protoc
 - arms a timer when a connection opens, and again at the first byte of each later request;
   the request line and headers must be complete before it fires, else 408 and close;
 - counts the bytes of a request's line and headers, both as they arrive (a header block that
-  never ends: every read after the one the request began in) and as the parser reads them
-  (a block that came in one read): past max_header_bytes, 431 and close;
+  never ends; of the read it began in, what follows the previous request's body) and as
+  the parser reads them (a block that came in one read): past max_header_bytes, 431 and
+  close;
 - arms a timer whenever the transport's write buffer is full (asyncio pauses writing: the
   client reads nothing), disarmed when it drains: past write_timeout_s the connection is
   dropped. Without it a client that stops reading a stream holds its request, and the
@@ -114,7 +115,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._parsed_header_bytes = 0
         self._request_began_in_read = False
         """A request began in the read being parsed: the bytes before it in that read are
-        not its own (a body, earlier pipelined requests), and how many there were is unknown."""
+        not its own (a body, earlier pipelined requests)."""
+        self._read_elsewhere = 0
+        """Bytes of the read being parsed known to be another request's: its body, and its
+        line and headers as parsed (less than their bytes on the wire: the request's own
+        count is then over, never under, by the previous request's framing)."""
         self._headers_too_large = False
         self._write_timer: TimerHandle | None = None
         self._deferred_reject: tuple[int, str, str] | None = None
@@ -192,17 +197,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self._close_answered_connection()
                 return
         self._request_began_in_read = False
+        self._read_elsewhere = 0
         super().data_received(data)
         if self._answered_body_ended:
             self._answered_body_ended = False
             self._restart_keep_alive()
-        if (not self._awaiting_headers or self._request_began_in_read
-                or self.transport.is_closing()):
+        if not self._awaiting_headers or self.transport.is_closing():
             return
-        # The request began in an earlier read and its headers are still incomplete: all of
-        # this read is theirs. The read it began in is left out (the parser's count covers
-        # its complete header lines), so a never-ending block is cut one read late.
-        self._header_bytes += len(data)
+        # Its headers are still incomplete: all of this read is theirs, but for what came
+        # before the request in the read it began in.
+        self._header_bytes += len(data) - (self._read_elsewhere
+                                           if self._request_began_in_read else 0)
         if self._header_bytes > self.max_header_bytes:
             self._reject_large_headers()
 
@@ -240,7 +245,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._reject(431, f"request headers over {self.max_header_bytes} bytes",
                      "headers_too_large")
 
+    def on_body(self, body: bytes) -> None:
+        self._read_elsewhere += len(body)
+        super().on_body(body)
+
     def on_headers_complete(self) -> None:
+        self._read_elsewhere += self._parsed_header_bytes
         self._awaiting_headers = False
         self._cancel_header_timer()
         super().on_headers_complete()

@@ -36,7 +36,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -45,6 +45,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.http.auth import TokenAuth, check_exposure
 from engine.http.bodies import AbortBody, AdapterBody, GenerateBody, PinBody
+from engine.http.disconnect import next_or_disconnect
 from engine.http.draining import DrainingServer, stop_background
 from engine.http.errors import ApiError, install_error_handlers
 from engine.http.guarded_protocol import GuardedHttpProtocol
@@ -93,7 +94,7 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
         app.add_middleware(TokenAuth, token=token)
 
     @app.post("/generate")
-    async def generate(body: GenerateBody) -> Response:
+    async def generate(body: GenerateBody, http: Request) -> Response:
         if (body.prompt is None) == (body.prompt_token_ids is None):
             raise ApiError(400, "give exactly one of prompt and prompt_token_ids",
                            param="prompt")
@@ -109,14 +110,18 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
         chunks = _chunks(request.request_id, stream)
         if body.stream:
             return StreamingResponse(_ndjson(chunks), media_type="application/x-ndjson")
-        final: StreamChunk | None = None
-        text: list[str] = []
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                text.append(chunk.delta_text)
-                final = chunk
-        assert final is not None
-        return JSONResponse({**final.to_json(), "text": "".join(text)})
+
+        async def whole() -> dict[str, Any]:
+            final: StreamChunk | None = None
+            text: list[str] = []
+            async with contextlib.aclosing(chunks):  # closed early, it aborts the request
+                async for chunk in chunks:
+                    text.append(chunk.delta_text)
+                    final = chunk
+            assert final is not None
+            return {**final.to_json(), "text": "".join(text)}
+
+        return JSONResponse(await next_or_disconnect(http, whole()))
 
     @app.post("/abort")
     async def abort(body: AbortBody) -> dict[str, bool]:

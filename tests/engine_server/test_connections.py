@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from engine.http.guarded_protocol import LINGER_S
-from tests.engine_server.helpers import GREEDY, wait_idle
+from tests.engine_server.helpers import GREEDY, metric_value, wait_idle
 from tests.live_servers import LiveServer
 
 BODY_BYTES = 100_000
@@ -104,15 +104,18 @@ def test_an_answered_body_that_trickles_is_cut_off(engine: LiveServer) -> None:
 def test_a_client_that_shuts_its_write_side_is_taken_as_gone(engine: LiveServer,
                                                               http: httpx.Client) -> None:
     # A FIN mid-request is a hang-up (as uvicorn and nginx take it): the connection closes
-    # at once, unanswered, and the generation is aborted rather than run to its end.
-    request = _generate_request(params={"max_tokens": 1000, "temperature": 0,
-                                        "ignore_eos": True})
+    # at once, unanswered, and the generation is aborted rather than run to its end (the
+    # non-streamed /generate ran it whole, for nobody).
+    # (A whole run of it takes this engine about 1.2 s; the client is watched every 0.25 s.)
+    params = {"max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    before = _tokens_generated(http)
     with _connect(engine) as sock:
-        sock.sendall(request)
-        time.sleep(0.3)  # running
+        sock.sendall(_generate_request(params=params))
+        time.sleep(0.05)
         sock.shutdown(socket.SHUT_WR)
         assert sock.recv(65536) == b""
     wait_idle(http)
+    assert _tokens_generated(http) - before < 900  # of 999, had it run to its end
 
 
 def test_a_request_begun_in_the_read_of_a_large_body_is_not_counted_as_its_headers(
@@ -150,3 +153,8 @@ def test_an_answered_body_that_ends_leaves_no_socket_behind(engine: LiveServer) 
         while len(list(fds.iterdir())) > before:
             assert time.monotonic() < deadline, "the server still holds the socket"
             time.sleep(0.05)
+
+
+def _tokens_generated(http: httpx.Client) -> float:
+    """Tokens the engine generated so far, less one per request (the gaps between them)."""
+    return metric_value(http.get("/metrics").text, "loragate_inter_token_latency_seconds_count")
