@@ -332,6 +332,8 @@ class ResponseFormatter:
             forced = self.tools is not None and self.tools.mode in ("required", "named")
             delta: dict[str, Any] = {"content": None if (calls or forced) and not text
                                      else text}
+            if forced and not text and not calls and finish is not None:
+                delta = {}  # a forced call's last chunk: the finish alone, as OpenAI ends it
             body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": finish}
             if calls and finish is None:  # a named call's arguments as they come

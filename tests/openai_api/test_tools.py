@@ -117,6 +117,10 @@ def test_a_named_choice_calls_that_tool_streamed_or_not(client: openai.OpenAI,
     assert deltas[0].delta.role == "assistant"
     assert all(d.finish_reason is None for d in deltas[:-1])
     assert deltas[-1].delta.tool_calls is None and deltas[-1].delta.content is None
+    raw = httpx.post(str(client.base_url) + "chat/completions", timeout=60.0,
+                     json={**args, "stream": True}).text.splitlines()
+    last = json.loads([line for line in raw if line.startswith("data: {")][-1][6:])
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
     with client.chat.completions.stream(**args) as stream:
         done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
     assert [(e.name, e.arguments) for e in done] == [("get_time", call.function.arguments)]
