@@ -5,9 +5,9 @@ logprobs when asked), ``output_text.done``, ``content_part.done``, ``output_item
 then for each call ``output_item.added``, ``function_call_arguments.delta`` (a named
 call's as its arguments are generated, others' whole) / ``.done``, ``output_item.done``;
 last ``response.completed`` (or ``response.incomplete`` when cut at max_output_tokens) with
-the whole response and its usage. Every event carries its ``type``
-and a ``sequence_number`` counting from 0, and is sent as a named SSE event (``event:
-<type>``); there is no ``[DONE]``, as OpenAI sends none for this API.
+the whole response and its usage. Every event carries its ``type`` and a ``sequence_number``
+counting from 0, and is sent as a named SSE event (``event: <type>``); there is no
+``[DONE]``, as OpenAI sends none for this API.
 
 The chat path's stream (gateway/openai_stream.py) is the source: it holds back text that may
 be a call and sends whole calls at the end, and with ``include_usage`` (which the
