@@ -41,19 +41,20 @@ def _generate_request(padding: int = 0, params: Mapping[str, object] = GREEDY) -
 
 
 def _read_response(sock: socket.socket) -> bytes:
-    received = b""
-    while b"\r\n\r\n" not in received:
-        chunk = sock.recv(65536)
-        assert chunk, f"closed before a response: {received!r}"
-        received += chunk
-    head, _, body = received.partition(b"\r\n\r\n")
+    """One response's head, its body read and dropped. It reads no byte past that response:
+    a second one that came in the same segment (a late first answer) stays for the next call."""
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        byte = sock.recv(1)
+        assert byte, f"closed before a response: {head!r}"
+        head += byte
     length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                   if line.lower().startswith(b"content-length:"))
-    while len(body) < length:
-        chunk = sock.recv(65536)
+    while length:
+        chunk = sock.recv(length)
         assert chunk, "closed inside a response"
-        body += chunk
-    return head
+        length -= len(chunk)
+    return head.removesuffix(b"\r\n\r\n")
 
 
 def _seconds_until_closed(sock: socket.socket) -> float:
