@@ -147,6 +147,11 @@ class ChatMessage(BaseModel):
         # without content; a user turn of null would render as an empty turn.
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content (a string or text parts)")
+        # OpenAI's too: a tool result names the call it answers (templates that render
+        # results by call, Mistral's say, need it).
+        if self.role == "tool" and self.tool_call_id is None:
+            raise InvalidField("tool_call_id", "a tool message needs tool_call_id (the id "
+                               "of the call it answers)")
         return self
 
     def text(self) -> str:

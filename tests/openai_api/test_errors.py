@@ -144,8 +144,11 @@ def test_invalid_requests_are_400(client: openai.OpenAI, gateway: LiveServer,
     ("chat", {"continue_final_message": True},
      "continue_final_message=true needs add_generation_prompt=false: the last message is "
      "continued, not answered", "continue_final_message"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "3"}]},
+     "a tool message needs tool_call_id (the id of the call it answers)",
+     "messages.[1].tool_call_id"),
 ], ids=["best-of-below-n", "empty-stop", "empty-salt", "long-user", "bad-role", "name-not-text",
-        "continue-and-add"])
+        "continue-and-add", "tool-without-call-id"])
 def test_validation_messages_say_where_without_library_noise(
         gateway: LiveServer, base_model: str, endpoint: str, changes: dict[str, Any],
         message: str, param: str) -> None:
