@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.prompt_logprobs import PromptLogprob
 from engine.protocol import StreamChunk
+from gateway.call_array import CallArrayReader
 from gateway.logprob_format import LOGPROB_FLOOR, Endpoint, Entry, LogprobFormatter, finite_logprob
 from gateway.openai_protocol import StreamUsage
 from gateway.text_offsets import TextOffsets
@@ -25,11 +26,11 @@ from gateway.tool_calls import ToolPlan
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
 
-def _finish(reason: str | None, calls: list[dict[str, Any]], named: bool) -> str | None:
+def _finish(reason: str | None, called: bool, named: bool) -> str | None:
     """A chat choice's finish_reason: "tool_calls" when it ended by itself with calls,
     except under a named tool_choice, which OpenAI (and vLLM) end with "stop"; an output cut
     at max_tokens stays "length", whatever calls it completed before the cut."""
-    return "tool_calls" if calls and reason == "stop" and not named else reason
+    return "tool_calls" if called and reason == "stop" and not named else reason
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -69,7 +70,12 @@ class _Choice:
     generated: TextOffsets | None = None
     """Where its generated tokens' texts begin (after the echoed prompt's)."""
     content_sent: int = 0
-    """Characters of its text streamed as content (chat with tools holds calls back)."""
+    """Characters of its text streamed as content (chat with tools holds calls back); of a
+    forced call's arguments, as they are streamed."""
+    call_array: CallArrayReader | None = None
+    """``tool_choice: required``: the calls read out of its text so far."""
+    calls_opened: int = 0
+    """The calls its stream has opened (their id and name sent)."""
 
 
 class ResponseFormatter:
@@ -221,8 +227,8 @@ class ResponseFormatter:
                     message["tool_calls"] = calls
                 body: dict[str, Any] = {"index": index, "message": message,
                                         "logprobs": logprobs,
-                                        "finish_reason": _finish(choice.finish_reason, calls,
-                                                                 self._named),
+                                        "finish_reason": _finish(choice.finish_reason,
+                                                                 bool(calls), self._named),
                                         "stop_reason": choice.stop_reason}
             else:
                 body = {"index": index, "text": text, "logprobs": logprobs,
@@ -285,6 +291,29 @@ class ResponseFormatter:
             return [{"index": 0, **self.tools.named_call(new)}]
         return [{"index": 0, "function": {"arguments": new}}]
 
+    def _array_call_delta(self, choice: _Choice) -> list[dict[str, Any]]:
+        """``tool_choice: required``'s calls as stream deltas: each opens (its id, name and
+        the arguments so far) once its arguments begin, and the rest of them follow as they
+        are generated; ``content_sent`` is where the arguments sent end in the text."""
+        assert self.tools is not None
+        text = "".join(choice.text)
+        if choice.call_array is None:
+            choice.call_array = self.tools.array_reader()
+        deltas: list[dict[str, Any]] = []
+        for index, call in enumerate(choice.call_array.feed(text)):
+            if index < choice.calls_opened - 1:
+                continue  # whole, and sent
+            assert call.start is not None
+            upto = len(text) if call.end is None else call.end
+            piece = text[max(call.start, choice.content_sent):upto]
+            choice.content_sent = upto
+            if index == choice.calls_opened:
+                choice.calls_opened += 1
+                deltas.append({"index": index, **self.tools.named_call(piece, call.name)})
+            elif piece:
+                deltas.append({"index": index, "function": {"arguments": piece}})
+        return deltas
+
     def _add_prompt_fields(self, response: dict[str, Any], body: dict[str, Any],
                            choice: _Choice, token_ids: list[int], first: bool) -> None:
         """vLLM's return_token_ids and prompt_logprobs fields, where vLLM puts them."""
@@ -322,6 +351,10 @@ class ResponseFormatter:
             calls: list[dict[str, Any]] = []
             if self._named:  # its text is the call's arguments, never content
                 text, calls = "", self._named_call_delta(choice)
+            elif self.tools is not None and self.tools.mode == "required":
+                text, calls = "", self._array_call_delta(choice)
+                if finish is not None and not choice.calls_opened:  # no call: its text
+                    text, calls = self._content_delta(choice, True)
             elif self.tools is not None:
                 text, calls = self._content_delta(choice, finish is not None)
             if (not text and not calls and finish is None and logprobs is None
@@ -334,9 +367,10 @@ class ResponseFormatter:
                                      else text}
             if forced and not text and not calls and finish is not None:
                 delta = {}  # a forced call's last chunk: the finish alone, as OpenAI ends it
+            called = bool(calls) or choice.calls_opened > 0
             body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": finish}
-            if calls and finish is None:  # a named call's arguments as they come
+                                    "finish_reason": _finish(finish, called, self._named)}
+            if calls and finish is None:  # a forced call's arguments as they come
                 delta["tool_calls"] = calls
             elif calls:
                 # The calls in a chunk of their own, the finish in the next with an empty
@@ -349,7 +383,7 @@ class ResponseFormatter:
                 opening.append(calls_event)
                 first, new_ids = False, []
                 body = {"index": index, "delta": {}, "logprobs": None,
-                        "finish_reason": _finish(finish, calls, self._named)}
+                        "finish_reason": _finish(finish, called, self._named)}
         else:
             body = {"index": index, "text": text, "logprobs": logprobs,
                     "finish_reason": finish}

@@ -2,15 +2,15 @@
 ``response.in_progress`` first; for the message, ``output_item.added``,
 ``content_part.added``, an ``output_text.delta`` per piece of content (with its tokens'
 logprobs when asked), ``output_text.done``, ``content_part.done``, ``output_item.done``;
-then for each call ``output_item.added``, ``function_call_arguments.delta`` (a named
-call's as its arguments are generated, others' whole) / ``.done``, ``output_item.done``;
+then for each call ``output_item.added``, ``function_call_arguments.delta`` (a forced
+call's as its arguments are generated, auto's whole) / ``.done``, ``output_item.done``;
 last ``response.completed`` (or ``response.incomplete`` when cut at max_output_tokens) with
 the whole response and its usage. Every event carries its ``type`` and a ``sequence_number``
 counting from 0, and is sent as a named SSE event (``event: <type>``); there is no
 ``[DONE]``, as OpenAI sends none for this API.
 
 The chat path's stream (gateway/openai_stream.py) is the source: it holds back text that may
-be a call and sends whole calls at the end, and with ``include_usage`` (which the
+be a call and sends whole auto calls at the end, and with ``include_usage`` (which the
 translated request asks for) ends with a usage event. An engine failure there (its
 ``error`` event) becomes an ``error`` event, then ``response.failed``. The translator only
 reads what the chat stream yields: closing the response (a client that hangs up) closes the
@@ -111,7 +111,7 @@ class ResponseEvents:
 
     def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         """A chat tool-call delta. One that opens a call (it has an id) with no message
-        open is told at once, and the arguments that follow it as they come (a named
+        open is told at once, and the arguments that follow it as they come (a forced
         call's, streamed as generated); beside a message, whole calls wait for the finish."""
         opens = "id" in call or (self.open_call is None and not self.calls)
         name, piece = call["function"].get("name"), call["function"]["arguments"]

@@ -29,14 +29,11 @@ from typing import Any, Literal
 
 from engine.json_schema_support import unenforced_keyword
 from engine.structured_output import StructuredOutput
+from gateway.call_array import CallArrayReader
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN_TAG) + r"\s*(.*?)\s*" + re.escape(CLOSE_TAG), re.DOTALL)
-_CUT_CALL = re.compile(r'\s*\[\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,'
-                       r'\s*"arguments"\s*:\s*(.*)', re.DOTALL)
-"""The first call of a forced array cut short: its name (a JSON string) and the text of its
-arguments so far."""
 Mode = Literal["none", "auto", "required", "named"]
 
 
@@ -141,9 +138,7 @@ class ToolPlan:
                 return text, []
             return None, [self.named_call(text.strip())]  # the text as generated, as streamed
         if self.mode == "required":
-            calls = _json(text)
-            found = [_call(c["name"], c["arguments"]) for c in calls or []
-                     if self._is_call(c)] if isinstance(calls, list) else []
+            found = self.array_calls(text)
             return (None, found) if found else (text, [])
         if self.mode != "auto":
             return text, []
@@ -161,32 +156,32 @@ class ToolPlan:
                           for c in candidates[:most]]
         return text, []
 
-    def named_call(self, arguments: str) -> dict[str, Any]:
-        """The call of a named tool_choice, with its arguments' text (so far, when it opens
-        a streamed call)."""
-        return _raw_call(self.named or "", arguments)
+    def named_call(self, arguments: str, name: str | None = None) -> dict[str, Any]:
+        """A call of ``name`` (the named tool_choice's by default), with its arguments' text
+        (so far, when it opens a streamed call)."""
+        return _raw_call(name or self.named or "", arguments)
 
     def parse_cut(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, OpenAI tool_calls) of an output cut at max_tokens. A forced call stays
-        a call, as OpenAI returns it: a named function's arguments are the text so far (not
-        JSON yet); under ``required``, the calls the array completed before the cut (a small
-        model may repeat its call until the budget ends: the call cut short is dropped), or,
-        when none did, the cut call with its arguments so far once they began, else
-        no call and no content (the array is the grammar's, never the answer's text).
-        Under ``auto`` the text is content."""
+        a call, as OpenAI returns it: its arguments are the text so far (not JSON yet);
+        under ``required``, every call whose arguments began, else no call and no content
+        (the array is the grammar's, never the answer's text). Under ``auto`` the text is
+        content."""
         if self.mode == "named":
             return None, [self.named_call(text)]
         if self.mode != "required":
             return text, []
-        found = [_call(c["name"], c["arguments"]) for c in _array_prefix(text)
-                 if self._is_call(c)]
-        if found:
-            return None, found
-        started = _CUT_CALL.match(text)
-        name = _json(started.group(1)) if started else None
-        if started and name in {f.name for f in self.functions}:
-            return None, [_raw_call(name, started.group(2))]
-        return None, []
+        return None, self.array_calls(text)
+
+    def array_calls(self, text: str) -> list[dict[str, Any]]:
+        """``required``'s calls in its output (gateway/call_array.py): each with its
+        arguments as generated, the last cut short when the output was."""
+        return [_raw_call(call.name, call.arguments(text))
+                for call in self.array_reader().feed(text)]
+
+    def array_reader(self) -> CallArrayReader:
+        """A reader of ``required``'s call array, for its offered functions."""
+        return CallArrayReader(frozenset(f.name for f in self.functions))
 
     def outside_calls(self, text: str) -> str:
         """The text without its call blocks (auto's content, before stripping)."""
@@ -240,35 +235,6 @@ def _json(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return None
-
-
-def _array_prefix(text: str) -> list[Any]:
-    """The complete items of a JSON array that may be cut short, whatever whitespace lies
-    between its tokens (the forced array's grammar writes ", " between items):
-    '[{"a":1}, {"b":2}, {"c' gives [{"a": 1}, {"b": 2}]."""
-    decoder = json.JSONDecoder()
-    items: list[Any] = []
-    stripped = text.lstrip()
-    at = 1 if stripped.startswith("[") else len(stripped)
-    while at < len(stripped):
-        at = _skip_space(stripped, at)
-        try:
-            item, at = decoder.raw_decode(stripped, at)
-        except ValueError:
-            break
-        items.append(item)
-        at = _skip_space(stripped, at)
-        if stripped[at:at + 1] != ",":
-            break
-        at += 1
-    return items
-
-
-def _skip_space(text: str, at: int) -> int:
-    """The first index at or after ``at`` that is not JSON whitespace."""
-    while at < len(text) and text[at] in " \t\n\r":
-        at += 1
-    return at
 
 
 def _call(name: str, arguments: Any) -> dict[str, Any]:

@@ -75,36 +75,53 @@ def test_token_bytes_are_the_vocabulary_bytes(tiny_model_dir: Path) -> None:
     assert token_bytes(len(tokenizer) + 10) == b""
 
 
-def test_a_forced_call_cut_at_max_tokens_keeps_what_it_completed(tiny_model_dir: Path) -> None:
-    # tool_choice "required": the answer is an array of calls; one cut at max_tokens returns
-    # the calls it completed, streamed or whole, and stays finish_reason "length".
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_required_calls_stream_their_arguments_as_generated(tiny_model_dir: Path,
+                                                            finish: str) -> None:
+    # tool_choice "required": the answer is an array of calls. Each call opens once its
+    # arguments begin, and they follow as generated; joined, the stream's calls are the
+    # whole response's (an output cut at max_tokens keeps the call it cut, with its arguments
+    # so far, and stays "length").
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    tools = ToolPlan((Function("add", None, {"type": "object"}),), "required")
-    text = '[{"name":"add","arguments":{"a":1}},{"name":"add","argu'
-    pieces = [text[:20], text[20:]]
-
-    def chunks() -> list[StreamChunk]:
-        return [StreamChunk("r", [5], piece, 3, i + 1, "length" if i else None)
-                for i, piece in enumerate(pieces)]
+    tools = ToolPlan((Function("add", None, {"type": "object"}),
+                      Function("neg", None, {"type": "object"})), "required")
+    text = '[{"name": "add", "arguments": {"a": 1, "s": "}]\\""}}, ' \
+           '{"name": "neg", "arguments": {"x": 2}}]'
+    if finish == "length":
+        text = text[:text.index('"x"') + 3]
+    pieces = [text[at:at + 3] for at in range(0, len(text), 3)]
+    chunks = [StreamChunk("r", [5], piece, 3, i + 1, finish if i == len(pieces) - 1 else None)
+              for i, piece in enumerate(pieces)]
 
     streamed = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
     streamed.start([PromptEcho([1, 2, 3])])
-    deltas = [e["choices"][0] for chunk in chunks()
+    deltas = [e["choices"][0] for chunk in chunks
               for e in streamed.stream_events(chunk, usage="none")]
     assert deltas[0]["delta"] == {"role": "assistant", "content": ""}  # the role alone
-    # Nothing of the call as content: the calls, then the finish in a chunk of its own.
-    assert [d["delta"] for d in deltas[2:]] == [{}]
-    assert deltas[1]["delta"]["content"] is None and deltas[1]["finish_reason"] is None
-    assert deltas[-1]["finish_reason"] == "length"
-    [call] = deltas[1]["delta"]["tool_calls"]
-    assert call["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    calls: dict[int, dict[str, str]] = {}
+    opened_with: list[str] = []
+    for delta in deltas[1:-1]:  # calls only, never content
+        assert delta["delta"]["content"] is None and delta["finish_reason"] is None
+        for call in delta["delta"]["tool_calls"]:
+            if "id" in call:
+                calls[call["index"]] = dict(call["function"])
+                opened_with.append(call["function"]["arguments"])
+            else:
+                calls[call["index"]]["arguments"] += call["function"]["arguments"]
+    assert deltas[-1] == {"index": 0, "delta": {}, "logprobs": None, "stop_reason": None,
+                          "finish_reason": "tool_calls" if finish == "stop" else "length"}
+    assert all(len(first) <= 3 for first in opened_with)  # opened before their ends came
     whole = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
     whole.start([PromptEcho([1, 2, 3])])
-    for chunk in chunks():
+    for chunk in chunks:
         whole.add(chunk)
     [choice] = whole.final()["choices"]
-    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
-    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["add"]
+    assert choice["finish_reason"] == deltas[-1]["finish_reason"]
+    assert choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == \
+        [calls[i] for i in sorted(calls)]
+    assert calls[0] == {"name": "add", "arguments": '{"a": 1, "s": "}]\\""}'}
+    assert calls[1] == {"name": "neg", "arguments": '{"x": 2}' if finish == "stop" else '{"x"'}
 
 
 @pytest.mark.parametrize(("text", "content"), [

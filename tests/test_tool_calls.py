@@ -124,8 +124,11 @@ def test_a_forced_call_cut_short_stays_a_call(comma: str) -> None:
     content, found = required.parse_cut(cut)
     assert content is None
     assert _calls(found) == [("add", {"a": 1, "b": 2}), ("add", {"a": 5, "b": 2})]
-    # No call completed: the cut call once its name is whole, with its arguments so far;
-    # never the grammar's array as content.
+    # The call it cut once its arguments began, with its arguments so far (as its stream
+    # sent them); never the grammar's array as content.
+    content, found = required.parse_cut(cut + 'ments": {"city": "Os')
+    assert [c["function"]["arguments"] for c in found] == [
+        '{"a": 1, "b": 2}', '{"a": 5, "b": 2}', '{"city": "Os']
     content, found = required.parse_cut('[{"name": "get_weather", "arguments": {"ci')
     assert content is None and [(c["function"]["name"], c["function"]["arguments"])
                                 for c in found] == [("get_weather", '{"ci')]
@@ -224,3 +227,17 @@ def test_tools_and_calls_count_toward_the_character_cap(
         asyncio.run(encoder.encode_chat_request(chat, context))
     assert (refused.value.status, refused.value.code) == (400, "context_length_exceeded")
     assert tokenized == []
+
+
+def test_a_tool_message_names_the_call_it_answers() -> None:
+    # OpenAI's rule: a tool result without tool_call_id is a 400, not a turn answering nothing.
+    history = [{"role": "user", "content": "1+2?"},
+               {"role": "assistant", "tool_calls": [{
+                   "id": "c1", "type": "function",
+                   "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]}]
+    with pytest.raises(ValueError, match="tool message needs tool_call_id"):
+        ChatCompletionRequest.model_validate({
+            "model": "m", "messages": [*history, {"role": "tool", "content": "3"}]})
+    ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [*history,
+                                   {"role": "tool", "tool_call_id": "c1", "content": "3"}]})

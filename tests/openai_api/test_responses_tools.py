@@ -65,10 +65,13 @@ def test_a_required_call_is_a_function_call_item_and_a_tool_loop_runs(
     assert second.output_text == (chat.choices[0].message.content or "")
 
 
-def test_a_named_call_streams_as_function_call_events(client: openai.OpenAI,
-                                                      base_model: str) -> None:
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_a_forced_call_streams_as_function_call_events(client: openai.OpenAI,
+                                                       base_model: str, choice: str) -> None:
+    tool_choice: Any = {"type": "function", "name": "get_time"} if choice == "named" \
+        else "required"
     request: dict[str, Any] = {"model": base_model, "input": ASK, "tools": TOOLS,
-                               "tool_choice": {"type": "function", "name": "get_time"},
+                               "tool_choice": tool_choice, "parallel_tool_calls": False,
                                "max_output_tokens": 60, "temperature": 0}
     whole = client.responses.create(**request)
     with client.responses.stream(**request) as stream:
@@ -92,7 +95,8 @@ def test_a_named_call_streams_as_function_call_events(client: openai.OpenAI,
               if isinstance(c, ResponseFunctionToolCall)] for reply in (whole, final)]
     assert len(whole.output) == len(final.output) == 1
     ((name, arguments),) = found[0]
-    assert found == [[("get_time", arguments)]] * 2 and _valid(name, arguments)
+    assert found == [[(name, arguments)]] * 2 and _valid(name, arguments)
+    assert choice == "required" or name == "get_time"
 
 
 def test_a_call_cut_at_max_output_tokens_is_an_incomplete_item(client: openai.OpenAI,

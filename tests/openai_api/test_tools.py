@@ -126,6 +126,45 @@ def test_a_named_choice_calls_that_tool_streamed_or_not(client: openai.OpenAI,
     assert [(e.name, e.arguments) for e in done] == [("get_time", call.function.arguments)]
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_calls_stream_their_arguments_as_generated(client: openai.OpenAI,
+                                                            base_model: str,
+                                                            parallel: bool) -> None:
+    # Each call opens (id and name) once its arguments begin, and they follow as they are
+    # generated (as vLLM streams them); joined, they are the whole response's calls.
+    args: dict[str, Any] = {"model": base_model, "messages": ASK, "tools": TOOLS,
+                            "tool_choice": "required", "parallel_tool_calls": parallel,
+                            "max_tokens": 60, "temperature": 0}
+    reply = client.chat.completions.create(**args)
+    whole = [(c.function.name, c.function.arguments)  # type: ignore[union-attr]
+             for c in reply.choices[0].message.tool_calls or []]
+    assert whole
+    deltas = [e.choices[0] for e in client.chat.completions.create(**args, stream=True)
+              if e.choices]
+    calls: dict[int, list[str]] = {}
+    pieces = 0
+    for delta in deltas:
+        assert not delta.delta.content
+        for call in delta.delta.tool_calls or []:
+            assert call.function is not None
+            if call.id is not None:
+                assert call.index not in calls and call.function.name
+                calls[call.index] = [call.function.name, call.function.arguments or ""]
+            else:
+                assert call.function.name is None
+                calls[call.index][1] += call.function.arguments or ""
+            pieces += 1
+    assert [tuple(calls[i]) for i in sorted(calls)] == whole
+    assert pieces > 2 * len(whole)  # not whole calls at the end
+    assert deltas[-1].finish_reason == reply.choices[0].finish_reason
+    assert reply.choices[0].finish_reason in (("length", "tool_calls") if parallel
+                                              else ("tool_calls",))
+    if not parallel:  # the SDK's stream helper closes the call with its whole arguments
+        with client.chat.completions.stream(**args) as stream:
+            done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+        assert [(e.name, e.arguments) for e in done] == whole
+
+
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_a_forced_call_cut_at_max_tokens_is_still_a_call(
         client: openai.OpenAI, base_model: str, tokenizer: PreTrainedTokenizerBase,
