@@ -136,7 +136,7 @@ def test_required_calls_stream_their_arguments_as_generated(client: openai.OpenA
                             "tool_choice": "required", "parallel_tool_calls": parallel,
                             "max_tokens": 60, "temperature": 0}
     reply = client.chat.completions.create(**args)
-    whole = [(c.function.name, c.function.arguments)  # type: ignore[union-attr]
+    whole = [(c.function.name, c.function.arguments)
              for c in reply.choices[0].message.tool_calls or []]
     assert whole
     deltas = [e.choices[0] for e in client.chat.completions.create(**args, stream=True)
