@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.prompt_logprobs import PromptLogprob
 from engine.protocol import StreamChunk
-from gateway.call_array import CallArrayReader
+from gateway.call_readers import CallArrayReader, CallBlockReader
 from gateway.logprob_format import LOGPROB_FLOOR, Endpoint, Entry, LogprobFormatter, finite_logprob
 from gateway.openai_protocol import StreamUsage
 from gateway.text_offsets import TextOffsets
@@ -71,11 +71,14 @@ class _Choice:
     """Where its generated tokens' texts begin (after the echoed prompt's)."""
     content_sent: int = 0
     """Characters of its text streamed as content (chat with tools holds calls back); of a
-    forced call's arguments, as they are streamed."""
-    call_array: CallArrayReader | None = None
-    """``tool_choice: required``: the calls read out of its text so far."""
+    named call's arguments, as they are streamed."""
+    call_reader: CallArrayReader | CallBlockReader | None = None
+    """Calls whose shape a grammar holds (ToolPlan.reads_calls_as_generated): the calls
+    read out of its text so far."""
     calls_opened: int = 0
     """The calls its stream has opened (their id and name sent)."""
+    arguments_sent: int = 0
+    """Where in its text the call arguments its stream has sent end."""
 
 
 class ResponseFormatter:
@@ -263,7 +266,7 @@ class ResponseFormatter:
     def _content_delta(self, choice: _Choice, finished: bool
                        ) -> tuple[str, list[dict[str, Any]]]:
         """Chat with tools: the content that may be streamed now and, at the end, the
-        calls (as stream deltas)."""
+        calls (as stream deltas) unless they were streamed as generated."""
         assert self.tools is not None
         text = "".join(choice.text)
         if not finished:
@@ -275,6 +278,8 @@ class ResponseFormatter:
         # prefix was sent.
         rest = (content or "")[choice.content_sent:]
         choice.content_sent = len(text)
+        if choice.calls_opened:
+            return rest, []
         return rest, [{"index": i, **call} for i, call in enumerate(calls)]
 
     def _named_call_delta(self, choice: _Choice) -> list[dict[str, Any]]:
@@ -291,22 +296,22 @@ class ResponseFormatter:
             return [{"index": 0, **self.tools.named_call(new)}]
         return [{"index": 0, "function": {"arguments": new}}]
 
-    def _array_call_delta(self, choice: _Choice) -> list[dict[str, Any]]:
-        """``tool_choice: required``'s calls as stream deltas: each opens (its id, name and
+    def _read_call_delta(self, choice: _Choice) -> list[dict[str, Any]]:
+        """Calls whose shape a grammar holds, as stream deltas: each opens (its id, name and
         the arguments so far) once its arguments begin, and the rest of them follow as they
-        are generated; ``content_sent`` is where the arguments sent end in the text."""
+        are generated."""
         assert self.tools is not None
         text = "".join(choice.text)
-        if choice.call_array is None:
-            choice.call_array = self.tools.array_reader()
+        if choice.call_reader is None:
+            choice.call_reader = self.tools.call_reader()
         deltas: list[dict[str, Any]] = []
-        for index, call in enumerate(choice.call_array.feed(text)):
+        for index, call in enumerate(choice.call_reader.feed(text)):
             if index < choice.calls_opened - 1:
                 continue  # whole, and sent
             assert call.start is not None
             upto = len(text) if call.end is None else call.end
-            piece = text[max(call.start, choice.content_sent):upto]
-            choice.content_sent = upto
+            piece = text[max(call.start, choice.arguments_sent):upto]
+            choice.arguments_sent = upto
             if index == choice.calls_opened:
                 choice.calls_opened += 1
                 deltas.append({"index": index, **self.tools.named_call(piece, call.name)})
@@ -351,12 +356,12 @@ class ResponseFormatter:
             calls: list[dict[str, Any]] = []
             if self._named:  # its text is the call's arguments, never content
                 text, calls = "", self._named_call_delta(choice)
-            elif self.tools is not None and self.tools.mode == "required":
-                text, calls = "", self._array_call_delta(choice)
-                if finish is not None and not choice.calls_opened:  # no call: its text
-                    text, calls = self._content_delta(choice, True)
             elif self.tools is not None:
+                # Calls read as generated first: at the end, the content knows them.
+                streamed = self._read_call_delta(choice) \
+                    if self.tools.reads_calls_as_generated else []
                 text, calls = self._content_delta(choice, finish is not None)
+                calls = streamed + calls
             if (not text and not calls and finish is None and logprobs is None
                     and not (self.return_token_ids and new_ids)):
                 return opening  # nothing new, or all of it held back (a call may start)

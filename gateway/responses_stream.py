@@ -2,8 +2,8 @@
 ``response.in_progress`` first; for the message, ``output_item.added``,
 ``content_part.added``, an ``output_text.delta`` per piece of content (with its tokens'
 logprobs when asked), ``output_text.done``, ``content_part.done``, ``output_item.done``;
-then for each call ``output_item.added``, ``function_call_arguments.delta`` (a forced
-call's as its arguments are generated, auto's whole) / ``.done``, ``output_item.done``;
+then for each call ``output_item.added``, ``function_call_arguments.delta`` (a call a
+grammar holds as its arguments are generated, others whole) / ``.done``, ``output_item.done``;
 last ``response.completed`` (or ``response.incomplete`` when cut at max_output_tokens) with
 the whole response and its usage. Every event carries its ``type`` and a ``sequence_number``
 counting from 0, and is sent as a named SSE event (``event: <type>``); there is no
@@ -91,9 +91,16 @@ class ResponseEvents:
         for choice in payload.get("choices") or []:
             delta = choice.get("delta") or {}
             self.unsent += (choice.get("logprobs") or {}).get("content") or []
+            calls = delta.get("tool_calls") or []
+            if self.open_call is not None:
+                # A call told as generated: the delta's content is what follows its block
+                # (else content comes before the calls of its delta, as in the text).
+                for call in calls:
+                    events += self._call_delta(call)
+                calls = []
             if delta.get("content"):
                 events += self._text(delta["content"])
-            for call in delta.get("tool_calls") or []:
+            for call in calls:
                 events += self._call_delta(call)
             if choice.get("finish_reason") is not None:
                 # Whole calls come in the chunk before the finish: the message before them
@@ -111,8 +118,8 @@ class ResponseEvents:
 
     def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         """A chat tool-call delta. One that opens a call (it has an id) with no message
-        open is told at once, and the arguments that follow it as they come (a forced
-        call's, streamed as generated); beside a message, whole calls wait for the finish."""
+        open is told at once, and the arguments that follow it as they come (a call a
+        grammar holds, streamed as generated); beside a message, whole calls wait for the finish."""
         opens = "id" in call or (self.open_call is None and not self.calls)
         name, piece = call["function"].get("name"), call["function"]["arguments"]
         if not opens and self.open_call is not None:
@@ -137,7 +144,7 @@ class ResponseEvents:
                             part=output_text("", []))]
 
     def _text(self, text: str) -> list[dict[str, Any]]:
-        events = self._open_message()
+        events = self._close_call() + self._open_message()  # text after a call: it ended
         self.text.append(text)
         self.logprobs += self.unsent
         events.append(self._event("response.output_text.delta", **self._where(), delta=text,

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from engine.json_schema_support import unenforced_keyword
 from engine.structured_output import StructuredOutput
-from gateway.call_array import CallArrayReader
+from gateway.call_readers import CallArrayReader, CallBlockReader
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
@@ -138,10 +138,14 @@ class ToolPlan:
                 return text, []
             return None, [self.named_call(text.strip())]  # the text as generated, as streamed
         if self.mode == "required":
-            found = self.array_calls(text)
+            found = self.read_calls(text)[1]
             return (None, found) if found else (text, [])
         if self.mode != "auto":
             return text, []
+        if self.reads_calls_as_generated:
+            content, found = self.read_calls(text)
+            if found:
+                return content, found
         # Calls not parallel: the first only, as vLLM keeps it (the others' blocks are
         # dropped from the content with it).
         most = None if self.parallel else 1
@@ -162,26 +166,44 @@ class ToolPlan:
         return _raw_call(name or self.named or "", arguments)
 
     def parse_cut(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, OpenAI tool_calls) of an output cut at max_tokens. A forced call stays
-        a call, as OpenAI returns it: its arguments are the text so far (not JSON yet);
-        under ``required``, every call whose arguments began, else no call and no content
-        (the array is the grammar's, never the answer's text). Under ``auto`` the text is
-        content."""
+        """(content, OpenAI tool_calls) of an output cut at max_tokens. A call a grammar
+        holds stays a call, as OpenAI returns it: its arguments are the text so far (not
+        JSON yet); under ``required``, every call whose arguments began, else no call and no
+        content (the array is the grammar's, never the answer's text). Under ``auto`` the
+        text is content, but for the calls of held blocks."""
         if self.mode == "named":
             return None, [self.named_call(text)]
-        if self.mode != "required":
-            return text, []
-        return None, self.array_calls(text)
+        if self.mode == "required":
+            return None, self.read_calls(text)[1]
+        content, found = self.read_calls(text) if self.reads_calls_as_generated else (text, [])
+        return (content, found) if found else (text, [])
 
-    def array_calls(self, text: str) -> list[dict[str, Any]]:
-        """``required``'s calls in its output (gateway/call_array.py): each with its
-        arguments as generated, the last cut short when the output was."""
-        return [_raw_call(call.name, call.arguments(text))
-                for call in self.array_reader().feed(text)]
+    @property
+    def reads_calls_as_generated(self) -> bool:
+        """Whether a grammar holds the calls' shape, so that they are read (and streamed)
+        as they are generated (gateway/call_readers.py): ``required``'s array, and
+        ``auto``'s blocks when a function is strict."""
+        return self.mode == "required" or (
+            self.mode == "auto" and any(f.strict for f in self.functions))
 
-    def array_reader(self) -> CallArrayReader:
-        """A reader of ``required``'s call array, for its offered functions."""
-        return CallArrayReader(frozenset(f.name for f in self.functions))
+    def call_reader(self) -> CallArrayReader | CallBlockReader:
+        """A reader of the calls as they are generated, for the offered functions."""
+        names = frozenset(f.name for f in self.functions)
+        if self.mode == "required":
+            return CallArrayReader(names)
+        return CallBlockReader(names, OPEN_TAG, CLOSE_TAG)
+
+    def read_calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, OpenAI tool_calls) as a call reader reads them: each call's arguments
+        as generated (the last cut short when the output was); auto's content is the text
+        before the first block as it came, then what lies outside blocks after it, less
+        trailing whitespace (as a stream sends it); None when there is none."""
+        reader = self.call_reader()
+        calls = [_raw_call(call.name, call.arguments(text)) for call in reader.feed(text)]
+        if isinstance(reader, CallArrayReader):
+            return None, calls
+        before, after = reader.outside(text)
+        return (before + after.rstrip()) or None, calls
 
     def outside_calls(self, text: str) -> str:
         """The text without its call blocks (auto's content, before stripping)."""

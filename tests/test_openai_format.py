@@ -75,6 +75,25 @@ def test_token_bytes_are_the_vocabulary_bytes(tiny_model_dir: Path) -> None:
     assert token_bytes(len(tokenizer) + 10) == b""
 
 
+def _streamed(formatter: ResponseFormatter, chunks: list[StreamChunk]
+              ) -> tuple[list[dict[str, Any]], str, list[dict[str, str]], list[str]]:
+    """A chat stream's choice deltas, its content joined, its calls joined (by index), and
+    the arguments each call opened with."""
+    deltas = [e["choices"][0] for chunk in chunks
+              for e in formatter.stream_events(chunk, usage="none")]
+    calls: dict[int, dict[str, str]] = {}
+    opened_with: list[str] = []
+    for delta in deltas:
+        for call in delta["delta"].get("tool_calls") or []:
+            if "id" in call:
+                calls[call["index"]] = dict(call["function"])
+                opened_with.append(call["function"]["arguments"])
+            else:
+                calls[call["index"]]["arguments"] += call["function"]["arguments"]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    return deltas, content, [calls[i] for i in sorted(calls)], opened_with
+
+
 @pytest.mark.parametrize("finish", ["stop", "length"])
 def test_required_calls_stream_their_arguments_as_generated(tiny_model_dir: Path,
                                                             finish: str) -> None:
@@ -95,19 +114,12 @@ def test_required_calls_stream_their_arguments_as_generated(tiny_model_dir: Path
 
     streamed = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
     streamed.start([PromptEcho([1, 2, 3])])
-    deltas = [e["choices"][0] for chunk in chunks
-              for e in streamed.stream_events(chunk, usage="none")]
+    deltas, content, streamed_calls, opened_with = _streamed(streamed, chunks)
     assert deltas[0]["delta"] == {"role": "assistant", "content": ""}  # the role alone
-    calls: dict[int, dict[str, str]] = {}
-    opened_with: list[str] = []
+    assert content == ""
     for delta in deltas[1:-1]:  # calls only, never content
         assert delta["delta"]["content"] is None and delta["finish_reason"] is None
-        for call in delta["delta"]["tool_calls"]:
-            if "id" in call:
-                calls[call["index"]] = dict(call["function"])
-                opened_with.append(call["function"]["arguments"])
-            else:
-                calls[call["index"]]["arguments"] += call["function"]["arguments"]
+        assert delta["delta"]["tool_calls"]
     assert deltas[-1] == {"index": 0, "delta": {}, "logprobs": None, "stop_reason": None,
                           "finish_reason": "tool_calls" if finish == "stop" else "length"}
     assert all(len(first) <= 3 for first in opened_with)  # opened before their ends came
@@ -118,10 +130,47 @@ def test_required_calls_stream_their_arguments_as_generated(tiny_model_dir: Path
     [choice] = whole.final()["choices"]
     assert choice["finish_reason"] == deltas[-1]["finish_reason"]
     assert choice["message"]["content"] is None
-    assert [c["function"] for c in choice["message"]["tool_calls"]] == \
-        [calls[i] for i in sorted(calls)]
-    assert calls[0] == {"name": "add", "arguments": '{"a": 1, "s": "}]\\""}'}
-    assert calls[1] == {"name": "neg", "arguments": '{"x": 2}' if finish == "stop" else '{"x"'}
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == streamed_calls == [
+        {"name": "add", "arguments": '{"a": 1, "s": "}]\\""}'},
+        {"name": "neg", "arguments": '{"x": 2}' if finish == "stop" else '{"x"'}]
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_strict_auto_calls_stream_their_arguments_as_generated(tiny_model_dir: Path,
+                                                               finish: str) -> None:
+    # auto with a strict function: every call block is held to its shape, so its call
+    # opens once its arguments begin and they follow as generated; the content before the
+    # first block streams as it comes, the rest of it comes at the end.
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tools = ToolPlan((Function("add", None, {"type": "object"}, strict=True),
+                      Function("neg", None, {"type": "object"})), "auto")
+    text = ('Let me check. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n'
+            '<tool_call>\n{"name": "neg", "arguments": {"x": "}<tool_call>"}}\n</tool_call>'
+            ' Done.  ')
+    if finish == "length":
+        text = text[:text.index('"x"') + 3]
+    pieces = [text[at:at + 3] for at in range(0, len(text), 3)]
+    chunks = [StreamChunk("r", [5], piece, 3, i + 1, finish if i == len(pieces) - 1 else None)
+              for i, piece in enumerate(pieces)]
+    streamed = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
+    streamed.start([PromptEcho([1, 2, 3])])
+    deltas, content, calls, opened_with = _streamed(streamed, chunks)
+    assert all(len(first) <= 3 for first in opened_with)  # opened before their ends came
+    first_call = next(i for i, d in enumerate(deltas) if d["delta"].get("tool_calls"))
+    assert "".join(d["delta"].get("content") or "" for d in deltas[:first_call]) == \
+        "Let me check. "
+    assert deltas[-1]["finish_reason"] == ("tool_calls" if finish == "stop" else "length")
+    whole = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
+    whole.start([PromptEcho([1, 2, 3])])
+    for chunk in chunks:
+        whole.add(chunk)
+    [choice] = whole.final()["choices"]
+    assert choice["finish_reason"] == deltas[-1]["finish_reason"]
+    assert choice["message"]["content"] == content == (
+        "Let me check. \n Done." if finish == "stop" else "Let me check. ")
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == calls == [
+        {"name": "add", "arguments": '{"a": 1}'},
+        {"name": "neg", "arguments": '{"x": "}<tool_call>"}' if finish == "stop" else '{"x"'}]
 
 
 @pytest.mark.parametrize(("text", "content"), [

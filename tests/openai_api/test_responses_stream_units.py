@@ -1,17 +1,24 @@
 """The Responses stream translator on its own (gateway/responses_stream.py): how a chat
 stream that ends short, or a stream the server cuts, still ends as a failed response with
-every event numbered in order."""
+every event numbered in order; and calls streamed as generated become items in text order."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import pytest
+from transformers import AutoTokenizer
+
+from engine.protocol import StreamChunk
+from gateway.openai_format import PromptEcho, ResponseFormatter
 from gateway.responses_format import ResponseEcho
 from gateway.responses_stream import ResponseEvents, response_events
 from gateway.shutdown_cutoff import MESSAGE, SHUTTING_DOWN
+from gateway.tool_calls import Function, ToolPlan
 
 TEXT_CHUNK = b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
 
@@ -60,3 +67,42 @@ def test_a_stream_cut_between_two_events_of_a_chunk_numbers_its_end_on_from_what
         "response.created", "response.in_progress", "response.output_item.added", "error",
         "response.failed"]
     assert [e["sequence_number"] for e in events] == list(range(5))
+
+
+@pytest.mark.parametrize("before", ["", "Let me check. "])
+def test_strict_auto_calls_are_items_in_text_order(tiny_model_dir: Path, before: str) -> None:
+    # A call streamed as generated opens its item at once when no message is open, and the
+    # content after its block comes as a message after it; content before the first block
+    # is a message first, and the calls follow it whole.
+    tools = ToolPlan((Function("add", None, {"type": "object"}, strict=True),), "auto")
+    text = f'{before}<tool_call>{{"name": "add", "arguments": {{"a": 1}}}}</tool_call> Done.'
+    pieces = [text[at:at + 4] for at in range(0, len(text), 4)]
+    formatter = ResponseFormatter("chat", "m", AutoTokenizer.from_pretrained(
+        str(tiny_model_dir)), None, tools=tools)
+    formatter.start([PromptEcho([1, 2, 3])])
+    events = ResponseEvents(ResponseEcho("resp_1", 0, {"model": "m"}))
+    told = events.opening()
+    for i, piece in enumerate(pieces):
+        chunk = StreamChunk("r", [5], piece, 3, i + 1, "stop" if i == len(pieces) - 1 else None)
+        for payload in formatter.stream_events(chunk, usage="last_chunk"):
+            told += events.on_chat(payload)
+    told += events.on_chat(formatter.usage_event())
+    kinds = [e["type"] for e in told if not e["type"].endswith(".delta")]
+    call_events = ["response.output_item.added", "response.function_call_arguments.done",
+                   "response.output_item.done"]
+    message_events = ["response.output_item.added", "response.content_part.added",
+                      "response.output_text.done", "response.content_part.done",
+                      "response.output_item.done"]
+    first, second = (call_events, message_events) if not before else \
+        (message_events, call_events)
+    assert kinds == ["response.created", "response.in_progress", *first, *second,
+                     "response.completed"]
+    output = told[-1]["response"]["output"]
+    assert [item["type"] for item in output] == (
+        ["function_call", "message"] if not before else ["message", "function_call"])
+    [call] = [item for item in output if item["type"] == "function_call"]
+    [message] = [item for item in output if item["type"] == "message"]
+    assert call["arguments"] == '{"a": 1}' and call["status"] == "completed"
+    assert message["content"][0]["text"] == (before + " Done." if before else " Done.")
+    deltas = [e for e in told if e["type"] == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 or before  # told as generated when no message held it
