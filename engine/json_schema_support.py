@@ -9,7 +9,9 @@ keyword and where it is (vLLM refuses the same schemas when xgrammar is its back
 Found by compiling a schema per keyword and asking the grammar whether it accepts an
 instance that the keyword forbids (tests/test_json_schema_support.py does so for each
 entry). Keywords that only annotate (title, description, default, examples, an unknown
-``format``) are not constraints, and are let through.
+``format``) are not constraints, and are let through. A ``required`` name that ``properties``
+does not list, and a ``$ref`` outside the schema (never fetched: xgrammar takes it as any
+value), are refused the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ def _unenforced_here(node: dict[str, Any]) -> tuple[str, str] | None:
         return "allOf", "structured output enforces it with one schema only"
     if "multipleOf" in node and node.get("type") not in ("integer", ["integer"]):
         return "multipleOf", "structured output enforces it on type integer only"
+    required, listed = node.get("required"), node.get("properties")
+    missing = [name for name in required if not isinstance(listed, dict) or name not in listed
+               ] if isinstance(required, list) else []
+    if missing:
+        return "required", (f"it names {str(missing[0])[:64]!r}, which properties does not "
+                            "list: structured output requires listed properties only")
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return "$ref", ("only references within the schema (#...) are followed: a remote "
+                        "schema is not fetched")
     return None
 
 

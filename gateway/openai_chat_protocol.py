@@ -24,7 +24,7 @@ from engine.invalid_field import InvalidField
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
 from gateway.chat_documents import Documents, documents_chars, documents_system_text
-from gateway.openai_fields import Unsupported
+from gateway.openai_fields import StrictRequest, Unsupported
 from gateway.openai_protocol import (
     MAX_CONTENT_PARTS,
     MAX_LOGPROBS,
@@ -85,13 +85,11 @@ class ToolDefinition(BaseModel):
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class NamedFunction(StrictRequest):
     name: ToolName
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class NamedToolChoice(StrictRequest):
     type: Literal["function"]
     function: NamedFunction
 

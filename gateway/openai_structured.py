@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import Field, StrictBool, model_validator
 
 from engine.invalid_field import InvalidField
 from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
@@ -39,20 +39,21 @@ def field_constraint(field: str, kind: str, spec: str | dict[str, Any] = "",
         raise InvalidField(field, str(exc)) from None
 
 
-class JsonSchemaFormat(BaseModel):
-    """response_format's json_schema object."""
+class JsonSchemaFormat(StrictRequest):
+    """response_format's json_schema object (a key it does not know is a 400, as OpenAI
+    answers it: ignored, a client's schema would silently not hold)."""
 
-    model_config = ConfigDict(extra="ignore")
     name: Annotated[Text, Field(max_length=256)] = "response"
     description: Text | None = None
     schema_: dict[str, Any] = Field(alias="schema")
     strict: StrictBool | None = None
 
 
-class ResponseFormat(BaseModel):
-    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+class ResponseFormat(StrictRequest):
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema
+    (``{"type": "json_object", "schema": ...}``, as some providers take a schema, is a 400
+    naming ``schema``, not a schema silently dropped)."""
 
-    model_config = ConfigDict(extra="ignore")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 

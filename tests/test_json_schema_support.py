@@ -33,6 +33,10 @@ UNENFORCED = [
     ("if", {"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}, "9", "6"),
     ("allOf", {"allOf": [INTEGERS, {"minimum": 3}]}, "2", "3"),
     ("multipleOf", {"type": "number", "multipleOf": 7}, "5.5", "14"),
+    ("required", {"type": "object", "additionalProperties": INTEGERS, "required": ["k"]},
+     "{}", '{"k": 2}'),
+    ("$ref", {"type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}},
+              "required": ["a"]}, '{"a": "any value"}', '{"a": 1}'),
 ]
 ENFORCED = [  # what stays allowed, and why it may: the grammar refuses the violation
     ({"type": "integer", "multipleOf": 7}, "5"),
@@ -41,6 +45,9 @@ ENFORCED = [  # what stays allowed, and why it may: the grammar refuses the viol
     ({"type": "object", "properties": {"a": INTEGERS}, "additionalProperties": False},
      '{"b": 1}'),
     ({"oneOf": [INTEGERS, {"type": "string"}]}, "true"),
+    ({"type": "object", "properties": {"k": INTEGERS}, "required": ["k"]}, "{}"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"],
+      "$defs": {"a": INTEGERS}}, '{"a": "x"}'),
 ]
 
 
@@ -56,7 +63,7 @@ def test_each_refused_keyword_is_one_the_library_ignores(
     assert _accepts(schema, allowed)
     assert _accepts(schema, forbidden), f"xgrammar now enforces {keyword}: let it through"
     reason = unenforced_keyword(schema)
-    assert reason is not None and reason.startswith(f"`{keyword}` at #:")
+    assert reason is not None and reason.startswith(f"`{keyword}` at #")
 
 
 @pytest.mark.parametrize(("schema", "forbidden"), ENFORCED)

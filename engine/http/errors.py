@@ -85,18 +85,26 @@ def _is_tag(part: str) -> bool:
     return not part.islower() and not part.isdigit()
 
 
+def _wrong_type(err: Any) -> bool:
+    """A union member's "not my type": a type error, or a literal member given an object or
+    array (tool_choice's "auto" given a named choice)."""
+    kind = str(err.get("type", ""))
+    return kind.endswith("_type") or (kind == "literal_error"
+                                      and isinstance(err.get("input"), dict | list))
+
+
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     problems: list[str] = []
     locs: list[tuple[str, ...]] = []
     errors = exc.errors()
     # A union fails once per member: where a member took the value's type and refused its
     # content, the other members' "not my type" errors only hide that one.
-    valued = {_shown(e.get("loc", ())) for e in errors
-              if not str(e.get("type", "")).endswith("_type")}
+    valued = {_shown(e.get("loc", ())) for e in errors if not _wrong_type(e)}
     for err in errors:
         shown = _shown(err.get("loc", ()))
-        if str(err.get("type", "")).endswith("_type") and shown in valued:
-            continue
+        if _wrong_type(err) and any(v == shown or v.startswith((shown + ".", shown + "["))
+                                    for v in valued):
+            continue  # a member took the value and refused what is in it
         if err.get("type") == "json_invalid":  # loc is ("body", character offset): no param
             detail = (err.get("ctx") or {}).get("error", "JSON decode error")
             at = err.get("loc", ())[-1]

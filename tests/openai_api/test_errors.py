@@ -147,8 +147,19 @@ def test_invalid_requests_are_400(client: openai.OpenAI, gateway: LiveServer,
     ("chat", {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "3"}]},
      "a tool message needs tool_call_id (the id of the call it answers)",
      "messages.[1].tool_call_id"),
+    ("chat", {"response_format": {"type": "json_object", "schema": {"type": "integer"}}},
+     "response_format.schema: Unrecognized request argument supplied: schema",
+     "response_format.schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {}, "foo": 1}}},
+     "response_format.json_schema.foo: Unrecognized request argument supplied: foo",
+     "response_format.json_schema.foo"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "f"}, "foo": 1}},
+     "tool_choice.foo: Unrecognized request argument supplied: foo", "tool_choice.foo"),
 ], ids=["best-of-below-n", "empty-stop", "empty-salt", "long-user", "bad-role", "name-not-text",
-        "continue-and-add", "tool-without-call-id"])
+        "continue-and-add", "tool-without-call-id", "json-object-with-schema",
+        "json-schema-extra-key", "tool-choice-extra-key"])
 def test_validation_messages_say_where_without_library_noise(
         gateway: LiveServer, base_model: str, endpoint: str, changes: dict[str, Any],
         message: str, param: str) -> None:

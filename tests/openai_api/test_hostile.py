@@ -74,7 +74,7 @@ HOSTILE: list[tuple[str, dict[str, Any], str | None]] = [
     ("completions", {"prompt": LONE_SURROGATE}, "prompt"),
     ("completions", {"prompt": ["a" + LONE_SURROGATE]}, "prompt"),
     ("completions", {"stop": LONE_SURROGATE}, "stop"),
-    ("completions", {"stop": ["ok", "\udfff"]}, "stop"),
+    ("completions", {"stop": ["ok", "\udfff"]}, "stop.[1]"),  # the list took it
     ("completions", {"model": LONE_SURROGATE}, "model"),
     ("completions", {"user": LONE_SURROGATE}, "user"),
     ("completions", {"cache_salt": LONE_SURROGATE}, "cache_salt"),
