@@ -23,6 +23,23 @@ than sorting a 49k vocabulary); a top-p row whose nucleus reaches past them (a v
 distribution) is sorted whole, so the result is exact either way."""
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def generator_seed(seed: int, device: torch.device) -> int:
+    """The seed a request's generator takes. torch's CPU generator keeps only a seed's low 32
+    bits, so 1 and 2**32 + 1 (and 0, 2**63 and -2**63) drew the same numbers: on the CPU a
+    seed of 32 bits or more is mixed down to 32 (SplitMix64's finalizer: distinct seeds
+    collide by chance only, ~2**-32), one below 2**32 is taken as it is. Other devices keep
+    all 64 bits."""
+    if device.type != "cpu" or 0 <= seed < 1 << 32:
+        return seed
+    mixed = seed & _MASK64
+    mixed = ((mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (mixed ^ (mixed >> 31)) >> 32
+
+
 class Sampler:
     """Picks one token per row of a logits batch.
 
@@ -46,7 +63,7 @@ class Sampler:
         nothing per-request is created, or can fail, inside a step."""
         if params.seed is not None and not params.greedy:
             self._per_request[request_id] = torch.Generator(
-                device=self.device).manual_seed(params.seed)
+                device=self.device).manual_seed(generator_seed(params.seed, self.device))
 
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -9,7 +9,7 @@ import torch
 
 from engine import sampler as sampler_module
 from engine.logits_processors import RowState
-from engine.sampler import Sampler
+from engine.sampler import Sampler, generator_seed
 from engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -128,3 +128,17 @@ def test_a_row_of_non_finite_logits_gets_no_token(temperature: float, bad: float
     tokens, logprobs = Sampler(0, CPU).sample(logits, ["a", "b", "c"], rows)
     assert tokens[1] == sampler_module.NON_FINITE and logprobs[1] is None
     assert all(0 <= tokens[i] < LOGITS.numel() and logprobs[i] for i in (0, 2))
+
+
+def test_seeds_that_share_their_low_32_bits_draw_apart_on_the_cpu() -> None:
+    # torch's CPU generator keeps a seed's low 32 bits only: 1 and 2**32 + 1 drew alike.
+    def draws(seed: int) -> list[float]:
+        generator = torch.Generator().manual_seed(generator_seed(seed, CPU))
+        return torch.rand(4, generator=generator).tolist()
+
+    assert generator_seed(12345, CPU) == 12345  # below 2**32: as it was
+    seeds = [0, 1, 2**32, 2**32 + 1, 2**63, -2, -3, 2**64 - 1]
+    assert len({tuple(draws(seed)) for seed in seeds}) == len(seeds)
+    assert draws(2**40 + 7) == draws(2**40 + 7)  # still a seed: the same draws each time
+    assert draws(-2) == draws(2**64 - 2)  # a negative seed is its two's complement (torch's)
+    assert all(0 <= generator_seed(seed, CPU) < 2**32 for seed in seeds)
