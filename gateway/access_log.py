@@ -48,8 +48,10 @@ class AccessRecord:
     tenant: str | None = None
     adapter: str | None = None
     end_user: str | None = None
-    """The request's own end-user id (OpenAI's ``user`` / ``safety_identifier``): what it
-    is for, telling abuse apart per end user, needs it in the log."""
+    """The request's own end-user id (OpenAI's ``user``): what it is for, telling abuse
+    apart per end user, needs it in the log."""
+    safety_identifier: str | None = None
+    """OpenAI's newer name for it (both are logged when a request sends both)."""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     first_token_at: float | None = None
@@ -138,7 +140,9 @@ def access_line(method: str, path: str, status: int, record: AccessRecord, now: 
             f"completion_tokens={show(record.completion_tokens)} ttft_ms={ttft} "
             f"duration_ms={(now - record.start) * 1000:.1f}" + (
                 f" request_id={_printable(record.request_id)}" if record.request_id else "")
-            + (f" user={_printable(record.end_user)}" if record.end_user else ""))
+            + (f" user={_printable(record.end_user)}" if record.end_user else "")
+            + (f" safety_identifier={_printable(record.safety_identifier)}"
+               if record.safety_identifier else ""))
 
 
 def _printable(text: str) -> str:

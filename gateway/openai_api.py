@@ -152,7 +152,8 @@ async def _serve(gateway: Gateway, req: _Call,
     access = record_of(req.http)
     if access is not None:
         access.tenant = req.principal.tenant_id
-        access.end_user = req.body.safety_identifier or req.body.user
+        access.end_user = req.body.user
+        access.safety_identifier = req.body.safety_identifier
 
         def fill(record: AccessRecord) -> None:
             if jobs:

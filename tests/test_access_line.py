@@ -23,6 +23,9 @@ def test_the_line_names_the_end_user_without_letting_it_forge_a_line() -> None:
                     "completion_tokens=2 ttft_ms=500.0 duration_ms=1000.0 "
                     "user=u\\x201\\x0aGET\\x20/\\x20200")
     assert "\n" not in line
+    both = AccessRecord(start=0.0, end_user="u1", safety_identifier="s1")
+    assert access_line("POST", "/v1/chat/completions", 200, both, now=0.001).endswith(
+        " user=u1 safety_identifier=s1")  # the one does not hide the other
 
 
 def test_a_request_without_an_end_user_has_no_user_field() -> None:
