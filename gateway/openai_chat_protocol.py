@@ -5,6 +5,7 @@ chat template's options, on top of the sampling fields every endpoint shares
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -169,9 +170,12 @@ MAX_TEMPLATE_KWARGS_DEPTH = 32
 
 def _nesting_bounded(value: dict[str, Any]) -> dict[str, Any]:
     """``value`` if no list or object in it is nested deeper than MAX_TEMPLATE_KWARGS_DEPTH
-    (walked without recursion: the value itself may be deep)."""
+    and every number in it is finite, as everywhere else in a request (NaN and Infinity
+    are not JSON; walked without recursion: the value itself may be deep)."""
     level: list[Any] = list(value.values())
     for _ in range(MAX_TEMPLATE_KWARGS_DEPTH + 1):  # a scalar ends its nesting
+        if any(isinstance(node, float) and not math.isfinite(node) for node in level):
+            raise ValueError("values must be finite numbers: NaN and Infinity are not JSON")
         level = [child for node in level if isinstance(node, (dict, list))
                  for child in (node.values() if isinstance(node, dict) else node)]
         if not level:

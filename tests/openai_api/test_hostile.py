@@ -126,6 +126,7 @@ HOSTILE: list[tuple[str, dict[str, Any], str | None]] = [
      "chat_template_kwargs"),
     ("chat", {"chat_template_kwargs": {"a": json.loads('{"b":' * 600 + "1" + "}" * 600)},
               "stream": True}, "chat_template_kwargs"),
+    ("chat", {"chat_template_kwargs": {"x": [1, {"y": NAN}]}}, "chat_template_kwargs"),
 ]
 
 
