@@ -28,7 +28,7 @@ from pydantic import (
 from transformers import PreTrainedTokenizerBase
 
 from engine.http.errors import ApiError
-from engine.invalid_field import InvalidField
+from engine.invalid_field import InvalidField, field_of
 from gateway import openai_fields
 from gateway.admission import Admitted, AdmittedRoute
 from gateway.caller import Caller
@@ -177,8 +177,10 @@ def build_info_router(get_gateway: Callable[[], Gateway], prompts: PromptEncoder
                     chat = body.chat_request(model)
                 except ValidationError as exc:  # options that do not agree, as a chat's
                     error = exc.errors()[0]
-                    raise ApiError(400, error["msg"],
-                                   param=".".join(map(str, error["loc"])) or None) from None
+                    cause = (error.get("ctx") or {}).get("error")  # our own check's, if any
+                    raise ApiError(400, error["msg"] if cause is None else str(cause),
+                                   param=field_of(cause) or ".".join(map(str, error["loc"]))
+                                   or None) from None
                 ids = await prompts.encode_chat_request(chat, context)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": context, "tokens": ids}
         if body.return_token_strs:
