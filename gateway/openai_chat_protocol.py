@@ -79,6 +79,17 @@ class FunctionDefinition(BaseModel):
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # OpenAI's rule too: a call's arguments are an object (a forced call of a string
+        # schema was a call in a stream and content when whole).
+        kind = (value or {}).get("type", "object")
+        if kind != "object" and kind != ["object"]:
+            raise ValueError(f"a function's parameters must be a JSON schema of type "
+                             f"object, not {json.dumps(kind)[:64]}")
+        return value
+
 
 class ToolDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore")

@@ -20,16 +20,17 @@ from gateway.logprob_format import LOGPROB_FLOOR, Endpoint, Entry, LogprobFormat
 from gateway.openai_protocol import StreamUsage
 from gateway.text_offsets import TextOffsets
 from gateway.token_bytes import TokenBytes
-from gateway.tool_calls import ToolPlan
+from gateway.tool_calls import ToolPlan, whole_calls
 
 # Engine finish reasons -> OpenAI's ("abort" and "error" never reach a successful response).
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
 
 def _finish(reason: str | None, called: bool, named: bool) -> str | None:
-    """A chat choice's finish_reason: "tool_calls" when it ended by itself with calls,
-    except under a named tool_choice, which OpenAI (and vLLM) end with "stop"; an output cut
-    at max_tokens stays "length", whatever calls it completed before the cut."""
+    """A chat choice's finish_reason: "tool_calls" when it ended by itself with whole calls
+    (``called``: ToolPlan's whole_calls), except under a named tool_choice, which OpenAI
+    (and vLLM) end with "stop"; an output cut at max_tokens stays "length", whatever calls
+    it completed before the cut, and one a stop string cut mid-call "stop"."""
     return "tool_calls" if called and reason == "stop" and not named else reason
 
 
@@ -77,6 +78,8 @@ class _Choice:
     read out of its text so far."""
     calls_opened: int = 0
     """The calls its stream has opened (their id and name sent)."""
+    called: bool = False
+    """It ended with whole calls (whole_calls), once its stream ended."""
     arguments_sent: int = 0
     """Where in its text the call arguments its stream has sent end."""
 
@@ -231,7 +234,8 @@ class ResponseFormatter:
                 body: dict[str, Any] = {"index": index, "message": message,
                                         "logprobs": logprobs,
                                         "finish_reason": _finish(choice.finish_reason,
-                                                                 bool(calls), self._named),
+                                                                 whole_calls(calls),
+                                                                 self._named),
                                         "stop_reason": choice.stop_reason}
             else:
                 body = {"index": index, "text": text, "logprobs": logprobs,
@@ -274,6 +278,7 @@ class ResponseFormatter:
             delta, choice.content_sent = text[choice.content_sent:upto], upto
             return delta, []
         content, calls = self._calls(choice, text)
+        choice.called = whole_calls(calls)
         # The whole response's content (the text itself when no call parsed), of which a
         # prefix was sent.
         rest = (content or "")[choice.content_sent:]
@@ -372,9 +377,9 @@ class ResponseFormatter:
                                      else text}
             if forced and not text and not calls and finish is not None:
                 delta = {}  # a forced call's last chunk: the finish alone, as OpenAI ends it
-            called = bool(calls) or choice.calls_opened > 0
             body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
-                                    "finish_reason": _finish(finish, called, self._named)}
+                                    "finish_reason": _finish(finish, choice.called,
+                                                             self._named)}
             if calls and finish is None:  # a forced call's arguments as they come
                 delta["tool_calls"] = calls
             elif calls:
@@ -388,7 +393,7 @@ class ResponseFormatter:
                 opening.append(calls_event)
                 first, new_ids = False, []
                 body = {"index": index, "delta": {}, "logprobs": None,
-                        "finish_reason": _finish(finish, called, self._named)}
+                        "finish_reason": _finish(finish, choice.called, self._named)}
         else:
             body = {"index": index, "text": text, "logprobs": logprobs,
                     "finish_reason": finish}

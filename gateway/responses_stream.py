@@ -5,7 +5,11 @@ logprobs when asked), ``output_text.done``, ``content_part.done``, ``output_item
 then for each call ``output_item.added``, ``function_call_arguments.delta`` (a call a
 grammar holds as its arguments are generated, others whole) / ``.done``, ``output_item.done``;
 last ``response.completed`` (or ``response.incomplete`` when cut at max_output_tokens) with
-the whole response and its usage. Every event carries its ``type`` and a ``sequence_number``
+the whole response and its usage. Items come in text order: a call's item opens as soon
+as its first delta comes, closing the message before it (whose text is all told); content
+after a call's block (rare: the grammar may end the text with the call) is a message item
+after it, where a whole response puts all content in one message before its calls. Every
+event carries its ``type`` and a ``sequence_number``
 counting from 0, and is sent as a named SSE event (``event: <type>``); there is no
 ``[DONE]``, as OpenAI sends none for this API.
 
@@ -59,8 +63,6 @@ class ResponseEvents:
         self.unsent: list[dict[str, Any]] = []
         """Logprobs that came with no text yet (they go with the next delta)."""
         self.finish: str | None = None
-        self.calls: list[dict[str, Any]] = []
-        """Whole chat tool calls not yet told (told once the finish comes)."""
         self.open_call: int | None = None
         """The output index of the call being told as its arguments come."""
         self.ended = False
@@ -103,34 +105,21 @@ class ResponseEvents:
             for call in calls:
                 events += self._call_delta(call)
             if choice.get("finish_reason") is not None:
-                # Whole calls come in the chunk before the finish: the message before them
-                # closes first (its status is the finish's), then each call is an item.
                 self.finish = choice["finish_reason"]
                 events += self._close_message() + self._close_call()
-                for call in self.calls:
-                    events += self._open_call(call["function"]["name"],
-                                              call["function"]["arguments"])
-                    events += self._close_call()
-                self.calls = []
         if payload.get("usage") and not payload.get("choices"):
             events += self._completed(payload["usage"])
         return events
 
     def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        """A chat tool-call delta. One that opens a call (it has an id) with no message
-        open is told at once, and the arguments that follow it as they come (a call a
-        grammar holds, streamed as generated); beside a message, whole calls wait for the finish."""
-        opens = "id" in call or (self.open_call is None and not self.calls)
+        """A chat tool-call delta. One that opens a call (it has an id) is an item told at
+        once, the message or call before it ended (its text is all told: the chat stream
+        holds back what may be a call); the others add to the open call's arguments as they
+        come (a call a grammar holds streams them as generated, others come whole)."""
         name, piece = call["function"].get("name"), call["function"]["arguments"]
-        if not opens and self.open_call is not None:
+        if "id" not in call and self.open_call is not None:
             return self._arguments_delta(piece)
-        if not opens:
-            self.calls[-1]["function"]["arguments"] += piece
-            return []
-        if self.message is None and not self.calls:
-            return self._close_call() + self._open_call(name, piece)
-        self.calls.append({"function": {"name": name, "arguments": piece}})
-        return []
+        return self._close_message() + self._close_call() + self._open_call(name or "", piece)
 
     def _open_message(self) -> list[dict[str, Any]]:
         if self.message is not None:
@@ -161,13 +150,14 @@ class ResponseEvents:
         if self.message is None:
             return []
         where, text = self._where(), "".join(self.text)
-        self.logprobs += self.unsent
-        part = output_text(text, self.logprobs)
+        logprobs, self.text, self.logprobs = self.logprobs + self.unsent, [], []
+        self.unsent = []
+        part = output_text(text, logprobs)
         item = message_item(where["item_id"], ended_status(self.finish), [part])
         self.output[self.message] = item
         self.message = None
         return [self._event("response.output_text.done", **where, text=text,
-                            logprobs=self.logprobs),
+                            logprobs=logprobs),
                 self._event("response.content_part.done", **where, part=part),
                 self._event("response.output_item.done", output_index=where["output_index"],
                             item=item)]

@@ -132,14 +132,11 @@ class ToolPlan:
                 "at_least_one": False, "stop_after_first": not self.parallel}}), param="tools")
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, OpenAI tool_calls) of a finished output; no calls when none parse."""
-        if self.mode == "named":
-            if not isinstance(_json(text), dict):
-                return text, []
-            return None, [self.named_call(text.strip())]  # the text as generated, as streamed
-        if self.mode == "required":
-            found = self.read_calls(text)[1]
-            return (None, found) if found else (text, [])
+        """(content, OpenAI tool_calls) of a finished output; no calls when none parse. A
+        forced call's output is the grammar's, never content: the call (a stop string may
+        have cut it, as max_tokens may: see parse_cut)."""
+        if self.mode in ("named", "required"):
+            return self.parse_cut(text)
         if self.mode != "auto":
             return text, []
         if self.reads_calls_as_generated:
@@ -250,6 +247,20 @@ class ToolPlan:
                 f"To call one, answer with {OPEN_TAG}{{\"name\": <function name>, "
                 f"\"arguments\": <arguments object>}}{CLOSE_TAG} (one block per call); "
                 "otherwise answer in plain text.")
+
+
+def whole_calls(calls: list[dict[str, Any]]) -> bool:
+    """Whether there are calls and every one's arguments are whole JSON (none was cut by
+    max_tokens or a stop string): only then did the output end by calling."""
+    return bool(calls) and all(_is_json(call["function"]["arguments"]) for call in calls)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _json(text: str) -> Any:

@@ -94,22 +94,25 @@ def _streamed(formatter: ResponseFormatter, chunks: list[StreamChunk]
     return deltas, content, [calls[i] for i in sorted(calls)], opened_with
 
 
-@pytest.mark.parametrize("finish", ["stop", "length"])
+@pytest.mark.parametrize("ending", ["whole", "length", "stop string"])
 def test_required_calls_stream_their_arguments_as_generated(tiny_model_dir: Path,
-                                                            finish: str) -> None:
+                                                            ending: str) -> None:
     # tool_choice "required": the answer is an array of calls. Each call opens once its
     # arguments begin, and they follow as generated; joined, the stream's calls are the
     # whole response's (an output cut at max_tokens keeps the call it cut, with its arguments
-    # so far, and stays "length").
+    # so far, and stays "length"; one a stop string cut stays "stop", not "tool_calls").
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     tools = ToolPlan((Function("add", None, {"type": "object"}),
                       Function("neg", None, {"type": "object"})), "required")
     text = '[{"name": "add", "arguments": {"a": 1, "s": "}]\\""}}, ' \
            '{"name": "neg", "arguments": {"x": 2}}]'
-    if finish == "length":
+    if ending != "whole":
         text = text[:text.index('"x"') + 3]
+    finish, stop_reason = "length" if ending == "length" else "stop", \
+        ": " if ending == "stop string" else None
     pieces = [text[at:at + 3] for at in range(0, len(text), 3)]
-    chunks = [StreamChunk("r", [5], piece, 3, i + 1, finish if i == len(pieces) - 1 else None)
+    chunks = [StreamChunk("r", [5], piece, 3, i + 1, finish if i == len(pieces) - 1 else None,
+                          stop_reason=stop_reason if i == len(pieces) - 1 else None)
               for i, piece in enumerate(pieces)]
 
     streamed = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
@@ -120,8 +123,9 @@ def test_required_calls_stream_their_arguments_as_generated(tiny_model_dir: Path
     for delta in deltas[1:-1]:  # calls only, never content
         assert delta["delta"]["content"] is None and delta["finish_reason"] is None
         assert delta["delta"]["tool_calls"]
-    assert deltas[-1] == {"index": 0, "delta": {}, "logprobs": None, "stop_reason": None,
-                          "finish_reason": "tool_calls" if finish == "stop" else "length"}
+    assert deltas[-1] == {"index": 0, "delta": {}, "logprobs": None,
+                          "stop_reason": stop_reason,
+                          "finish_reason": "tool_calls" if ending == "whole" else finish}
     assert all(len(first) <= 3 for first in opened_with)  # opened before their ends came
     whole = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
     whole.start([PromptEcho([1, 2, 3])])
@@ -132,7 +136,14 @@ def test_required_calls_stream_their_arguments_as_generated(tiny_model_dir: Path
     assert choice["message"]["content"] is None
     assert [c["function"] for c in choice["message"]["tool_calls"]] == streamed_calls == [
         {"name": "add", "arguments": '{"a": 1, "s": "}]\\""}'},
-        {"name": "neg", "arguments": '{"x": 2}' if finish == "stop" else '{"x"'}]
+        {"name": "neg", "arguments": '{"x": 2}' if ending == "whole" else '{"x"'}]
+    # Cut before any call's arguments began: no call, and the array is never content.
+    cut = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
+    cut.start([PromptEcho([1, 2, 3])])
+    cut.add(StreamChunk("r", [5], '[{"name": "add", "', 3, 1, "stop", stop_reason="x"))
+    [choice] = cut.final()["choices"]
+    assert choice["message"] == {"role": "assistant", "content": None}
+    assert choice["finish_reason"] == "stop"
 
 
 @pytest.mark.parametrize("finish", ["stop", "length"])

@@ -136,6 +136,10 @@ def test_a_forced_call_cut_short_stays_a_call(comma: str) -> None:
                     '[{"na', "[", ""):
         assert required.parse_cut(nothing) == (None, [])
     named = ToolPlan((WEATHER, ADD), "named", "get_weather")
+    # A stop string's cut ends it as max_tokens' does: the call, as its stream sent it.
+    content, found = named.parse('{"city": "Ro')
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"])
+                                for c in found] == [("get_weather", '{"city": "Ro')]
     content, found = named.parse_cut('{"city": "Ro')
     assert content is None and [(c["function"]["name"], c["function"]["arguments"])
                                 for c in found] == [("get_weather", '{"city": "Ro')]

@@ -71,9 +71,9 @@ def test_a_stream_cut_between_two_events_of_a_chunk_numbers_its_end_on_from_what
 
 @pytest.mark.parametrize("before", ["", "Let me check. "])
 def test_strict_auto_calls_are_items_in_text_order(tiny_model_dir: Path, before: str) -> None:
-    # A call streamed as generated opens its item at once when no message is open, and the
-    # content after its block comes as a message after it; content before the first block
-    # is a message first, and the calls follow it whole.
+    # A call streamed as generated opens its item at once (closing the message of the
+    # content before its block, if any), and the content after its block comes as a message
+    # after it: items in text order, each call's arguments told as generated.
     tools = ToolPlan((Function("add", None, {"type": "object"}, strict=True),), "auto")
     text = f'{before}<tool_call>{{"name": "add", "arguments": {{"a": 1}}}}</tool_call> Done.'
     pieces = [text[at:at + 4] for at in range(0, len(text), 4)]
@@ -93,16 +93,14 @@ def test_strict_auto_calls_are_items_in_text_order(tiny_model_dir: Path, before:
     message_events = ["response.output_item.added", "response.content_part.added",
                       "response.output_text.done", "response.content_part.done",
                       "response.output_item.done"]
-    first, second = (call_events, message_events) if not before else \
-        (message_events, call_events)
-    assert kinds == ["response.created", "response.in_progress", *first, *second,
-                     "response.completed"]
+    leading = message_events if before else []
+    assert kinds == ["response.created", "response.in_progress", *leading, *call_events,
+                     *message_events, "response.completed"]
     output = told[-1]["response"]["output"]
-    assert [item["type"] for item in output] == (
-        ["function_call", "message"] if not before else ["message", "function_call"])
-    [call] = [item for item in output if item["type"] == "function_call"]
-    [message] = [item for item in output if item["type"] == "message"]
-    assert call["arguments"] == '{"a": 1}' and call["status"] == "completed"
-    assert message["content"][0]["text"] == (before + " Done." if before else " Done.")
+    assert [item["type"] for item in output] == \
+        ["message"] * bool(before) + ["function_call", "message"]
+    assert [item["content"][0]["text"] for item in output if item["type"] == "message"] == \
+        [before] * bool(before) + [" Done."]
+    assert output[-2]["arguments"] == '{"a": 1}' and output[-2]["status"] == "completed"
     deltas = [e for e in told if e["type"] == "response.function_call_arguments.delta"]
-    assert len(deltas) > 1 or before  # told as generated when no message held it
+    assert len(deltas) > 1  # told as generated
