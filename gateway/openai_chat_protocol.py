@@ -114,7 +114,7 @@ class ChatMessage(BaseModel):
     name: Text | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
     """An assistant message's calls."""
-    tool_call_id: Annotated[Text, Field(max_length=256)] | None = None
+    tool_call_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     """A tool message's answer to this call."""
 
     @model_validator(mode="before")
