@@ -138,7 +138,6 @@ STREAM_OPTIONS: Mapping[str, Unsupported] = {
 """The stream_options object."""
 
 STRUCTURED_OUTPUTS: Mapping[str, Unsupported] = {
-    "structural_tag": _off(reason="structural tags are not implemented"),
     "whitespace_pattern": _off(reason="JSON follows xgrammar's whitespace rules "
                                       "(disable_any_whitespace: compact JSON)"),
 }

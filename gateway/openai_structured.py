@@ -16,6 +16,10 @@ from engine.structured_output import MAX_SPEC_CHARS, StructuredOutput
 from gateway import openai_fields
 from gateway.openai_fields import StrictRequest, Unsupported
 from gateway.openai_text import Text
+from gateway.structural_tags import structural_tag_text
+
+MAX_TAG_STRUCTURES = 1024
+"""Most structures (and triggers) of a structural tag."""
 
 
 def schema_text(schema: dict[str, Any] | str) -> str:
@@ -23,6 +27,13 @@ def schema_text(schema: dict[str, Any] | str) -> str:
     text = schema if isinstance(schema, str) else json.dumps(schema)
     if len(text) > MAX_SPEC_CHARS:
         raise ValueError(f"a JSON schema may have at most {MAX_SPEC_CHARS} characters")
+    return text
+
+
+def spec_text(text: str) -> str:
+    """A structural tag's text, as the engine takes it; ValueError when it is too long."""
+    if len(text) > MAX_SPEC_CHARS:
+        raise ValueError(f"a structural tag may have at most {MAX_SPEC_CHARS} characters")
     return text
 
 
@@ -52,17 +63,36 @@ class JsonSchemaFormat(StrictRequest):
 class ResponseFormat(StrictRequest):
     """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema
     (``{"type": "json_object", "schema": ...}``, as some providers take a schema, is a 400
-    naming ``schema``, not a schema silently dropped)."""
+    naming ``schema``, not a schema silently dropped); and vLLM's structural tag
+    (gateway/structural_tags.py: ``format``, or ``structures`` and ``triggers``)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: Annotated[list[Any], Field(max_length=MAX_TAG_STRUCTURES)] | None = None
+    triggers: Annotated[list[Any], Field(max_length=MAX_TAG_STRUCTURES)] | None = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise InvalidField("json_schema", "json_schema is given with type json_schema, "
                                "and only then")
+        tag_fields = [name for name in ("format", "structures", "triggers")
+                      if getattr(self, name) is not None]
+        if tag_fields and self.type != "structural_tag":
+            raise InvalidField(tag_fields[0], f"{tag_fields[0]} is given with type "
+                               "structural_tag only")
+        if self.type == "structural_tag":
+            self._tag_text()  # refused here, before any engine sees it
         return self
+
+    def _tag_text(self) -> str:
+        tag = {name: value for name in ("format", "structures", "triggers")
+               if (value := getattr(self, name)) is not None}
+        try:
+            return spec_text(structural_tag_text(tag))
+        except ValueError as exc:
+            raise InvalidField("response_format", str(exc)) from None
 
     def constraint(self, any_whitespace: bool = True) -> StructuredOutput | None:
         """The constraint this format asks for (None: plain text)."""
@@ -72,6 +102,9 @@ class ResponseFormat(StrictRequest):
         if self.json_schema is not None:
             return field_constraint("response_format", "json", self.json_schema.schema_,
                                     any_whitespace=any_whitespace)
+        if self.type == "structural_tag":
+            return StructuredOutput("structural_tag", self._tag_text(),
+                                    param="response_format")
         return None
 
 
@@ -83,6 +116,8 @@ class StructuredOutputs(StrictRequest):
     choice: Annotated[list[Annotated[Text, Field(min_length=1)]],
                       Field(min_length=1, max_length=1024)] | None = None
     grammar: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
+    structural_tag: Annotated[Text, Field(max_length=MAX_SPEC_CHARS)] | None = None
+    """A structural tag's JSON text, either form (gateway/structural_tags.py)."""
     json_object: StrictBool | None = None
     disable_any_whitespace: StrictBool = False
     """Compact JSON only (no whitespace between tokens), for the request's JSON constraint
@@ -103,6 +138,17 @@ class StructuredOutputs(StrictRequest):
                                "schema or json_object (in structured_outputs, "
                                "response_format or guided_json)")
 
+    def _tag(self) -> StructuredOutput:
+        assert self.structural_tag is not None
+        try:
+            tag = json.loads(self.structural_tag)
+            if not isinstance(tag, dict):
+                raise ValueError("a structural tag is a JSON object")
+            return StructuredOutput("structural_tag", spec_text(structural_tag_text(tag)),
+                                    param="structured_outputs")
+        except ValueError as exc:  # JSONDecodeError too
+            raise InvalidField("structured_outputs", f"structural_tag: {exc}") from None
+
     def constraint(self) -> StructuredOutput | None:
         """The one constraint given (None: none); ValueError when more than one is."""
         whitespace = not self.disable_any_whitespace
@@ -114,10 +160,11 @@ class StructuredOutputs(StrictRequest):
             None if self.choice is None else
             field_constraint(field, "choice", choices=tuple(self.choice)),
             None if self.grammar is None else field_constraint(field, "grammar", self.grammar),
+            None if self.structural_tag is None else self._tag(),
             StructuredOutput("json_object", any_whitespace=whitespace)
             if self.json_object else None]
         chosen = [option for option in options if option is not None]
         if len(chosen) > 1:
             raise ValueError("structured_outputs takes one of json, regex, choice, grammar, "
-                             "json_object")
+                             "structural_tag, json_object")
         return chosen[0] if chosen else None

@@ -239,12 +239,12 @@ def test_a_nested_unsupported_field_is_named_once_by_its_path(
         gateway: LiveServer, client: openai.OpenAI, base_model: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=base_model, prompt="Hi", max_tokens=2, extra_body={
-            "structured_outputs": {"structural_tag": "{}"}})
+            "structured_outputs": {"whitespace_pattern": " "}})
     error = caught.value.body
     assert isinstance(error, dict), error
     assert error["message"].startswith(
-        "structured_outputs.structural_tag is not supported"), error
-    assert error["message"].count("structural_tag") == 1, error
+        "structured_outputs.whitespace_pattern is not supported"), error
+    assert error["message"].count("whitespace_pattern") == 1, error
 
 
 def test_the_server_answers_400_naming_an_unknown_field(gateway: LiveServer,
@@ -280,7 +280,8 @@ VLLM_STRUCTURED_OUTPUTS = {
     "json": {"type": "object"}, "regex": "a+", "choice": ["a", "b"], "grammar": "root ::= \"a\"",
     "json_object": True, "disable_fallback": True, "disable_any_whitespace": True,
     "disable_additional_properties": True, "whitespace_pattern": " ",
-    "structural_tag": "{}", "not_a_field": 1,
+    "structural_tag": '{"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<a"]}',
+    "not_a_field": 1,
 }
 
 

@@ -1,8 +1,8 @@
 """Structured outputs through the live gateway and engine (the tiny random model: whatever
 it prefers, the grammar decides what may come out): choices, regular expressions, JSON
-objects and schemas, EBNF grammars, in every spelling a client may use (OpenAI's
-response_format, vLLM's structured_outputs and guided_*), streamed or not, and clear 400s
-for specs that are wrong or conflict."""
+objects and schemas, EBNF grammars, vLLM's structural tags, in every spelling a client may
+use (OpenAI's response_format, vLLM's structured_outputs and guided_*), streamed or not, and
+clear 400s for specs that are wrong or conflict."""
 
 from __future__ import annotations
 
@@ -170,6 +170,65 @@ def test_a_spec_that_does_not_compile_is_refused_naming_its_field(
         "model": base_model, "messages": MESSAGES, "max_tokens": 4, **body})
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param, answer.text
+
+
+COUNT = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+         "additionalProperties": False}
+SECTION = re.compile(r"<r>(.*?)</r>", re.DOTALL)
+
+
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<r>", "content": {"type": "json_schema", "json_schema": COUNT},
+        "end": "</r>"}}},
+    {"structured_outputs": {"structural_tag": json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<r>", "content": {"type": "json_schema", "json_schema": COUNT},
+        "end": "</r>"}})}},
+])
+def test_a_structural_tag_holds_its_section(client: openai.OpenAI, base_model: str,
+                                            extra: dict[str, Any]) -> None:
+    # vLLM's structural tags, xgrammar's format: the whole answer is the one tag here.
+    text, finish = _chat(client, base_model, **extra)
+    assert finish == "stop" and text.startswith("<r>") and text.endswith("</r>"), text
+    assert set(json.loads(SECTION.fullmatch(text).group(1))) == {"n"}  # type: ignore[union-attr]
+
+
+def test_a_legacy_structural_tag_holds_what_each_trigger_starts(client: openai.OpenAI,
+                                                                base_model: str) -> None:
+    # vLLM's older form: free text, and after a trigger one of the structures (whether the
+    # tiny model writes a trigger is its own affair: tests/test_structural_tags.py holds the
+    # grammar to the form).
+    tag = {"structures": [{"begin": "<r>", "schema": COUNT, "end": "</r>"}],
+           "triggers": ["<r"]}
+    text, _ = _chat(client, base_model, response_format={"type": "structural_tag", **tag})
+    for section in SECTION.findall(text):
+        assert set(json.loads(section)) == {"n"}, text
+    answer = client.chat.completions.create(
+        model=base_model, messages=MESSAGES, max_tokens=40, temperature=0,
+        extra_body={"structured_outputs": {"structural_tag": json.dumps(tag)}})
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>"}],
+                          "triggers": ["<a"]}}, "response_format"),
+    ({"response_format": {"type": "json_object", "triggers": ["<a"]}},
+     "response_format.triggers"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "no-such-format"}}},
+     "response_format"),
+    ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": json.dumps({"structures": [
+        {"begin": "<a>", "schema": {"type": "array", "uniqueItems": True}, "end": "</a>"}],
+        "triggers": ["<a"]})}}, "structured_outputs"),  # a keyword it would not hold
+])
+def test_a_bad_structural_tag_is_refused_naming_its_field(
+        gateway: LiveServer, base_model: str, body: dict[str, Any], param: str) -> None:
+    answer = httpx.post(gateway.url + "/v1/chat/completions", timeout=30.0, json={
+        "model": base_model, "messages": MESSAGES, "max_tokens": 4, **body})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param, answer.text
+    assert not answer.json()["error"]["message"].startswith("Value error")
 
 
 def test_the_xgrammar_backend_name_is_accepted(client: openai.OpenAI, base_model: str) -> None:
