@@ -99,9 +99,9 @@ def _escape(name: str) -> str:
 
 def structural_tag_schemas(tag: Any) -> Iterator[Any]:
     """The JSON schemas a structural tag (parsed) holds its sections to: the ``json_schema``
-    of every ``{"type": "json_schema", ...}`` content in it."""
+    of every content in it that has one (``json_schema``, ``qwen_xml_parameter``...)."""
     if isinstance(tag, dict):
-        if tag.get("type") == "json_schema" and "json_schema" in tag:
+        if isinstance(tag.get("json_schema"), dict | bool):
             yield tag["json_schema"]
             return
         for value in tag.values():

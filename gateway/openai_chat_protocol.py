@@ -84,11 +84,27 @@ class FunctionDefinition(BaseModel):
     def _an_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         # OpenAI's rule too: a call's arguments are an object (a forced call of a string
         # schema was a call in a stream and content when whole).
-        kind = (value or {}).get("type", "object")
-        if kind != "object" and kind != ["object"]:
+        if (found := _not_an_object(value or {})) is not None:
             raise ValueError(f"a function's parameters must be a JSON schema of type "
-                             f"object, not {json.dumps(kind)[:64]}")
+                             f"object, not {found}")
         return value
+
+
+def _not_an_object(schema: dict[str, Any]) -> str | None:
+    """What makes ``schema`` one of values other than objects (its type, or a keyword of
+    other values where it names no type), None if nothing does."""
+    kind = schema.get("type")
+    if kind is not None:
+        return None if kind in ("object", ["object"]) else json.dumps(kind)[:64]
+    for keyword in ("enum", "const", "items", "prefixItems"):
+        if keyword in schema:
+            return f"a schema of {keyword}"
+    for keyword in ("anyOf", "oneOf", "allOf"):
+        branches = schema.get(keyword)
+        for branch in branches if isinstance(branches, list) else []:
+            if isinstance(branch, dict) and (found := _not_an_object(branch)) is not None:
+                return found
+    return None
 
 
 class ToolDefinition(BaseModel):

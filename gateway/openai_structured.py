@@ -148,6 +148,9 @@ class StructuredOutputs(StrictRequest):
                                     param="structured_outputs")
         except ValueError as exc:  # JSONDecodeError too
             raise InvalidField("structured_outputs", f"structural_tag: {exc}") from None
+        except RecursionError:  # the text parses as it nests: a deep one runs out of stack
+            raise InvalidField("structured_outputs", "structural_tag: nested too deep to "
+                               "parse") from None
 
     def constraint(self) -> StructuredOutput | None:
         """The one constraint given (None: none); ValueError when more than one is."""
@@ -165,6 +168,6 @@ class StructuredOutputs(StrictRequest):
             if self.json_object else None]
         chosen = [option for option in options if option is not None]
         if len(chosen) > 1:
-            raise ValueError("structured_outputs takes one of json, regex, choice, grammar, "
-                             "structural_tag, json_object")
+            raise InvalidField("structured_outputs", "structured_outputs takes one of json, "
+                               "regex, choice, grammar, structural_tag, json_object")
         return chosen[0] if chosen else None

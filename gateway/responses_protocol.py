@@ -94,10 +94,9 @@ class FunctionTool(BaseModel):
             "parameters": self.parameters, "strict": self.strict}}
 
 
-class FunctionChoice(BaseModel):
+class FunctionChoice(StrictRequest):
     """tool_choice naming one function: {"type": "function", "name": ...}."""
 
-    model_config = ConfigDict(extra="ignore")
     type: Literal["function"]
     name: ToolName
 

@@ -23,6 +23,8 @@ from typing import Any
 def structural_tag_text(tag: Mapping[str, Any]) -> str:
     """The structural tag ``tag`` (either form) as xgrammar's JSON text; ValueError saying
     what is wrong when it is neither form."""
+    if tag.get("type", "structural_tag") != "structural_tag":
+        raise ValueError("a structural tag's type is \"structural_tag\"")
     if "format" in tag:
         extra = sorted(set(tag) - {"type", "format"})
         if extra:

@@ -40,6 +40,7 @@ def test_the_structures_form_is_free_text_with_held_sections() -> None:
 
 @pytest.mark.parametrize("tag, message", [
     ({}, "a structural tag is"),
+    ({"type": "bogus", "format": {}}, "type is"),
     ({"format": [1]}, "format must be an object"),
     ({"format": {}, "triggers": []}, "takes no 'triggers'"),
     ({"structures": [{"begin": "<a>"}], "triggers": ["<a"]}, "each of a structural tag's"),

@@ -161,9 +161,14 @@ def test_invalid_requests_are_400(client: openai.OpenAI, gateway: LiveServer,
         "type": "string"}}}]},
      'tools[0].function.parameters: a function\'s parameters must be a JSON schema of type '
      'object, not "string"', "tools.[0].function.parameters"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "enum": ["a", "b"]}}}]},
+     "tools[0].function.parameters: a function's parameters must be a JSON schema of type "
+     "object, not a schema of enum", "tools.[0].function.parameters"),
 ], ids=["best-of-below-n", "empty-stop", "empty-salt", "long-user", "bad-role", "name-not-text",
         "continue-and-add", "tool-without-call-id", "json-object-with-schema",
-        "json-schema-extra-key", "tool-choice-extra-key", "parameters-not-an-object"])
+        "json-schema-extra-key", "tool-choice-extra-key", "parameters-not-an-object",
+        "parameters-of-enum"])
 def test_validation_messages_say_where_without_library_noise(
         gateway: LiveServer, base_model: str, endpoint: str, changes: dict[str, Any],
         message: str, param: str) -> None:

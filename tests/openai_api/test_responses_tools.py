@@ -206,6 +206,8 @@ def test_an_adapter_as_model_answers_as_on_chat(client: openai.OpenAI, model: st
       "text": {"format": {"type": "json_object"}}}, "tool_choice"),
     ({"tools": TOOLS + TOOLS[:1]}, "tools"),
     ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools.[0].name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time", "foo": 1}},
+     "tool_choice.foo"),
     ({"text": {"format": {"type": "json_schema", "name": "x",
                           "schema": {"type": "no-such-type"}}}}, "text"),
 ])

@@ -218,6 +218,14 @@ def test_a_legacy_structural_tag_holds_what_each_trigger_starts(client: openai.O
     ({"response_format": {"type": "structural_tag", "format": {"type": "no-such-format"}}},
      "response_format"),
     ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "[" * 1200 + "]" * 1200}},
+     "structured_outputs"),  # nested past what parsing it recursively reaches (a 500)
+    ({"structured_outputs": {"structural_tag": json.dumps({"format": {
+        "type": "tag", "begin": "<a>", "end": "</a>", "content": {
+            "type": "qwen_xml_parameter", "json_schema": {"type": "object", "properties": {
+                "x": {"type": "array", "uniqueItems": True}}}}}})}},
+     "structured_outputs"),  # a schema in any content kind is checked
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"structured_outputs": {"structural_tag": json.dumps({"structures": [
         {"begin": "<a>", "schema": {"type": "array", "uniqueItems": True}, "end": "</a>"}],
         "triggers": ["<a"]})}}, "structured_outputs"),  # a keyword it would not hold
