@@ -5,11 +5,11 @@ logprobs when asked), ``output_text.done``, ``content_part.done``, ``output_item
 then for each call ``output_item.added``, ``function_call_arguments.delta`` (a call a
 grammar holds as its arguments are generated, others whole) / ``.done``, ``output_item.done``;
 last ``response.completed`` (or ``response.incomplete`` when cut at max_output_tokens) with
-the whole response and its usage. Items come in text order: a call's item opens as soon
-as its first delta comes, closing the message before it (whose text is all told); content
-after a call's block (rare: the grammar may end the text with the call) is a message item
-after it, where a whole response puts all content in one message before its calls. Every
-event carries its ``type`` and a ``sequence_number``
+the whole response and its usage. A call's item opens as soon as its first delta comes,
+closing the message before it (whose text is all told); content after a call streamed as
+generated (held back to the end by the chat stream) is a message item after the calls,
+where a whole response puts all content in one message before its calls. Every event
+carries its ``type`` and a ``sequence_number``
 counting from 0, and is sent as a named SSE event (``event: <type>``); there is no
 ``[DONE]``, as OpenAI sends none for this API.
 
