@@ -275,6 +275,10 @@ def _refusal(exc: ValidationError) -> InvalidField:
     name = about or (loc[0] if loc else "input")
     field, message = as_named_here(name, str(error.get("msg", "invalid")).removeprefix(
         "Value error, "))
+    if about is None and loc[:1] == ["tools"] and loc[2:3] == ["function"]:
+        # A function's own field: where this API's flat tool holds it (tools.[0].parameters).
+        shown = f"tools[{loc[1]}]." + ".".join(loc[3:])
+        return InvalidField(f"tools.[{loc[1]}]." + ".".join(loc[3:]), f"{shown}: {message}")
     return InvalidField(field, message if about is not None else f"{field}: {message}")
 
 

@@ -138,7 +138,10 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
 def _named(loc: tuple[str, ...], about: str) -> tuple[str, ...]:
     """The location of an error whose check named its field ``about``: one on the path to
     where pydantic located it (kept with the list indices right after it: messages[0] for a
-    check of one message), or a field of the model there (a check across fields)."""
+    check of one message), or a field of the model there (a check across fields); a path
+    ("tools.[2].parameters") is one under the model there."""
+    if "." in about:
+        return (*loc, *(part.strip("[]") for part in about.split(".")))
     if about not in loc:
         return (*loc, about)
     end = len(loc) - loc[::-1].index(about)

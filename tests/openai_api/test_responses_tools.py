@@ -208,6 +208,8 @@ def test_an_adapter_as_model_answers_as_on_chat(client: openai.OpenAI, model: st
     ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools.[0].name"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time", "foo": 1}},
      "tool_choice.foo"),
+    ({"tools": [*TOOLS, {"type": "function", "name": "f", "parameters": {"type": "string"}}]},
+     f"tools.[{len(TOOLS)}].parameters"),
     ({"text": {"format": {"type": "json_schema", "name": "x",
                           "schema": {"type": "no-such-type"}}}}, "text"),
 ])
