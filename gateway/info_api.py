@@ -36,17 +36,15 @@ from gateway.chat_documents import Documents
 from gateway.job import Claim
 from gateway.openai_chat_protocol import (
     MAX_MESSAGES,
-    MAX_TOOLS,
     ChatCompletionRequest,
     ChatMessage,
-    NamedToolChoice,
     TemplateKwargs,
-    ToolDefinition,
     check_message_counts,
 )
 from gateway.openai_fields import StrictRequest, Unsupported
 from gateway.openai_protocol import MAX_MODEL_NAME, token_ids
 from gateway.openai_text import Text
+from gateway.openai_tool_protocol import MAX_TOOLS, NamedToolChoice, ToolDefinition
 from gateway.prompts import PromptEncoder
 from gateway.service import Gateway
 

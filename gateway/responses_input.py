@@ -17,9 +17,10 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from engine.invalid_field import InvalidField
 from engine.structured_output import MAX_SPEC_CHARS
-from gateway.openai_chat_protocol import MAX_MESSAGE_PARTS, MAX_MESSAGES, ToolName
+from gateway.openai_chat_protocol import MAX_MESSAGE_PARTS, MAX_MESSAGES
 from gateway.openai_protocol import MAX_CONTENT_PARTS
 from gateway.openai_text import Text
+from gateway.openai_tool_protocol import ToolName
 
 ITEM_TYPES = ("message", "function_call", "function_call_output")
 TEXT_PARTS = ("input_text", "output_text")

@@ -31,9 +31,10 @@ from pydantic import (
 
 from engine.invalid_field import InvalidField, field_of
 from engine.structured_output import MAX_SPEC_CHARS
-from gateway.openai_chat_protocol import MAX_TOOLS, ChatCompletionRequest, ToolName
+from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.openai_fields import StrictRequest, Unsupported
 from gateway.openai_text import Text, valid_text
+from gateway.openai_tool_protocol import MAX_TOOLS, ToolName
 from gateway.responses_input import InputItems, chat_messages, check_items
 
 LOGPROBS = "message.output_text.logprobs"
