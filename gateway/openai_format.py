@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.prompt_logprobs import PromptLogprob
 from engine.protocol import StreamChunk
-from gateway.call_readers import CallArrayReader, CallBlockReader
+from gateway.call_deltas import CallDeltas
 from gateway.logprob_format import LOGPROB_FLOOR, Endpoint, Entry, LogprobFormatter, finite_logprob
 from gateway.openai_protocol import StreamUsage
 from gateway.text_offsets import TextOffsets
@@ -71,17 +71,11 @@ class _Choice:
     generated: TextOffsets | None = None
     """Where its generated tokens' texts begin (after the echoed prompt's)."""
     content_sent: int = 0
-    """Characters of its text streamed as content (chat with tools holds calls back); of a
-    named call's arguments, as they are streamed."""
-    call_reader: CallArrayReader | CallBlockReader | None = None
-    """Calls whose shape a grammar holds (ToolPlan.reads_calls_as_generated): the calls
-    read out of its text so far."""
-    calls_opened: int = 0
-    """The calls its stream has opened (their id and name sent)."""
+    """Characters of its text streamed as content (chat with tools holds calls back)."""
+    calls: CallDeltas | None = None
+    """Its stream's calls sent as generated, where a grammar holds their shape."""
     called: bool = False
     """It ended with whole calls (whole_calls), once its stream ended."""
-    arguments_sent: int = 0
-    """Where in its text the call arguments its stream has sent end."""
 
 
 class ResponseFormatter:
@@ -267,12 +261,12 @@ class ResponseFormatter:
             return self.tools.parse_cut(text)
         return self.tools.parse(text)
 
-    def _content_delta(self, choice: _Choice, finished: bool
+    def _content_delta(self, choice: _Choice, text: str, finished: bool
                        ) -> tuple[str, list[dict[str, Any]]]:
-        """Chat with tools: the content that may be streamed now and, at the end, the
-        calls (as stream deltas) unless they were streamed as generated."""
+        """Chat with tools: the content of ``text`` (the output so far) that may be streamed
+        now and, at the end, the calls (as stream deltas) unless they were streamed as
+        generated."""
         assert self.tools is not None
-        text = "".join(choice.text)
         if not finished:
             upto = max(choice.content_sent, self.tools.streamable_prefix(text))
             delta, choice.content_sent = text[choice.content_sent:upto], upto
@@ -283,46 +277,9 @@ class ResponseFormatter:
         # prefix was sent.
         rest = (content or "")[choice.content_sent:]
         choice.content_sent = len(text)
-        if choice.calls_opened:
+        if choice.calls is not None and choice.calls.opened:
             return rest, []
         return rest, [{"index": i, **call} for i, call in enumerate(calls)]
-
-    def _named_call_delta(self, choice: _Choice) -> list[dict[str, Any]]:
-        """A named tool_choice's call as stream deltas, its arguments sent as they are
-        generated (as OpenAI and vLLM stream them): the first opens the call (its id, name
-        and the arguments so far), each later one adds to the arguments."""
-        assert self.tools is not None
-        text = "".join(choice.text)
-        new, opening = text[choice.content_sent:], choice.content_sent == 0
-        choice.content_sent = len(text)
-        if not new:
-            return []
-        if opening:
-            return [{"index": 0, **self.tools.named_call(new)}]
-        return [{"index": 0, "function": {"arguments": new}}]
-
-    def _read_call_delta(self, choice: _Choice) -> list[dict[str, Any]]:
-        """Calls whose shape a grammar holds, as stream deltas: each opens (its id, name and
-        the arguments so far) once its arguments begin, and the rest of them follow as they
-        are generated."""
-        assert self.tools is not None
-        text = "".join(choice.text)
-        if choice.call_reader is None:
-            choice.call_reader = self.tools.call_reader()
-        deltas: list[dict[str, Any]] = []
-        for index, call in enumerate(choice.call_reader.feed(text)):
-            if index < choice.calls_opened - 1:
-                continue  # whole, and sent
-            assert call.start is not None
-            upto = len(text) if call.end is None else call.end
-            piece = text[max(call.start, choice.arguments_sent):upto]
-            choice.arguments_sent = upto
-            if index == choice.calls_opened:
-                choice.calls_opened += 1
-                deltas.append({"index": index, **self.tools.named_call(piece, call.name)})
-            elif piece:
-                deltas.append({"index": index, "function": {"arguments": piece}})
-        return deltas
 
     def _add_prompt_fields(self, response: dict[str, Any], body: dict[str, Any],
                            choice: _Choice, token_ids: list[int], first: bool) -> None:
@@ -359,14 +316,18 @@ class ResponseFormatter:
                 opening.append(self._role_event(choice, index, usage))
                 first = False
             calls: list[dict[str, Any]] = []
-            if self._named:  # its text is the call's arguments, never content
-                text, calls = "", self._named_call_delta(choice)
-            elif self.tools is not None:
-                # Calls read as generated first: at the end, the content knows them.
-                streamed = self._read_call_delta(choice) \
-                    if self.tools.reads_calls_as_generated else []
-                text, calls = self._content_delta(choice, finish is not None)
-                calls = streamed + calls
+            if self.tools is not None:
+                output = "".join(choice.text)
+                if choice.calls is None:
+                    choice.calls = CallDeltas(self.tools)
+                if self._named:  # its text is the call's arguments, never content
+                    text, calls = "", choice.calls.named(output)
+                else:
+                    # Calls read as generated first: at the end, the content knows them.
+                    streamed = choice.calls.read(output) \
+                        if self.tools.reads_calls_as_generated else []
+                    text, calls = self._content_delta(choice, output, finish is not None)
+                    calls = streamed + calls
             if (not text and not calls and finish is None and logprobs is None
                     and not (self.return_token_ids and new_ids)):
                 return opening  # nothing new, or all of it held back (a call may start)
