@@ -12,7 +12,6 @@ max_output_tokens.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any, Literal
 
 from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.responses_protocol import ResponsesRequest
+from gateway.tool_calls import is_json
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 INCOMPLETE = {"reason": "max_output_tokens"}
@@ -121,11 +121,7 @@ def ended_status(finish_reason: str | None) -> Status:
 def call_status(arguments: str) -> Status:
     """A call whose arguments are whole JSON is completed; one cut at max_output_tokens
     (its arguments so far) is incomplete."""
-    try:
-        json.loads(arguments)
-    except ValueError:
-        return "incomplete"
-    return "completed"
+    return "completed" if is_json(arguments) else "incomplete"
 
 
 def from_chat_completion(echo: ResponseEcho, completion: dict[str, Any]) -> dict[str, Any]:

@@ -252,10 +252,11 @@ class ToolPlan:
 def whole_calls(calls: list[dict[str, Any]]) -> bool:
     """Whether there are calls and every one's arguments are whole JSON (none was cut by
     max_tokens or a stop string): only then did the output end by calling."""
-    return bool(calls) and all(_is_json(call["function"]["arguments"]) for call in calls)
+    return bool(calls) and all(is_json(call["function"]["arguments"]) for call in calls)
 
 
-def _is_json(text: str) -> bool:
+def is_json(text: str) -> bool:
+    """Whether ``text`` is one whole JSON value (a call's arguments not cut short)."""
     try:
         json.loads(text)
     except ValueError:
