@@ -75,10 +75,34 @@ def test_token_bytes_are_the_vocabulary_bytes(tiny_model_dir: Path) -> None:
     assert token_bytes(len(tokenizer) + 10) == b""
 
 
-def _streamed(formatter: ResponseFormatter, chunks: list[StreamChunk]
+def _chunks(text: str, finish: str, stop_reason: str | None = None) -> list[StreamChunk]:
+    """``text`` as engine chunks of 3 characters, the last with the finish."""
+    pieces = [text[at:at + 3] for at in range(0, len(text), 3)]
+    return [StreamChunk("r", [5], piece, 3, i + 1, finish if i == len(pieces) - 1 else None,
+                        stop_reason=stop_reason if i == len(pieces) - 1 else None)
+            for i, piece in enumerate(pieces)]
+
+
+def _formatter(tokenizer: Any, tools: ToolPlan) -> ResponseFormatter:
+    formatter = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
+    formatter.start([PromptEcho([1, 2, 3])])
+    return formatter
+
+
+def _whole(tokenizer: Any, tools: ToolPlan, chunks: list[StreamChunk]) -> dict[str, Any]:
+    """The whole response's choice of the same chunks."""
+    formatter = _formatter(tokenizer, tools)
+    for chunk in chunks:
+        formatter.add(chunk)
+    [choice] = formatter.final()["choices"]
+    return choice
+
+
+def _streamed(tokenizer: Any, tools: ToolPlan, chunks: list[StreamChunk]
               ) -> tuple[list[dict[str, Any]], str, list[dict[str, str]], list[str]]:
     """A chat stream's choice deltas, its content joined, its calls joined (by index), and
     the arguments each call opened with."""
+    formatter = _formatter(tokenizer, tools)
     deltas = [e["choices"][0] for chunk in chunks
               for e in formatter.stream_events(chunk, usage="none")]
     calls: dict[int, dict[str, str]] = {}
@@ -110,14 +134,8 @@ def test_required_calls_stream_their_arguments_as_generated(tiny_model_dir: Path
         text = text[:text.index('"x"') + 3]
     finish, stop_reason = "length" if ending == "length" else "stop", \
         ": " if ending == "stop string" else None
-    pieces = [text[at:at + 3] for at in range(0, len(text), 3)]
-    chunks = [StreamChunk("r", [5], piece, 3, i + 1, finish if i == len(pieces) - 1 else None,
-                          stop_reason=stop_reason if i == len(pieces) - 1 else None)
-              for i, piece in enumerate(pieces)]
-
-    streamed = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
-    streamed.start([PromptEcho([1, 2, 3])])
-    deltas, content, streamed_calls, opened_with = _streamed(streamed, chunks)
+    chunks = _chunks(text, finish, stop_reason)
+    deltas, content, streamed_calls, opened_with = _streamed(tokenizer, tools, chunks)
     assert deltas[0]["delta"] == {"role": "assistant", "content": ""}  # the role alone
     assert content == ""
     for delta in deltas[1:-1]:  # calls only, never content
@@ -127,21 +145,15 @@ def test_required_calls_stream_their_arguments_as_generated(tiny_model_dir: Path
                           "stop_reason": stop_reason,
                           "finish_reason": "tool_calls" if ending == "whole" else finish}
     assert all(len(first) <= 3 for first in opened_with)  # opened before their ends came
-    whole = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
-    whole.start([PromptEcho([1, 2, 3])])
-    for chunk in chunks:
-        whole.add(chunk)
-    [choice] = whole.final()["choices"]
+    choice = _whole(tokenizer, tools, chunks)
     assert choice["finish_reason"] == deltas[-1]["finish_reason"]
     assert choice["message"]["content"] is None
     assert [c["function"] for c in choice["message"]["tool_calls"]] == streamed_calls == [
         {"name": "add", "arguments": '{"a": 1, "s": "}]\\""}'},
         {"name": "neg", "arguments": '{"x": 2}' if ending == "whole" else '{"x"'}]
     # Cut before any call's arguments began: no call, and the array is never content.
-    cut = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
-    cut.start([PromptEcho([1, 2, 3])])
-    cut.add(StreamChunk("r", [5], '[{"name": "add", "', 3, 1, "stop", stop_reason="x"))
-    [choice] = cut.final()["choices"]
+    choice = _whole(tokenizer, tools, [
+        StreamChunk("r", [5], '[{"name": "add", "', 3, 1, "stop", stop_reason="x")])
     assert choice["message"] == {"role": "assistant", "content": None}
     assert choice["finish_reason"] == "stop"
 
@@ -160,22 +172,14 @@ def test_strict_auto_calls_stream_their_arguments_as_generated(tiny_model_dir: P
             ' Done.  ')
     if finish == "length":
         text = text[:text.index('"x"') + 3]
-    pieces = [text[at:at + 3] for at in range(0, len(text), 3)]
-    chunks = [StreamChunk("r", [5], piece, 3, i + 1, finish if i == len(pieces) - 1 else None)
-              for i, piece in enumerate(pieces)]
-    streamed = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
-    streamed.start([PromptEcho([1, 2, 3])])
-    deltas, content, calls, opened_with = _streamed(streamed, chunks)
+    chunks = _chunks(text, finish)
+    deltas, content, calls, opened_with = _streamed(tokenizer, tools, chunks)
     assert all(len(first) <= 3 for first in opened_with)  # opened before their ends came
     first_call = next(i for i, d in enumerate(deltas) if d["delta"].get("tool_calls"))
     assert "".join(d["delta"].get("content") or "" for d in deltas[:first_call]) == \
         "Let me check. "
     assert deltas[-1]["finish_reason"] == ("tool_calls" if finish == "stop" else "length")
-    whole = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
-    whole.start([PromptEcho([1, 2, 3])])
-    for chunk in chunks:
-        whole.add(chunk)
-    [choice] = whole.final()["choices"]
+    choice = _whole(tokenizer, tools, chunks)
     assert choice["finish_reason"] == deltas[-1]["finish_reason"]
     assert choice["message"]["content"] == content == (
         "Let me check. \n Done." if finish == "stop" else "Let me check. ")
@@ -202,15 +206,10 @@ def test_auto_calls_leave_the_same_content_streamed_or_whole(tiny_model_dir: Pat
     chunks = [StreamChunk("r", [5], text[i:i + size], 3, i + 1,
                           "stop" if i + size >= len(text) else None)
               for i in range(0, len(text), size)]
-    streamed = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
-    streamed.start([PromptEcho([1, 2, 3])])
+    streamed = _formatter(tokenizer, tools)
     deltas = [e["choices"][0]["delta"] for chunk in chunks
               for e in streamed.stream_events(chunk, usage="none")]
-    whole = ResponseFormatter("chat", "m", tokenizer, None, tools=tools)
-    whole.start([PromptEcho([1, 2, 3])])
-    for chunk in chunks:
-        whole.add(chunk)
-    [choice] = whole.final()["choices"]
+    choice = _whole(tokenizer, tools, chunks)
     sent = "".join(d.get("content") or "" for d in deltas)
     assert (choice["message"]["content"] or "") == sent
     assert sent == content
