@@ -87,11 +87,13 @@ async def check_name_free(gw: Gateway, name: str) -> None:
     record = (await gw.view.store.snapshot()).adapters.get(name)
     if record is not None and record.deleting:
         raise ApiError(409, f"adapter {name!r} is being deleted; its name is free once every "
-                       f"engine unloaded it", code="adapter_deleting")
+                       f"engine unloaded it", code="adapter_deleting", param="name")
     if record is not None:
-        raise ApiError(409, f"adapter {name!r} already exists")
+        raise ApiError(409, f"adapter {name!r} already exists", code="adapter_exists",
+                       param="name")
     if name == gw.base_model:
-        raise ApiError(409, f"{name!r} is the base model's name")
+        raise ApiError(409, f"{name!r} is the base model's name", code="adapter_exists",
+                       param="name")
 
 
 async def receive_upload(request: Request, directory: Path, max_bytes: int) -> Path:
@@ -107,7 +109,8 @@ async def receive_upload(request: Request, directory: Path, max_bytes: int) -> P
                 size += len(chunk)
                 if size > max_bytes:
                     raise ApiError(413, f"the upload is over {max_bytes} bytes, more than any "
-                                   f"adapter the engines can load", code="upload_too_large")
+                                   f"adapter the engines can load", code="upload_too_large",
+                                   param="body")
                 pending += chunk
                 if len(pending) >= _WRITE_CHUNK:
                     await asyncio.to_thread(out.write, bytes(pending))
@@ -115,7 +118,7 @@ async def receive_upload(request: Request, directory: Path, max_bytes: int) -> P
             await asyncio.to_thread(out.write, bytes(pending))
         if size == 0:
             raise ApiError(400, "adapter upload refused: the upload is empty: send the "
-                           "adapter as a .tar, .tar.gz or .zip")
+                           "adapter as a .tar, .tar.gz or .zip", param="body")
     except BaseException:
         path.unlink(missing_ok=True)
         raise

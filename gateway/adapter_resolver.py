@@ -40,7 +40,7 @@ class AdapterResolver:
 
     def candidate(self, name: str) -> Path | None:
         """The PEFT directory a name resolves to, if any root holds one."""
-        if re.match(NAME_PATTERN, name) is None or name in (".", ".."):
+        if re.fullmatch(NAME_PATTERN, name) is None or name in (".", ".."):
             return None
         for root in self.roots:
             path = (root / name).resolve()

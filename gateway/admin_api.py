@@ -18,9 +18,11 @@ limiter re-checks it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 import tempfile
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
@@ -148,6 +150,10 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
     @router.post("/adapters/upload", status_code=201)
     async def upload_adapter(request: Request, gw: AdminGateway, name: str,
                              owner: str | None = None, public: bool = False) -> JSONResponse:
+        repeated = [p for p in sorted(UPLOAD_PARAMS) if len(request.query_params.getlist(p)) > 1]
+        if repeated:  # which one would count is a guess a client should not have to make
+            raise ApiError(400, f"query parameter {repeated[0]!r} is given more than once",
+                           param=repeated[0])
         unknown = sorted(set(request.query_params) - UPLOAD_PARAMS)
         if unknown:  # as a JSON admin body refuses a field it does not know
             raise ApiError(400, f"unknown query parameter {unknown[0][:64]!r}: an upload takes "
@@ -165,7 +171,8 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
         target = uploads / f"{name}.{upload_id[:16]}"
         await owner_uid(gw, owner)  # before unpacking anything
         if name in uploading:
-            raise ApiError(409, f"adapter {name!r} already exists")
+            raise ApiError(409, f"adapter {name!r} already exists", code="adapter_exists",
+                           param="name")
         rank = lifecycle.max_rank(gw)
         cap = lifecycle.unpacked_cap(shape, rank)
         uploading.add(name)
@@ -179,7 +186,7 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
             staging.rename(target)
             staging = None
         except ValueError as exc:
-            raise ApiError(400, f"adapter upload refused: {exc}") from None
+            raise ApiError(400, f"adapter upload refused: {exc}", param="body") from None
         finally:
             uploading.discard(name)
             if body is not None:
@@ -221,6 +228,9 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
                            "owner too", param="owner")
         if "owner" in changes:  # public again only if said so, as at registration
             lifecycle.check_owner(changes["owner"], public)
+            if changes["owner"] != current.owner:
+                # The shares were the old owner's to give: the new owner gives its own.
+                changes.setdefault("shared_with", [])
         if "shared_with" in changes:
             changes["shared_with"] = tuple(changes["shared_with"] or ())
             await check_shared_with(gw, changes["shared_with"])
@@ -311,14 +321,23 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
 
     @compat.post(VLLM_ADMIN_PATHS[0])
     async def vllm_load(body: VllmLoadBody, gw: AdminGateway) -> PlainTextResponse:
-        await register_adapter(AdapterBody(name=body.lora_name, path=body.lora_path,
-                                           public=True), gw)
+        with _named_as_vllm():
+            await register_adapter(AdapterBody(name=body.lora_name, path=body.lora_path,
+                                               public=True), gw)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
                                  f"successfully.")
 
     @compat.post(VLLM_ADMIN_PATHS[1])
     async def vllm_unload(body: VllmUnloadBody, gw: AdminGateway) -> PlainTextResponse:
-        response = await delete_adapter(body.lora_name, gw, force=False)
+        try:
+            with _named_as_vllm():
+                response = await delete_adapter(body.lora_name, gw, force=False)
+        except ApiError as exc:
+            if exc.code == "adapter_in_use":  # this body takes no force: say where it is
+                exc.message = exc.message.replace(
+                    "pass force=true", f"DELETE /admin/adapters/{body.lora_name}?force=true "
+                    "to remove it once its requests end")
+            raise
         pending = response.status_code == 202
         return PlainTextResponse(
             f"Success: LoRA adapter '{body.lora_name}' removed"
@@ -333,15 +352,27 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
 
 
 # ------------------------------------------------------------------------ helpers
+VLLM_NAMES = {"name": "lora_name", "path": "lora_path"}
+"""Our admin bodies' field -> vLLM's name for it."""
+
+
+@contextlib.contextmanager
+def _named_as_vllm() -> Iterator[None]:
+    """An error about a field names it as vLLM's adapter bodies do."""
+    try:
+        yield
+    except ApiError as exc:
+        exc.param = VLLM_NAMES.get(exc.param or "", exc.param)
+        raise
+
+
 def _changed_meanwhile(name: str) -> ApiError:
     return ApiError(409, f"adapter {name!r} was changed by another admin call meanwhile; "
                     f"read it again and retry", code="conflict")
 
 
 def _valid_name(name: str) -> bool:
-    import re
-
-    return re.match(NAME_PATTERN, name) is not None
+    return re.fullmatch(NAME_PATTERN, name) is not None
 
 
 def _ensure(path: Path) -> Path:
@@ -361,14 +392,16 @@ async def validate_adapter(name: str, path: str, shape: ModelShape, max_rank: in
 async def _get_adapter(gw: Gateway, name: str) -> AdapterRecord:
     record = (await gw.view.store.snapshot()).adapters.get(name)
     if record is None:
-        raise ApiError(404, f"adapter {name!r} does not exist")
+        raise ApiError(404, f"adapter {name!r} does not exist", code="adapter_not_found",
+                       param="name")
     return record
 
 
 async def _get_live_adapter(gw: Gateway, name: str) -> AdapterRecord:
     record = await _get_adapter(gw, name)
     if record.deleting:
-        raise ApiError(409, f"adapter {name!r} is being deleted", code="adapter_deleting")
+        raise ApiError(409, f"adapter {name!r} is being deleted", code="adapter_deleting",
+                       param="name")
     return record
 
 
@@ -389,7 +422,8 @@ async def record_adapter(gw: Gateway, record: AdapterRecord) -> JSONResponse:
                     winner.digest == record.digest:
                 loaded = []  # the same weights: what the engines hold serves the winner
             await lifecycle.check_name_free(gw, record.name)  # the precise 409
-            raise ApiError(409, f"adapter {record.name!r} already exists")
+            raise ApiError(409, f"adapter {record.name!r} already exists",
+                           code="adapter_exists", param="name")
     except Exception:
         await lifecycle.unload_from(loaded, record)
         raise

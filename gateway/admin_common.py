@@ -39,7 +39,8 @@ AdminGateway = Annotated[Gateway, Depends(_admin)]
 async def get_tenant(gw: Gateway, tenant_id: str) -> Tenant:
     tenant = (await gw.view.store.snapshot()).tenants.get(tenant_id)
     if tenant is None:
-        raise ApiError(404, f"tenant {tenant_id!r} does not exist")
+        raise ApiError(404, f"tenant {tenant_id!r} does not exist", code="tenant_not_found",
+                       param="tenant_id")
     return tenant
 
 

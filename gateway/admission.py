@@ -21,7 +21,7 @@ from fastapi import Depends, Request, Response
 from fastapi.routing import APIRoute
 
 from gateway.access_log import record_of
-from gateway.caller import authenticate
+from gateway.caller import authenticate, remember
 from gateway.job import Claim
 from gateway.service import Gateway
 
@@ -42,7 +42,8 @@ class AdmittedRoute(APIRoute):
             access = record_of(request)
             if access is not None:  # a refusal's access line names its tenant too
                 access.tenant = principal.tenant_id
-            claim = await gateway.admit(principal)
+            principal, claim = await gateway.admit(principal)
+            remember(request, principal)  # the route serves the tenant as admitted
             request.scope[_CLAIM] = claim
             try:
                 return await handle(request)

@@ -129,6 +129,18 @@ class StateView:
             self._tenants_seen = True
         return not self._tenants_seen
 
+    def current(self, principal: Principal) -> Principal:
+        """The caller with its tenant's record as the view holds it now (a change to its
+        limits, tier or shared salt made through another replica a moment ago holds from
+        the request that follows it); 401 when its key or tenant is gone from the view."""
+        if principal.tenant is None or principal.key_hash is None:
+            return principal  # the operator, or the open mode: no record to follow
+        record = self.snapshot.keys.get(principal.key_hash)
+        tenant = self.snapshot.tenants.get(principal.tenant.tenant_id)
+        if tenant is None or record is None or not record.held_by(tenant):
+            raise ApiError(401, "invalid API key", code="invalid_api_key")
+        return Principal(tenant, principal.key_hash)
+
     def adapters_for(self, principal: Principal) -> dict[str, AdapterRecord]:
         tenant_id = principal.tenant_id
         uid = principal.tenant.uid if principal.tenant else ""

@@ -26,4 +26,9 @@ async def authenticate(request: Request) -> Principal:
     return principal
 
 
+def remember(request: Request, principal: Principal) -> None:
+    """Make ``principal`` the request's caller from now on (admission's, as of arrival)."""
+    request.scope[_PRINCIPAL] = principal
+
+
 Caller = Annotated[Principal, Depends(authenticate)]

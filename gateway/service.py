@@ -139,14 +139,19 @@ class Gateway:
         # tiers below it, whatever priorities their requests ask for.
         return principal.tenant.priority * 2000 + max(-999, min(999, requested))
 
-    async def admit(self, principal: Principal) -> Claim:
-        """Check the tenant's limits (RPM, concurrency, a revoked key) before any expensive
+    async def admit(self, principal: Principal) -> tuple[Principal, Claim]:
+        """The caller as of its arrival, and its claim. First the view catches up with the
+        store, so the tenant's record (limits, tier, shared salt) and the adapters it may
+        use are as of this request's arrival, whichever replica changed them: a salt no
+        longer shared reaches no other tenant's blocks from the next request on. Then the
+        tenant's limits (RPM, concurrency, a revoked key) are checked, before any expensive
         work, so even a request refused later counts; 429 / 401 / 503 when refused here.
-        Meanwhile (the two store reads overlap) the view catches up with the store, so
-        the adapters this request may use are as of its arrival, whichever replica
-        changed them."""
-        ticket, _ = await asyncio.gather(self.limiter.admit(principal), self.view.fresh())
-        return Claim(ticket, tier_share(principal))
+        The two store reads run one after the other: the limits checked must be the
+        record's current ones."""
+        await self.view.fresh()
+        principal = self.view.current(principal)
+        ticket = await self.limiter.admit(principal)
+        return principal, Claim(ticket, tier_share(principal))
 
     def settle(self, claim: Claim, tokens: int, outcome: Outcome,
                adapter: str | None = None) -> None:

@@ -164,7 +164,7 @@ def _load(name: str, path: Path, targets: LoraTargets, max_rank: int) -> LoraAda
     targeted = module_targeter(config, where, targets.model_type)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        match = _KEY.match(key)
+        match = _KEY.fullmatch(key)
         if match is None:
             raise ValueError(f"{where}: unexpected weight {key!r} (only LoRA A/B of "
                              f"{', '.join(SUPPORTED_MODULES)} are supported)")

@@ -131,6 +131,10 @@ def test_force_delete_of_a_busy_adapter_is_pending_until_its_requests_end(
         busy = admin(setup, "DELETE", "/admin/adapters/bot")
         assert busy.status_code == 409
         assert f"is in use on ['{tag}']" in busy.json()["error"]["message"]
+        # vLLM's unload takes no force: its refusal points at the call that does.
+        vllm_busy = admin(setup, "POST", "/v1/unload_lora_adapter", json={"lora_name": "bot"})
+        assert vllm_busy.status_code == 409
+        assert "DELETE /admin/adapters/bot?force=true" in vllm_busy.json()["error"]["message"]
         pending = admin(setup, "DELETE", "/admin/adapters/bot?force=true")
         assert pending.status_code == 202, pending.text
         assert pending.json()["status"] == "pending_delete"

@@ -158,10 +158,15 @@ def test_owner_is_required_unless_public_is_explicit(setup: Setup) -> None:
         assert complete(setup, tenant, "everyone").status_code == 200
     assert upload(setup, "everyone-up", tar_dir(setup.new), "&public=true").status_code == 201
     assert admin(setup, "GET", "/admin/adapters/everyone-up").json()["owner"] is None
-    for extra, param in (("&owner=ta&shared_with=tb", "shared_with"), ("&public=true&x=1", "x")):
+    for extra, param in (("&owner=ta&shared_with=tb", "shared_with"), ("&public=true&x=1", "x"),
+                         ("&owner=ta&owner=tb", "owner"), ("&name=other&public=true", "name")):
         unknown = upload(setup, "not-made", tar_dir(setup.new), extra)
         assert unknown.status_code == 400 and unknown.json()["error"]["param"] == param
     assert admin(setup, "GET", "/admin/adapters/not-made").status_code == 404
+    assert admin(setup, "GET", "/admin/adapters/other").status_code == 404
+    # "$" of the name's pattern matches before a last newline too: the whole name must match.
+    newline = upload(setup, "not-made%0A", tar_dir(setup.new), "&public=true")
+    assert newline.status_code == 400 and newline.json()["error"]["param"] == "name"
     wait_engines_idle(setup.engine.url)
 
 
@@ -221,6 +226,14 @@ def test_shares_name_existing_tenants_only(setup: Setup) -> None:
                      json={"shared_with": ["tb", "ta", "tb"]})
     assert repeated.status_code == 200, repeated.text
     assert admin(setup, "GET", "/admin/adapters/real-share").json()["shared_with"] == ["tb", "ta"]
+    assert complete(setup, "tb", "real-share").status_code == 200
+    # The shares were ta's to give: given to tb, the adapter is tb's alone until tb shares.
+    moved = admin(setup, "PATCH", "/admin/adapters/real-share", json={"owner": "tb"})
+    assert moved.status_code == 200 and moved.json()["shared_with"] == []
+    assert complete(setup, "ta", "real-share").status_code == 404
+    shared = admin(setup, "PATCH", "/admin/adapters/real-share",
+                   json={"owner": "ta", "shared_with": ["tb"]})
+    assert shared.status_code == 200 and shared.json()["shared_with"] == ["tb"]
     assert complete(setup, "tb", "real-share").status_code == 200
     wait_engines_idle(setup.engine.url)
 

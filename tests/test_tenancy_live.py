@@ -255,13 +255,15 @@ def test_adapter_changes_hold_at_once_on_a_replica_that_reloads_rarely(
     starts after the change, an adapter's new owner and its deletion made through another
     replica; it never loads the deleted adapter back onto the engine; and the name
     registered again counts its usage from zero there. Keys issued through the other
-    replica work at once too, even in a burst."""
+    replica work at once too, even in a burst, and so do a tenant's new settings: a shared
+    salt withdrawn, a lower RPM."""
     slow = start_gateway(tiny_model_dir, [setup.engine.url], tmp_path, "--admin-key", ADMIN,
                          "--redis-url", setup.redis.url, "--state-refresh-s", "60",
                          "--adapter-upload-dir", str(setup.upload_dir))
     with running(slow):
         pair = dataclasses.replace(setup, gateways=[setup.gateways[0], slow])
-        first, second = new_tenant(pair, "kappa"), new_tenant(pair, "lambda")
+        first, second = (new_tenant(pair, name, shared_salt="kl")
+                         for name in ("kappa", "lambda"))
         # A key issued a moment ago through the other replica, in a burst: every request
         # waits for the same catch-up with the store, none is a 401.
         base = models(pair, first)[0]
@@ -269,6 +271,17 @@ def test_adapter_changes_hold_at_once_on_a_replica_that_reloads_rarely(
             statuses = list(burst.map(
                 lambda _: complete(pair, second, base, gateway=1).status_code, range(6)))
         assert statuses == [200] * 6
+        assert complete(pair, first, base, LONG_PROMPT).status_code == 200
+        wait_engines_idle(pair.engine.url)
+        assert admin(pair, "PATCH", "/admin/tenants/lambda", json={"shared_salt": None,
+                                                                  "rpm": 7}).status_code == 200
+        hits = engine_hits(pair)
+        assert complete(pair, second, base, LONG_PROMPT, gateway=1).status_code == 200
+        assert engine_hits(pair) == hits  # kappa's blocks are no longer lambda's
+        limited = complete(pair, second, base, gateway=1)  # its 8th request this minute
+        assert limited.status_code == 429 and limited.json()["error"]["code"] == "rpm_exceeded"
+        assert admin(pair, "PATCH", "/admin/tenants/lambda", json={"rpm": None}
+                     ).status_code == 200
         assert admin(pair, "POST", "/admin/adapters", json={
             "name": "k-bot", "path": str(setup.adapters["a-bot"]), "owner": "kappa"}
                      ).status_code == 201
