@@ -217,6 +217,16 @@ class ResponsesRequest(StrictRequest):
                                               f"only {LOGPROBS!r}")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_options_with_stream(cls, data: Any) -> Any:
+        # As chat refuses them (stream_options is checked in the UNSUPPORTED table, not kept).
+        if isinstance(data, dict) and data.get("stream_options") is not None \
+                and data.get("stream") is not True:
+            raise InvalidField("stream_options", "stream_options is only allowed with "
+                                                 "stream=true")
+        return data
+
     @field_validator("metadata", mode="before")
     @classmethod
     def _metadata_bounded(cls, value: Any) -> Any:

@@ -182,6 +182,7 @@ def test_errors_before_the_first_byte_are_chats_named_as_this_api_names_them(
     ({"input": []}, "input"),
     ({"include": ["file_search_call.results"]}, "include"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without include
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),  # without stream
     ({"text": {"verbosity": "high"}}, "text.verbosity"),
     ({"text": {"format": {"type": "json_schema"}}}, "text"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
