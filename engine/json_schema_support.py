@@ -11,13 +11,16 @@ instance that the keyword forbids (tests/test_json_schema_support.py does so for
 entry). Keywords that only annotate (title, description, default, examples, an unknown
 ``format``) are not constraints, and are let through. A ``required`` name that ``properties``
 does not list, and a ``$ref`` outside the schema (never fetched: xgrammar takes it as any
-value), are refused the same way.
+value), are refused the same way, and so are keywords it drops beside others
+(engine/json_schema_combinations.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
+
+from engine.json_schema_combinations import combination_problem
 
 ALWAYS_UNENFORCED = ("not", "contains", "dependentRequired", "dependentSchemas",
                      "dependencies", "if")
@@ -36,7 +39,7 @@ def unenforced_keyword(schema: Any) -> str | None:
     """The first keyword of ``schema`` (a parsed JSON schema) that the grammar would not
     enforce, as "`keyword` at JSON-pointer: why"; None when every keyword is held."""
     for path, node in _subschemas(schema, "#"):
-        found = _unenforced_here(node)
+        found = _unenforced_here(node) or combination_problem(node, schema)
         if found is not None:
             keyword, why = found
             return f"`{keyword}` at {path}: {why}"

@@ -37,6 +37,24 @@ UNENFORCED = [
      "{}", '{"k": 2}'),
     ("$ref", {"type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}},
               "required": ["a"]}, '{"a": "any value"}', '{"a": 1}'),
+    # Held alone, dropped beside others (engine/json_schema_combinations.py):
+    ("minLength", {"type": "string", "pattern": "^a+$", "minLength": 5}, '"a"', '"aaaaa"'),
+    ("maxLength", {"type": "string", "enum": ["abcdef", "ab"], "maxLength": 2}, '"abcdef"',
+     '"ab"'),
+    ("minimum", {"$ref": "#/$defs/i", "minimum": 5, "$defs": {"i": INTEGERS}}, "1", "6"),
+    ("type", {"type": "string", "anyOf": [{"type": "object"}, {"type": "string"}]}, "{}",
+     '"x"'),
+    ("pattern", {"type": "string", "format": "email", "pattern": "^[a-z]+@b[.]co$"},
+     '"zz@c.org"', '"a@b.co"'),
+    ("minimum", {"minimum": 5}, "1", "6"),  # no type
+    ("multipleOf", {"type": "integer", "multipleOf": 7, "minimum": 0}, "45", "14"),
+    ("pattern", {"type": "string", "pattern": "^(?!hello)[a-z]+$"}, '"hello"', '"abc"'),
+    ("pattern", {"type": "string", "pattern": "c|a^b"}, '"ab"', '"c"'),
+    ("oneOf", {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 10},
+                         {"type": "integer", "minimum": 5, "maximum": 15}]}, "7", "3"),
+    ("unevaluatedProperties", {"type": "object", "properties": {"a": INTEGERS},
+                               "additionalProperties": True, "unevaluatedProperties": False},
+     '{"a": 1, "b": 2}', '{"a": 1}'),
 ]
 ENFORCED = [  # what stays allowed, and why it may: the grammar refuses the violation
     ({"type": "integer", "multipleOf": 7}, "5"),
@@ -48,6 +66,19 @@ ENFORCED = [  # what stays allowed, and why it may: the grammar refuses the viol
     ({"type": "object", "properties": {"k": INTEGERS}, "required": ["k"]}, "{}"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"],
       "$defs": {"a": INTEGERS}}, '{"a": "x"}'),
+    # What pydantic and OpenAI's strict schemas write: taken whole, siblings annotate only.
+    ({"$ref": "#/$defs/a", "description": "an a", "$defs": {"a": INTEGERS}}, '"x"'),
+    ({"anyOf": [INTEGERS, {"type": "null"}], "default": None, "title": "A"}, '"x"'),
+    ({"type": "string", "enum": ["red", "green"], "title": "Colour"}, '"blue"'),
+    ({"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 70}, "45"),
+    ({"type": "string", "format": "not-a-known-format", "pattern": "^[a-z]+$"}, '"B"'),
+    ({"type": "string", "pattern": "^[^0-9$]+$"}, '"1"'),
+    ({"oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}],
+      "discriminator": {"propertyName": "kind"}, "$defs": {
+          "cat": {"type": "object", "properties": {"kind": {"const": "cat"}},
+                  "required": ["kind"]},
+          "dog": {"type": "object", "properties": {"kind": {"const": "dog"}, "age": INTEGERS},
+                  "required": ["kind", "age"]}}}, '{"kind": "cat", "age": 1}'),
 ]
 
 
