@@ -76,13 +76,13 @@ class RequestBuilder:
                                          f"{outside[:5]}")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
+            raise InvalidField("max_tokens",
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"= {total} exceeds the model's context of {self.max_model_len} tokens")
         # The one "fits in the cache" check: the scheduler relies on it (Scheduler.add).
         room = self.kv.max_tokens_per_request(lora or BASE_POOL)
         if total > room:
-            raise ValueError(
+            raise InvalidField("max_tokens",
                 f"prompt + max_tokens = {total} tokens exceeds the whole KV cache "
                 f"({self.kv.num_blocks * self.kv.block_size} tokens) or its pool's share "
                 f"({room} tokens)")

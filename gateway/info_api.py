@@ -57,6 +57,8 @@ class TokenizeRequest(StrictRequest):
     """A prompt (as /v1/completions takes it) or messages with the chat request's template
     options (as /v1/chat/completions takes them)."""
 
+    WHOLE_BODY: ClassVar[bool] = True
+
     model: Annotated[Text, Field(max_length=MAX_MODEL_NAME)] | None = None
     """None: the base model (its tokenizer is every adapter's), as vLLM takes it."""
     prompt: Text | None = None

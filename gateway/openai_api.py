@@ -245,8 +245,16 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
         raise ApiError(400, f"{req.max_tokens_param} ({max_tokens}) is more than the model's "
                        f"maximum context length ({context} tokens)",
                        code="context_length_exceeded", param=req.max_tokens_param)
-    else:  # as vLLM does: what the context leaves after the prompt ("length" there)
-        max_tokens = min(max_tokens, context - len(prompt_ids))
+    elif len(prompt_ids) + max_tokens > context:  # as OpenAI and vLLM refuse it, never cut
+        raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) + {req.max_tokens_param} "
+                       f"({max_tokens}) is more than the model's maximum context length "
+                       f"({context} tokens): lower {req.max_tokens_param} or shorten the "
+                       "prompt", code="context_length_exceeded", param=req.max_tokens_param)
+    elif len(prompt_ids) + max_tokens > (room := gateway.max_request_tokens() or context):
+        raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) + {req.max_tokens_param} "
+                       f"({max_tokens}) is more than one request can hold in the engines' KV "
+                       f"cache ({room} tokens): lower {req.max_tokens_param}",
+                       param=req.max_tokens_param)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,

@@ -170,6 +170,8 @@ def check_message_counts(data: Any) -> None:
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
+    WHOLE_BODY: ClassVar[bool] = True
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None

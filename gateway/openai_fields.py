@@ -24,6 +24,9 @@ from typing import Annotated, Any, ClassVar, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, ValidatorFunctionWrapHandler, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
+from engine.invalid_field import InvalidField
+from gateway.openai_text import lone_surrogate_at
+
 
 @dataclass(frozen=True)
 class Unsupported:
@@ -156,6 +159,9 @@ class StrictRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # every unknown key was refused already
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = {}
     """The endpoint's table of fields accepted at their neutral value only."""
+    WHOLE_BODY: ClassVar[bool] = False
+    """Whether this model is a request's whole body: its text is checked for lone surrogates
+    everywhere first, keys and free-form fields too (once, not again in its parts)."""
 
     @model_validator(mode="wrap")
     @classmethod
@@ -163,6 +169,12 @@ class StrictRequest(BaseModel):
         # Before the fields: a refused field is the one error, whatever else is wrong.
         # A field's wire name: its alias where it has one ("json", not "json_", which
         # pydantic would drop unread: a constraint silently ignored).
+        if cls.WHOLE_BODY and (found := lone_surrogate_at(data)) is not None:
+            path, in_key = found
+            what = f"a key in {path}" if in_key and path else "a field name" if in_key \
+                else path
+            raise InvalidField(path or "body", f"{what} contains a lone UTF-16 surrogate: not "
+                               "valid Unicode text")
         known = {field.alias or name for name, field in cls.model_fields.items()}
         check_unsupported(data, cls.UNSUPPORTED, known, cls.__name__)
         return handler(_nulls_as_unset(data, _defaulted_non_nullable(cls)))

@@ -303,6 +303,8 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions: a prompt (text or token ids) or a batch of them (a list of
     texts or of token-id lists), one choice per prompt in the batch's order."""
 
+    WHOLE_BODY: ClassVar[bool] = True
+
     # All checks in the validators below: pydantic's own would take another pass over a
     # list of millions of ids (on the event loop) and report every bad item.
     prompt: Annotated[list[Prompt], SkipValidation]

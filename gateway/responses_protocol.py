@@ -138,6 +138,8 @@ class TextConfig(StrictRequest):
 class ResponsesRequest(StrictRequest):
     """POST /v1/responses; ``chat_request()`` is the chat request that serves it."""
 
+    WHOLE_BODY: ClassVar[bool] = True
+
     input: InputItems
     """Messages and function call items (a string: one user message)."""
     instructions: Text | None = None
