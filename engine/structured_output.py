@@ -164,8 +164,12 @@ class GrammarCompiler:
         except InvalidField:
             raise
         except (RuntimeError, ValueError) as exc:  # xgrammar reports bad specs so
+            message = str(exc)
+            if isinstance(exc, UnicodeDecodeError) and isinstance(exc.object, bytes):
+                # Its message quoted the spec with a character cut in two: read it anyway.
+                message = exc.object.decode("utf-8", "replace")
             raise InvalidField(spec.param, f"invalid {spec.kind} for structured output: "
-                               f"{library_reason(str(exc))}") from None
+                               f"{library_reason(message)}") from None
 
 
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")

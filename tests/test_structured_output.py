@@ -52,11 +52,14 @@ def test_the_grammar_holds_through_preemption(tiny_model_dir: Path,
 def test_a_bad_spec_is_refused_before_admission(tiny_model_dir: Path) -> None:
     engine = LLMEngine.from_model(str(tiny_model_dir), num_kv_blocks=8)
     for spec in (StructuredOutput("regex", "(unclosed"), StructuredOutput("json", "{x"),
-                 StructuredOutput("grammar", "root ::= missing")):
+                 StructuredOutput("grammar", "root ::= missing"),
+                 # The library quotes the spec cut mid-character: its words still come.
+                 StructuredOutput("grammar", 'r\u00f6\u00f6t ::= "a"')):
         with pytest.raises(ValueError, match=r"structured output|JSON schema") as caught:
             engine.requests.make_request("r", [5, 6, 7], SamplingParams(structured=spec))
         # The library's reason, without its log prefix (time, source file and line).
         assert ".cc:" not in str(caught.value) and "[" not in str(caught.value)
+        assert "codec" not in str(caught.value)
     assert not engine.has_unfinished_requests()
 
 
