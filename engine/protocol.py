@@ -117,7 +117,8 @@ class GenerateRequest:
     the engine stops working on it: it is aborted and its stream ends with a timeout.
     ``tenant`` is whom the engine is fair to in work done before admission (compiling a
     grammar, spelling bad words): each tenant's such work queues behind its own, not
-    another's; None for the operator. ``adapter_digest``: the weights the caller means by
+    another's (the gateway names a caller without a tenant by its address); None: one
+    shared turn. ``adapter_digest``: the weights the caller means by
     ``adapter``; an engine that holds other weights under that name (or none) refuses the
     request with code "adapter_changed" rather than run it on them (None: any)."""
 

@@ -32,3 +32,13 @@ def remember(request: Request, principal: Principal) -> None:
 
 
 Caller = Annotated[Principal, Depends(authenticate)]
+
+
+def turn_of(principal: Principal, request: Request) -> str:
+    """Whose turn the engine's work before admission (compiling a grammar, spelling bad
+    words) is done in (GenerateRequest.tenant): the tenant's; for a caller with none (the
+    open mode, the operator) its client address, so that one client's flood of new grammars
+    waits behind itself, not every other client's behind it. Tenant ids take no ':'."""
+    if principal.tenant_id is not None:
+        return principal.tenant_id
+    return f"client:{request.client.host if request.client else ''}"

@@ -36,7 +36,7 @@ from gateway.access_log import AccessRecord, record_of
 from gateway.admission import Admitted, AdmittedRoute
 from gateway.auth import Principal
 from gateway.batch_stream import BatchStream
-from gateway.caller import Caller
+from gateway.caller import Caller, turn_of
 from gateway.config import GatewayConfig
 from gateway.exposure import instance_tag
 from gateway.info_api import build_info_router
@@ -270,7 +270,7 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
         gateway.cache_salt(req.principal, body.cache_salt),
         gateway.priority(req.principal, body.priority),
         deadline=time.time() + gateway.config.request_timeout_s,
-        tenant=req.principal.tenant_id)
+        tenant=turn_of(req.principal, req.http))
     return Job(request, req.endpoint, claim)
 
 

@@ -29,7 +29,8 @@ from pydantic import (
     model_validator,
 )
 
-from engine.invalid_field import InvalidField, field_of
+from engine.http.errors import describe_errors
+from engine.invalid_field import InvalidField
 from engine.structured_output import MAX_SPEC_CHARS
 from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.openai_fields import StrictRequest, Unsupported
@@ -281,18 +282,15 @@ class ResponsesRequest(StrictRequest):
 
 
 def _refusal(exc: ValidationError) -> InvalidField:
-    """The chat request's first validation error, about the field as this API names it."""
-    error = exc.errors()[0]
-    about = field_of((error.get("ctx") or {}).get("error"))
-    loc = [str(part) for part in error.get("loc", ())]
-    name = about or (loc[0] if loc else "input")
-    field, message = as_named_here(name, str(error.get("msg", "invalid")).removeprefix(
-        "Value error, "))
-    if about is None and loc[:1] == ["tools"] and loc[2:3] == ["function"]:
-        # A function's own field: where this API's flat tool holds it (tools.[0].parameters).
-        shown = f"tools[{loc[1]}]." + ".".join(loc[3:])
-        return InvalidField(f"tools.[{loc[1]}]." + ".".join(loc[3:]), f"{shown}: {message}")
-    return InvalidField(field, message if about is not None else f"{field}: {message}")
+    """The chat request's refusal, about the field as this API names it: said as the chat
+    route says it (engine/http/errors.py), then renamed where the translation renamed."""
+    message, param = describe_errors(exc.errors())
+    field, message = as_named_here(param or "input", message)
+    flat = re.match(r"tools\.\[(\d+)\]\.function\.", field)
+    if flat is not None:  # a function's own field: where this API's flat tool holds it
+        field = f"tools.[{flat[1]}]." + field[flat.end():]
+        message = re.sub(r"tools\[(\d+)\]\.function\.", r"tools[\1].", message)
+    return InvalidField(field, message)
 
 
 def as_named_here(param: str, message: str) -> tuple[str, str]:

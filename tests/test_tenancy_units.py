@@ -15,6 +15,7 @@ from starlette.requests import Request
 from engine.http.errors import ApiError
 from gateway.adapter_upload import extract_archive
 from gateway.auth import Principal, StateView, authenticate
+from gateway.caller import turn_of
 from gateway.job import tier_share
 from gateway.service import Gateway
 from gateway.store import MemoryStore
@@ -214,3 +215,19 @@ def test_two_authorization_headers_are_a_400_whichever_comes_first() -> None:
         return outcomes
 
     assert asyncio.run(scenario()) == [(400, "invalid_authorization")] * 2
+
+
+def test_work_before_admission_is_done_in_the_tenants_turn_or_the_clients() -> None:
+    """A caller without a tenant (the open mode, the operator) takes its client address's
+    turn on the engine's preparing thread: one client's flood of new grammars queues behind
+    itself. A tenant id takes no ':', so no address can share a tenant's turn."""
+    def request(host: str) -> Request:
+        return Request({"type": "http", "headers": [], "client": (host, 5000)})
+
+    acme = Principal(Tenant("acme"), "key-hash")
+    assert turn_of(acme, request("10.0.0.1")) == turn_of(acme, request("10.0.0.2")) == "acme"
+    assert turn_of(Principal(None), request("10.0.0.1")) == "client:10.0.0.1"
+    assert turn_of(Principal(None), request("10.0.0.1")) != turn_of(Principal(None),
+                                                                  request("10.0.0.2"))
+    with pytest.raises(ValueError):
+        Tenant("client:10.0.0.1")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -94,9 +95,14 @@ def _wrong_type(err: Any) -> bool:
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    return describe_errors(exc.errors())
+
+
+def describe_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """(message, param) of a body's validation errors (pydantic's ``errors()``), as a 400
+    says them: each field by its path once, pydantic's words where ours say it better."""
     problems: list[str] = []
     locs: list[tuple[str, ...]] = []
-    errors = exc.errors()
     # A union fails once per member: where a member took the value's type and refused its
     # content, the other members' "not my type" errors only hide that one.
     valued = {_shown(e.get("loc", ())) for e in errors if not _wrong_type(e)}
@@ -240,7 +246,7 @@ def _client_closed(request: Request) -> JSONResponse:
 def _no_route(request: Request, openai_routes: str | None) -> str:
     """The 404 message for a path no route serves: the method and path the client sent
     (its own words, cut short), and for an OpenAI path, which ones this server has."""
-    path = request.url.path
+    path = str(request.scope.get("path", ""))  # as sent: the URL would read "//v1/x" as a host
     shown = path if len(path) <= 120 else path[:120] + "..."
     served = f"; of the OpenAI API this server has {openai_routes}" \
         if openai_routes and path.startswith("/v1/") else ""

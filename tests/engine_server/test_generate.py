@@ -119,7 +119,7 @@ TOO_LONG = [7] * (CONTEXT - 4)
     ({"prompt": "hi", "lora": "nope"}, "unknown adapter 'nope'", None),
     ({"prompt_token_ids": TOO_LONG},
      f"prompt ({CONTEXT - 4} tokens) + max_tokens (16) = {CONTEXT + 12} exceeds the "
-     f"model's context of {CONTEXT} tokens", None),
+     f"model's context of {CONTEXT} tokens", "max_tokens"),
     ({"prompt": "hi", "params": {"max_tokens": 0}},
      "max_tokens must be an integer in [1, 2147483647], got 0", None),
     ({"prompt": "hi", "params": {"temperature": -1}},

@@ -75,6 +75,10 @@ def test_an_endpoint_not_served_is_a_404_naming_it_and_those_served(
     other = httpx.get(gateway.url + "/" + "x" * 300, timeout=30.0)
     assert other.status_code == 404
     assert other.json()["error"]["message"] == f"no such endpoint: GET /{'x' * 119}..."
+    doubled = httpx.post(gateway.url + "//v1/chat/completions", json={}, timeout=30.0)
+    assert doubled.status_code == 404  # its path as sent, not "//v1" read as a host
+    assert doubled.json()["error"]["message"].startswith(
+        "no such endpoint: POST //v1/chat/completions"), doubled.text
 
 
 def test_prompt_longer_than_the_context_is_400(client: openai.OpenAI, gateway: LiveServer,

@@ -204,6 +204,16 @@ def test_refused_fields_are_400s_naming_them(gateway: LiveServer, base_model: st
     assert (error["type"], error["param"]) == ("invalid_request_error", param), error
 
 
+def test_a_refusal_says_what_the_chat_route_would(gateway: LiveServer, base_model: str
+                                                 ) -> None:
+    """Said as chat says it (not pydantic's words for the first member of a union)."""
+    for changes, says in (({"stop": ["a"] * 100}, "at most 16 items"),
+                          ({"seed": 2**64}, str(2**64))):
+        answer = _post(gateway, {"model": base_model, "input": "hi", **changes})
+        assert answer.status_code == 400 and says in answer.json()["error"]["message"], \
+            answer.text
+
+
 def test_nothing_is_stored(gateway: LiveServer) -> None:
     for method, path in [("GET", "resp_123"), ("DELETE", "resp_123"),
                          ("GET", "resp_123/input_items"), ("POST", "resp_123/cancel")]:
