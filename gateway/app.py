@@ -232,7 +232,10 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
     # Added last: outermost, so refusals are logged and counted too.
     app.add_middleware(AccessLog, observe=count_response)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
+    # HEAD documented once with GET (one route of both methods would give the schema two
+    # operations of one id).
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # HEAD: load balancers' probes
     async def health() -> JSONResponse:
         pool = pool_holder.get("pool")
         ready = len(pool.healthy()) if pool else 0

@@ -492,3 +492,6 @@ def test_openapi_documents_the_admin_api(setup: Setup) -> None:
             "/admin/adapters/upload", "/admin/adapters/{name}", "/admin/adapters/{name}/load",
             "/admin/adapters/{name}/pin", "/v1/completions", "/v1/chat/completions",
             "/v1/models"} <= paths
+    ids = [operation["operationId"] for methods in schema["paths"].values()
+           for operation in methods.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)

@@ -149,7 +149,10 @@ def create_app(engine: AsyncEngine, instance_id: str = "engine-0",
         await engine.pin_adapter(name, body.pinned)
         return {"name": name, "pinned": body.pinned}
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: open as GET (auth.py)
+    # HEAD documented once with GET (one route of both methods would give the schema two
+    # operations of one id).
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # HEAD: open as GET (auth.py)
     async def health() -> JSONResponse:
         status = "draining" if engine.draining else "ready" if engine.is_alive() else "dead"
         return JSONResponse({"status": status, "in_flight": engine.in_flight},
