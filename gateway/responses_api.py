@@ -58,7 +58,9 @@ def build_responses_router(chat: ChatRoute) -> APIRouter:
         except (ApiError, EngineError) as exc:
             _rename_param(exc)
             raise
-        echo = ResponseEcho.of(body, chat_body)  # after the chat route named the model
+        # After the chat route named the model; the sampling it ran with where none was set.
+        echo = ResponseEcho.of(body, chat_body,
+                               request.app.state.gateway.sampling_defaults())
         if isinstance(answer, StreamingResponse):
             # The same response (its headers, and the closing that aborts the engine
             # request on a hang-up), with the chat events translated as they pass.

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from engine.generation_defaults import SamplingDefaults
 from gateway.openai_chat_protocol import ChatCompletionRequest
 from gateway.responses_protocol import ResponsesRequest
 from gateway.tool_calls import is_json
@@ -42,8 +43,12 @@ class ResponseEcho:
     settings: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, body: ResponsesRequest, chat: ChatCompletionRequest) -> ResponseEcho:
-        """``chat``: the request that served ``body``, after the chat path named its model."""
+    def of(cls, body: ResponsesRequest, chat: ChatCompletionRequest,
+           defaults: SamplingDefaults) -> ResponseEcho:
+        """``chat``: the request that served ``body``, after the chat path named its model;
+        ``defaults``: the sampling it had where it set none (the temperature and top_p
+        echoed are those it ran with, as OpenAI's are)."""
+        used = defaults.sampling_params()
         text = body.text.format if body.text is not None else None
         choice = body.tool_choice
         return cls(new_id("resp"), int(time.time()), {
@@ -57,7 +62,7 @@ class ResponseEcho:
             "reasoning": None,
             "service_tier": "default",
             "store": False,
-            "temperature": chat.temperature,
+            "temperature": used.temperature if chat.temperature is None else chat.temperature,
             "text": {"format": {"type": "text"} if text is None else
                      text.model_dump(by_alias=True, exclude_none=True),
                      "verbosity": "medium"},
@@ -65,7 +70,7 @@ class ResponseEcho:
             choice if isinstance(choice, str) else choice.model_dump(),
             "tools": [tool.model_dump() for tool in body.tools or []],
             "top_logprobs": chat.top_logprobs or 0,
-            "top_p": chat.top_p,
+            "top_p": used.top_p if chat.top_p is None else chat.top_p,
             "truncation": "disabled",
             "user": chat.user,
             "safety_identifier": chat.safety_identifier,

@@ -96,6 +96,9 @@ def test_the_server_applies_them_unless_turned_off(tiny_model_dir: Path,
             unset = {client.completions.create(model="model", prompt="The list of",
                                                max_tokens=12, seed=seed).choices[0].text
                      for seed in (1, 2, 3)}
+            # A response object tells the temperature it ran with, as OpenAI's does.
+            echoed = client.responses.create(model="model", input="hi", max_output_tokens=1)
+        assert echoed.temperature == (0.0 if greedy_by_default else 1.0), flags
         assert (unset == {greedy}) is greedy_by_default, (flags, unset, greedy)
 
 

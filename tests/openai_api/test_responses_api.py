@@ -103,7 +103,7 @@ def test_the_response_object_has_openais_shape(gateway: LiveServer, base_model: 
         "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
         "error": None, "model": base_model, "instructions": None, "max_output_tokens": 4,
         "metadata": {"run": "7"}, "parallel_tool_calls": True, "temperature": 0.0,
-        "top_p": None, "text": {"format": {"type": "text"}, "verbosity": "medium"},
+        "top_p": 1.0, "text": {"format": {"type": "text"}, "verbosity": "medium"},
         "tool_choice": "auto", "tools": [], "truncation": "disabled", "store": False,
         "previous_response_id": None, "user": "u1"}
     # Counted as a Responses request, not as the chat request that served it.
