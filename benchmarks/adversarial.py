@@ -9,7 +9,10 @@ Part of benchmarks/reliability.py (`--parts adversarial` runs it alone). Four at
 3. a 2 MB prompt (completions and chat) while a victim streams;
 4. chat bodies of nearly 8 MB made of tiny content parts (4096 messages x 60 empty parts)
    ending in an invalid field, sent back to back while a victim streams: what validating
-   them costs the event loop every other request shares.
+   them costs the event loop every other request shares;
+5. a flood of new grammars that each compile past the timeout (five at once, from
+   127.0.0.1), and two seconds later a new small schema from another client address
+   (127.0.0.2) and one from the flooding address: how long each waits for its turn.
 
 Counted: engines alive and ready afterwards, the busy clients' and victims' streams clean
 (every token, no error event), the victims' longest gap between two streamed events, the
@@ -166,12 +169,43 @@ async def many_parts(url: str, model: str, bodies: int = 8) -> dict[str, Any]:
                 "attacker_answered_max_s": max(answers), "victim": await victim}
 
 
+async def grammar_flood(url: str, model: str, slow: int = 5) -> dict[str, Any]:
+    """Statuses and times of the flood (each spec new: a run never meets its own cache) and
+    of the two small schemas (see the module docstring)."""
+    run_id = random.randrange(1 << 30)
+
+    async def post(local: str, schema: dict[str, Any]) -> tuple[int, float]:
+        transport = httpx.AsyncHTTPTransport(local_address=local)
+        async with httpx.AsyncClient(base_url=url, timeout=600, transport=transport) as client:
+            started = time.monotonic()
+            response = await client.post("/v1/completions", json={
+                "model": model, "prompt": "hello", "max_tokens": 4,
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "s", "schema": schema}}})
+            return response.status_code, time.monotonic() - started
+
+    # A bounded repeat of a bounded repeat: xgrammar takes tens of seconds to compile one.
+    flood = [asyncio.create_task(post("127.0.0.1", {
+        "type": "string", "pattern": f"{run_id}x{i}([a-z]{{1,100}}){{1,100}}"}))
+        for i in range(slow)]
+    await asyncio.sleep(2.0)  # the flood is queued behind its first compile
+    other, same = await asyncio.gather(
+        post("127.0.0.2", {"type": "string", "maxLength": 3 + run_id % 97}),
+        post("127.0.0.1", {"type": "string", "maxLength": 100 + run_id % 97}))
+    flooded = await asyncio.gather(*flood)
+    return {"flood_statuses": [status for status, _ in flooded],
+            "flood_answered_max_s": max(seconds for _, seconds in flooded),
+            "other_client": {"status": other[0], "answered_s": other[1]},
+            "flooding_client": {"status": same[0], "answered_s": same[1]}}
+
+
 def run(url: str, model: str, hangup_count: int) -> dict[str, Any]:
-    """All four attacks in turn; what to check is in the module docstring."""
+    """All five attacks in turn; what to check is in the module docstring."""
     report = {"hangups": asyncio.run(hangups(url, model, hangup_count)),
               "hostile_parameters": asyncio.run(hostile_parameters(url, model)),
               "big_prompt": asyncio.run(big_prompt(url, model)),
-              "many_parts": asyncio.run(many_parts(url, model))}
+              "many_parts": asyncio.run(many_parts(url, model)),
+              "grammar_flood": asyncio.run(grammar_flood(url, model))}
     codes = Counter(report["hostile_parameters"]["statuses"].values())
     report["hostile_parameters"]["status_counts"] = {str(k): v for k, v in codes.items()}
     return report

@@ -12,7 +12,8 @@ Two engine processes, a private redis-server and the gateway (on that Redis) in 
 4. soak (with --soak-s): 70% of the sustainable rate, engine RSS sampled; reports its drift.
 5. adversarial (benchmarks/adversarial.py): --hangups streams reset mid-request while two
    clients keep the engines in long prefills; hostile parameters, a 2 MB prompt and 8 MB
-   bodies of tiny content parts beside a victim stream. Engines must stay alive, victims
+   bodies of tiny content parts beside a victim stream, and a flood of slow new grammars
+   beside another client's new schema. Engines must stay alive, victims
    clean, no stall over 1 s.
 After each part: every engine must be idle with zero KV blocks in use (leaks are counted).
 `--parts` picks some of overload, faults, disconnects, adversarial (default all).
