@@ -12,6 +12,7 @@ instance may match two branches. Each check returns (keyword, why), or None.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -33,6 +34,11 @@ SCALAR_CHECKS = frozenset({"type", *NUMBER_KEYWORDS, "pattern", "minLength", "ma
 """Siblings of enum / const that are checked against each allowed value here."""
 _TYPE_OF = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
             dict: "object", type(None): "null"}
+
+URL_LENGTH = 2083
+"""The longest URL browsers took (pydantic's maxLength for its URL types): a maxLength this
+large beside a format is let through, though the grammar drops it. A model writing a longer
+value would have to write one address of over 2,000 characters."""
 
 Found = tuple[str, str] | None
 
@@ -115,13 +121,23 @@ def _string_keywords(node: dict[str, Any]) -> Found:
     lengths = [key for key in ("minLength", "maxLength") if key in node]
     if node.get("format") in KNOWN_FORMATS:
         for key in ("pattern", *lengths):
-            if key in node:
+            if key in node and not _implied_beside_format(key, node[key]):
                 return key, (f"structured output drops it beside format "
                              f"{str(node['format'])!r}")
+        lengths = []
     if "pattern" in node and lengths:
         return lengths[0], ("structured output drops it beside pattern: bound the length "
                             "in the pattern instead")
     return None
+
+
+def _implied_beside_format(key: str, bound: Any) -> bool:
+    """A length bound that a format's values meet as the grammar writes them: at least one
+    character (no value of a format is empty), or at most URL_LENGTH (pydantic's URL types
+    say minLength 1 and maxLength 2083 beside format "uri")."""
+    if isinstance(bound, bool) or not isinstance(bound, int):
+        return False
+    return bound <= 1 if key == "minLength" else key == "maxLength" and bound >= URL_LENGTH
 
 
 def _untyped(node: dict[str, Any]) -> Found:
@@ -283,3 +299,66 @@ def _objects_exclusive(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 64 else text[:61] + "..."
+
+
+def with_required_tags(schema: Any) -> Any:
+    """``schema`` with each discriminated union's tag required in its branches: a oneOf or
+    anyOf beside ``discriminator.propertyName`` (pydantic writes one for a tagged union),
+    whose branches (local $refs followed) list that property with a const or enum, gets it in
+    each such branch's ``required``. A tag with a default is not required by the schema, so a
+    generated object could leave it out and match every branch; pydantic cannot read such an
+    object as its union at all. A copy; ``schema`` itself when nothing changes."""
+    found: list[tuple[dict[str, Any], str]] = []  # (branch, tag) pairs to require
+    pending: list[Any] = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            pending += node
+            continue
+        if not isinstance(node, dict):
+            continue
+        discriminator = node.get("discriminator")
+        tag = discriminator.get("propertyName") if isinstance(discriminator, dict) else None
+        for keyword in ("oneOf", "anyOf") if isinstance(tag, str) else ():
+            branches = node.get(keyword)
+            for branch in branches if isinstance(branches, list) else []:
+                target = _resolve(branch, schema)
+                properties = target.get("properties") if isinstance(target, dict) else None
+                if isinstance(properties, dict) and isinstance(properties.get(tag), dict) \
+                        and _values(properties[tag]) is not None \
+                        and tag not in (target.get("required") or []) \
+                        and all(target is not seen for seen, _ in found):
+                    found.append((target, str(tag)))
+        pending += [value for key, value in node.items()
+                    if key not in ("const", "enum", "default", "examples")]
+    if not found:
+        return schema
+    copied = copy.deepcopy(schema)
+    for branch, tag in found:  # the same node in the copy: found again by its path
+        for path in _paths_to(schema, branch):
+            target = _at(copied, path)
+            required = target.get("required")
+            target["required"] = [*(required if isinstance(required, list) else []), tag]
+            break
+    return copied
+
+
+def _paths_to(root: Any, wanted: Any) -> list[tuple[Any, ...]]:
+    """The paths (keys and indices) at which ``wanted`` (by identity) lies in ``root``."""
+    found: list[tuple[Any, ...]] = []
+    pending: list[tuple[Any, tuple[Any, ...]]] = [(root, ())]
+    while pending and not found:
+        node, path = pending.pop()
+        if node is wanted:
+            found.append(path)
+        elif isinstance(node, dict):
+            pending += [(value, (*path, key)) for key, value in node.items()]
+        elif isinstance(node, list):
+            pending += [(value, (*path, i)) for i, value in enumerate(node)]
+    return found
+
+
+def _at(root: Any, path: tuple[Any, ...]) -> Any:
+    for step in path:
+        root = root[step]
+    return root

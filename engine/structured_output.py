@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.grammar_probe import GrammarProbe, compile_spec
 from engine.invalid_field import InvalidField
+from engine.json_schema_combinations import with_required_tags
 from engine.json_schema_support import structural_tag_schemas, unenforced_keyword
 
 if TYPE_CHECKING:
@@ -55,6 +56,10 @@ class StructuredOutput:
     param: str = field(default="structured_outputs", compare=False)
     """The request field it came from: what a spec that does not compile is refused as (no
     part of its identity: the same grammar from two fields is one)."""
+    best_effort: bool = field(default=False, compare=False)
+    """JSON kinds: hold what the grammar can, without refusing a schema keyword it would
+    drop (a forced call of functions none of which is strict, whose arguments OpenAI too
+    only tries to fit to their parameters)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(self.choices))
@@ -83,6 +88,8 @@ class StructuredOutput:
                 "any_whitespace": self.any_whitespace}
         if self.param != "structured_outputs":  # an engine from before it knew no param
             body["param"] = self.param
+        if self.best_effort:
+            body["best_effort"] = True
         return body
 
 
@@ -150,8 +157,11 @@ class GrammarCompiler:
         try:
             if spec.kind in ("json", "structural_tag"):
                 parsed = json.loads(text)  # a clear error for text that is not JSON at all
+                tagged = with_required_tags(parsed)
+                if tagged != parsed:  # a discriminated union's tags, required (see there)
+                    parsed, text = tagged, json.dumps(tagged)
                 schemas = [parsed] if spec.kind == "json" else structural_tag_schemas(parsed)
-                for schema in schemas:
+                for schema in [] if spec.best_effort else schemas:
                     if (reason := unenforced_keyword(schema)) is not None:
                         raise InvalidField(spec.param, f"the JSON schema's {reason}; remove "
                                                        "it, or check the output yourself")

@@ -299,8 +299,10 @@ def as_named_here(param: str, message: str) -> tuple[str, str]:
     new = RENAMED.get(param)
     if new is None:
         return param, message
-    # The first mention only: it names the field ("messages holds 4097 messages").
-    return new, re.sub(rf"\b{re.escape(param)}\b", new, message, count=1)
+    # "messages": the first mention only, which names the field ("messages holds 4097
+    # messages"); another name is only ever the field's ("lower max_completion_tokens").
+    return new, re.sub(rf"\b{re.escape(param)}\b", new, message,
+                       count=1 if param == "messages" else 0)
 
 
 def _metadata_problem(value: Any) -> str | None:

@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from engine.json_schema_combinations import with_required_tags
 from engine.json_schema_support import unenforced_keyword
 from engine.structured_output import StructuredOutput
 from gateway.call_readers import CallArrayReader, CallBlockReader
@@ -76,16 +77,22 @@ class ToolPlan:
         """The structured output a forced call generates under; with auto, the one that
         holds every call block to its function when a function is strict (None otherwise,
         and for none)."""
-        for function in self._held_functions():  # checked before the grammar's wrapping
-            if (reason := unenforced_keyword(function.schema())) is not None:
+        held = self._held_functions()
+        for function in held:  # checked before the grammar's wrapping
+            if function.strict and (reason := unenforced_keyword(
+                    with_required_tags(function.schema()))) is not None:
                 raise ValueError(f"the parameters of function {function.name!r}: {reason}; "
                                  "remove it, or check the arguments yourself")
+        # A function without strict is held as well as the grammar can (as OpenAI only
+        # tries to fit its arguments): a keyword the grammar drops refuses no call of it.
+        best_effort = not all(f.strict for f in held)
         if self.mode == "auto" and any(f.strict for f in self.functions):
             return self._strict_blocks()
         if self.mode == "named":
             function = next(f for f in self.functions if f.name == self.named)
             return StructuredOutput("json", json.dumps(function.schema()),
-                                    any_whitespace=False, param="tools")
+                                    any_whitespace=False, param="tools",
+                                    best_effort=best_effort)
         if self.mode != "required":
             return None
         # Each function's parameters keep their own root: under the array's $defs, their
@@ -105,7 +112,7 @@ class ToolPlan:
         # Compact: the arguments are re-encoded anyway, and whitespace is where a small
         # model's forced call would wander.
         return StructuredOutput("json", json.dumps(array), any_whitespace=False,
-                                param="tools")
+                                param="tools", best_effort=best_effort)
 
     def _held_functions(self) -> list[Function]:
         """The functions whose arguments the grammar holds to their parameters."""

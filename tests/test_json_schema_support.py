@@ -13,6 +13,7 @@ import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
 
 from engine.invalid_field import InvalidField
+from engine.json_schema_combinations import with_required_tags
 from engine.json_schema_support import structural_tag_schemas, unenforced_keyword
 from engine.structured_output import GrammarCompiler, StructuredOutput
 
@@ -73,6 +74,8 @@ ENFORCED = [  # what stays allowed, and why it may: the grammar refuses the viol
     ({"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 70}, "45"),
     ({"type": "string", "format": "not-a-known-format", "pattern": "^[a-z]+$"}, '"B"'),
     ({"type": "string", "pattern": "^[^0-9$]+$"}, '"1"'),
+    # pydantic's HttpUrl: lengths its format's values meet (the 2083 cap let through).
+    ({"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083}, '"no uri"'),
     ({"oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}],
       "discriminator": {"propertyName": "kind"}, "$defs": {
           "cat": {"type": "object", "properties": {"kind": {"const": "cat"}},
@@ -148,3 +151,27 @@ def test_the_engine_refuses_the_spec_naming_its_field(tiny_model_dir: Any) -> No
         cache.compile(StructuredOutput("json", json.dumps(ENFORCED[0][0])))
     finally:
         cache.close()
+
+
+def test_a_discriminated_unions_tags_are_required_so_its_branches_exclude_each_other() -> None:
+    """pydantic's tagged union whose tags have defaults: no branch requires its tag, so an
+    object without one would match both (and pydantic could not read it). The tag is made
+    required in each branch; the union then holds as oneOf."""
+    def branch(kind: str) -> dict[str, Any]:
+        return {"type": "object", "properties": {"kind": {"const": kind, "default": kind},
+                                                 "n": INTEGERS}, "required": ["n"]}
+
+    union: dict[str, Any] = {"type": "object", "properties": {"pet": {
+        "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+        "discriminator": {"propertyName": "kind"}}}, "required": ["pet"],
+        "$defs": {"Cat": branch("cat"), "Dog": branch("dog")}}
+    assert unenforced_keyword(union) is not None  # as written, the branches overlap
+    tagged = with_required_tags(union)
+    assert tagged["$defs"]["Cat"]["required"] == ["n", "kind"]
+    assert union["$defs"]["Cat"]["required"] == ["n"]  # a copy: the caller's is kept
+    assert unenforced_keyword(tagged) is None
+    assert not _accepts(tagged, '{"pet": {"n": 1}}')
+    assert _accepts(tagged, '{"pet": {"kind": "dog", "n": 1}}')
+    assert with_required_tags(tagged) == tagged
+    plain = {"type": "object", "properties": {"a": INTEGERS}}
+    assert with_required_tags(plain) is plain

@@ -46,6 +46,7 @@ class StructuredBody(BaseModel):
     choices: list[str] = Field(default_factory=list, max_length=1024)
     any_whitespace: StrictBool = True
     param: str = Field(default="structured_outputs", min_length=1, max_length=64)
+    best_effort: StrictBool = False
 
 
 class GenerateBody(BaseModel):
