@@ -1,5 +1,6 @@
 """Admin API (Bearer <admin key>): adapters here, tenants and keys in
-gateway/admin_tenants.py (build_admin_router serves both).
+gateway/admin_tenants.py, vLLM's runtime adapter endpoints in gateway/vllm_adapter_api.py
+(build_admin_router serves all three).
 
     POST/GET          /admin/adapters                    register by path / list with status
     POST              /admin/adapters/upload?name=&owner=|public=true   a .tar(.gz)/.zip upload
@@ -18,17 +19,15 @@ limiter re-checks it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import tempfile
 import uuid
-from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 
 from engine.http.errors import ApiError
@@ -39,6 +38,7 @@ from gateway import adapter_admin as lifecycle
 from gateway.adapter_upload import remove_tree
 from gateway.admin_common import (
     NAME_PATTERN,
+    AdapterPath,
     AdminGateway,
     check_shared_with,
     on_instances,
@@ -46,20 +46,11 @@ from gateway.admin_common import (
     public_id,
 )
 from gateway.admin_tenants import build_tenant_router
-from gateway.openai_fields import StrictRequest, Unsupported
-from gateway.openai_text import Text
 from gateway.service import Gateway
 from gateway.tenancy import AdapterRecord
+from gateway.vllm_adapter_api import build_vllm_adapter_router
 from lora.adapter import LoraAdapter, load_adapter
 
-
-def _no_nul(path: str) -> str:
-    if "\x00" in path:
-        raise ValueError("a path holds no NUL character")
-    return path
-
-
-AdapterPath = Annotated[Text, Field(min_length=1, max_length=4096), AfterValidator(_no_nul)]
 TenantId = Annotated[str, Field(pattern=NAME_PATTERN)]
 def _each_once(tenant_ids: list[str]) -> list[str]:
     # A share is a set of tenants: a repeated id is the same share, kept once, in the order sent.
@@ -92,37 +83,12 @@ class AdapterPatch(BaseModel):
     shared_with: SharedWith | None = None
 
 
-class VllmLoadBody(StrictRequest):
-    """vLLM's POST /v1/load_lora_adapter body."""
-
-    lora_name: str = Field(pattern=NAME_PATTERN)
-    lora_path: AdapterPath
-    lora_int_id: int | None = None
-    """vLLM's internal number for the adapter: loragate names adapters by name only."""
-    UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = {
-        "load_inplace": Unsupported((False,), "a registered adapter is replaced by unloading "
-                                              "it, then loading the new one"),
-    }
-
-
-class VllmUnloadBody(StrictRequest):
-    """vLLM's POST /v1/unload_lora_adapter body."""
-
-    lora_name: str
-    lora_int_id: int | None = None
-    """As in VllmLoadBody."""
-
-
 class PlacementBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     instance: str | None = None
     """One instance: its public id (GET /instances), or its URL; None: every healthy
     instance."""
     pinned: bool = True
-
-
-VLLM_ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-"""vLLM's runtime adapter endpoints: under /v1/, yet for the admin key only."""
 
 
 def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> APIRouter:
@@ -313,59 +279,20 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
 
         return {"name": name, "instances": await on_instances(gw, body.instance, pin_on)}
 
-    # ------------------------------------------------- vLLM's runtime adapter endpoints
-    # For clients and scripts written against vLLM's --enable-lora runtime updates: the
-    # same admin key, mapped onto registration (a public adapter: vLLM has no tenants) and
-    # delete (which waits for the engines as DELETE /admin/adapters/{name} does).
-    compat = APIRouter(tags=["admin"])
+    async def register_public(name: str, path: str, gw: Gateway) -> JSONResponse:
+        return await register_adapter(AdapterBody(name=name, path=path, public=True), gw)
 
-    @compat.post(VLLM_ADMIN_PATHS[0])
-    async def vllm_load(body: VllmLoadBody, gw: AdminGateway) -> PlainTextResponse:
-        with _named_as_vllm():
-            await register_adapter(AdapterBody(name=body.lora_name, path=body.lora_path,
-                                               public=True), gw)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
-                                 f"successfully.")
-
-    @compat.post(VLLM_ADMIN_PATHS[1])
-    async def vllm_unload(body: VllmUnloadBody, gw: AdminGateway) -> PlainTextResponse:
-        try:
-            with _named_as_vllm():
-                response = await delete_adapter(body.lora_name, gw, force=False)
-        except ApiError as exc:
-            if exc.code == "adapter_in_use":  # this body takes no force: say where it is
-                exc.message = exc.message.replace(
-                    "pass force=true", f"DELETE /admin/adapters/{body.lora_name}?force=true "
-                    "to remove it once its requests end")
-            raise
-        pending = response.status_code == 202
-        return PlainTextResponse(
-            f"Success: LoRA adapter '{body.lora_name}' removed"
-            + (" once its last request ends." if pending else " successfully."),
-            status_code=response.status_code)
+    async def delete_unforced(name: str, gw: Gateway) -> JSONResponse:
+        return await delete_adapter(name, gw, force=False)
 
     outer = APIRouter()
     outer.include_router(router)
     outer.include_router(build_tenant_router(pending))
-    outer.include_router(compat)
+    outer.include_router(build_vllm_adapter_router(register_public, delete_unforced))
     return outer
 
 
 # ------------------------------------------------------------------------ helpers
-VLLM_NAMES = {"name": "lora_name", "path": "lora_path"}
-"""Our admin bodies' field -> vLLM's name for it."""
-
-
-@contextlib.contextmanager
-def _named_as_vllm() -> Iterator[None]:
-    """An error about a field names it as vLLM's adapter bodies do."""
-    try:
-        yield
-    except ApiError as exc:
-        exc.param = VLLM_NAMES.get(exc.param or "", exc.param)
-        raise
-
-
 def _changed_meanwhile(name: str) -> ApiError:
     return ApiError(409, f"adapter {name!r} was changed by another admin call meanwhile; "
                     f"read it again and retry", code="conflict")

@@ -13,17 +13,29 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Annotated
 
 from fastapi import Depends, Request
+from pydantic import AfterValidator, Field
 
 from engine.http.errors import ApiError
 from engine.protocol import EngineClient, EngineRejected, EngineUnavailable
 from gateway.auth import require_admin
 from gateway.exposure import instance_tag
+from gateway.openai_text import Text
 from gateway.service import Gateway
 from gateway.tenancy import Tenant
 
 log = logging.getLogger(__name__)
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+def _no_nul(path: str) -> str:
+    if "\x00" in path:
+        raise ValueError("a path holds no NUL character")
+    return path
+
+
+AdapterPath = Annotated[Text, Field(min_length=1, max_length=4096), AfterValidator(_no_nul)]
+"""An adapter directory's path in an admin body."""
 
 
 def _admin(request: Request) -> Gateway:

@@ -37,7 +37,7 @@ from engine.models.shape import ModelShape
 from gateway.access_log import AccessLog
 from gateway.adapter_admin import PendingDeletes
 from gateway.adapter_resolver import AdapterResolver
-from gateway.admin_api import VLLM_ADMIN_PATHS, build_admin_router
+from gateway.admin_api import build_admin_router
 from gateway.auth import StateView, require_admin
 from gateway.config import GatewayConfig
 from gateway.demo_adapters import watch
@@ -59,6 +59,7 @@ from gateway.shutdown_cutoff import ShutdownCutoff
 from gateway.sqlite_store import SqliteStore, resolve_state_path
 from gateway.store import MemoryStore, StateStore, StoreUnavailable
 from gateway.tenancy import AdapterRecord
+from gateway.vllm_adapter_api import VLLM_ADMIN_PATHS
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
