@@ -220,6 +220,8 @@ class ChatCompletionRequest(SamplingFields):
                                "given")
         try:
             constraint = self.tool_plan().constraint()
+        except InvalidField:  # a function's own parameters: named there
+            raise
         except ValueError as exc:  # the tools' schemas, as one grammar, are too large
             raise InvalidField("tools", str(exc)) from None
         if self.echo and self.tool_plan().mode in ("required", "named"):

@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from engine.invalid_field import InvalidField
 from engine.json_schema_combinations import with_required_tags
 from engine.json_schema_support import unenforced_keyword
 from engine.structured_output import StructuredOutput
@@ -81,8 +82,10 @@ class ToolPlan:
         for function in held:  # checked before the grammar's wrapping
             if function.strict and (reason := unenforced_keyword(
                     with_required_tags(function.schema()))) is not None:
-                raise ValueError(f"the parameters of function {function.name!r}: {reason}; "
-                                 "remove it, or check the arguments yourself")
+                at = self.functions.index(function)  # the tools' order: the request's
+                raise InvalidField(f"tools.[{at}].function.parameters",
+                                   f"the parameters of function {function.name!r}: {reason}; "
+                                   "remove it, or check the arguments yourself")
         # A function without strict is held as well as the grammar can (as OpenAI only
         # tries to fit its arguments): a keyword the grammar drops refuses no call of it.
         best_effort = not all(f.strict for f in held)

@@ -162,7 +162,7 @@ def test_bad_structured_output_requests_are_400(gateway: LiveServer, base_model:
      "response_format"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {
         "name": "f", "strict": True, "parameters": {"type": "object", "properties": {
-            "n": {"type": "number", "multipleOf": 7}}}}}]}, "tools"),
+            "n": {"type": "number", "multipleOf": 7}}}}}]}, "tools.[0].function.parameters"),
     # vLLM's structural tags, malformed.
     ({"response_format": {"type": "structural_tag"}}, "response_format"),
     ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>"}],
@@ -251,6 +251,6 @@ def test_a_tools_unenforced_keyword_is_named_in_the_users_terms(gateway: LiveSer
         "model": base_model, "messages": MESSAGES, "max_tokens": 4, "tools": [tool],
         "tool_choice": "required"})
     assert answer.status_code == 400, answer.text
-    assert answer.json()["error"]["param"] == "tools"
+    assert answer.json()["error"]["param"] == "tools.[0].function.parameters"
     assert answer.json()["error"]["message"].startswith(
         "the parameters of function 'tag': `uniqueItems` at #/properties/tags: ")
