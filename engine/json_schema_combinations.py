@@ -308,7 +308,19 @@ def with_required_tags(schema: Any) -> Any:
     each such branch's ``required``. A tag with a default is not required by the schema, so a
     generated object could leave it out and match every branch; pydantic cannot read such an
     object as its union at all. A copy; ``schema`` itself when nothing changes."""
-    found: list[tuple[dict[str, Any], str]] = []  # (branch, tag) pairs to require
+    if not _untagged_branches(schema):
+        return schema
+    copied = copy.deepcopy(schema)
+    for branch, tag in _untagged_branches(copied):
+        required = branch.get("required")
+        branch["required"] = [*(required if isinstance(required, list) else []), tag]
+    return copied
+
+
+def _untagged_branches(schema: Any) -> list[tuple[dict[str, Any], str]]:
+    """Each branch of a discriminated union in ``schema`` that lists its tag without
+    requiring it, once, with the tag."""
+    found: list[tuple[dict[str, Any], str]] = []
     pending: list[Any] = [schema]
     while pending:
         node = pending.pop()
@@ -331,34 +343,4 @@ def with_required_tags(schema: Any) -> Any:
                     found.append((target, str(tag)))
         pending += [value for key, value in node.items()
                     if key not in ("const", "enum", "default", "examples")]
-    if not found:
-        return schema
-    copied = copy.deepcopy(schema)
-    for branch, tag in found:  # the same node in the copy: found again by its path
-        for path in _paths_to(schema, branch):
-            target = _at(copied, path)
-            required = target.get("required")
-            target["required"] = [*(required if isinstance(required, list) else []), tag]
-            break
-    return copied
-
-
-def _paths_to(root: Any, wanted: Any) -> list[tuple[Any, ...]]:
-    """The paths (keys and indices) at which ``wanted`` (by identity) lies in ``root``."""
-    found: list[tuple[Any, ...]] = []
-    pending: list[tuple[Any, tuple[Any, ...]]] = [(root, ())]
-    while pending and not found:
-        node, path = pending.pop()
-        if node is wanted:
-            found.append(path)
-        elif isinstance(node, dict):
-            pending += [(value, (*path, key)) for key, value in node.items()]
-        elif isinstance(node, list):
-            pending += [(value, (*path, i)) for i, value in enumerate(node)]
     return found
-
-
-def _at(root: Any, path: tuple[Any, ...]) -> Any:
-    for step in path:
-        root = root[step]
-    return root

@@ -56,10 +56,11 @@ class StructuredOutput:
     param: str = field(default="structured_outputs", compare=False)
     """The request field it came from: what a spec that does not compile is refused as (no
     part of its identity: the same grammar from two fields is one)."""
-    best_effort: bool = field(default=False, compare=False)
+    best_effort: bool = False
     """JSON kinds: hold what the grammar can, without refusing a schema keyword it would
-    drop (a forced call of functions none of which is strict, whose arguments OpenAI too
-    only tries to fit to their parameters)."""
+    drop (a forced call of functions not all strict, whose arguments OpenAI too only tries
+    to fit to their parameters). Part of its identity: a spec to be refused is never served
+    from the cached compile of its best-effort twin."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(self.choices))
@@ -158,7 +159,7 @@ class GrammarCompiler:
             if spec.kind in ("json", "structural_tag"):
                 parsed = json.loads(text)  # a clear error for text that is not JSON at all
                 tagged = with_required_tags(parsed)
-                if tagged != parsed:  # a discriminated union's tags, required (see there)
+                if tagged is not parsed:  # a discriminated union's tags, required (see there)
                     parsed, text = tagged, json.dumps(tagged)
                 schemas = [parsed] if spec.kind == "json" else structural_tag_schemas(parsed)
                 for schema in [] if spec.best_effort else schemas:

@@ -149,6 +149,11 @@ def test_the_engine_refuses_the_spec_naming_its_field(tiny_model_dir: Any) -> No
             cache.compile(spec)
         assert caught.value.field == "response_format"
         cache.compile(StructuredOutput("json", json.dumps(ENFORCED[0][0])))
+        # Held best-effort (a forced call of a non-strict function), then asked strictly: the
+        # best-effort compile in the cache does not answer the strict spec.
+        cache.compile(StructuredOutput("json", spec.spec, best_effort=True))
+        with pytest.raises(InvalidField, match="uniqueItems"):
+            cache.compile(spec)
     finally:
         cache.close()
 
