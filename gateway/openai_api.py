@@ -42,8 +42,9 @@ from gateway.exposure import instance_tag
 from gateway.info_api import build_info_router
 from gateway.job import Claim, Job, Outcome, new_request_id
 from gateway.openai_chat_protocol import ChatCompletionRequest
+from gateway.openai_completions_protocol import CompletionRequest
 from gateway.openai_format import PromptEcho, ResponseFormatter
-from gateway.openai_protocol import RANDOM_SEED, SEED_LIMIT, CompletionRequest, SamplingFields
+from gateway.openai_protocol import RANDOM_SEED, SEED_LIMIT, SamplingFields
 from gateway.openai_stream import ClosingStream, collect, sse
 from gateway.prompts import PromptEncoder
 from gateway.responses_api import RESPONSES_PATH, build_responses_router

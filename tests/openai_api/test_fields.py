@@ -15,8 +15,9 @@ from openai.types.chat import completion_create_params as chat_create_params
 from pydantic import BaseModel, ValidationError
 
 from gateway.openai_chat_protocol import ChatCompletionRequest
+from gateway.openai_completions_protocol import CompletionRequest
 from gateway.openai_fields import CHAT, COMPLETIONS, Unsupported
-from gateway.openai_protocol import CompletionRequest, StreamOptions
+from gateway.openai_protocol import StreamOptions
 from gateway.openai_structured import StructuredOutputs
 from tests.live_servers import LiveServer
 
