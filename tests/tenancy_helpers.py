@@ -1,4 +1,4 @@
-"""Helpers of the tenancy tests (tests/test_tenancy_live.py): the live setup's parts and the
+"""Helpers of the tenancy tests (tests/tenancy/): the live setup's parts and the
 admin and client calls they make."""
 
 from __future__ import annotations
