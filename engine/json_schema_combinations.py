@@ -18,11 +18,18 @@ from typing import Any
 
 import regex
 
-ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment",
-                         "deprecated", "readOnly", "writeOnly", "$schema", "$id", "$anchor",
-                         "$defs", "definitions", "discriminator", "nullable"})
-"""Keywords that constrain no instance here (``discriminator`` is OpenAPI's hint beside a
-oneOf; ``nullable`` is only read as OpenAPI's by xgrammar too)."""
+ASSERTIONS = frozenset({
+    "type", "enum", "const", "multipleOf", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems", "maxItems",
+    "uniqueItems", "contains", "minContains", "maxContains", "minProperties", "maxProperties",
+    "required", "dependentRequired", "dependencies", "properties", "patternProperties",
+    "additionalProperties", "propertyNames", "unevaluatedProperties", "items", "prefixItems",
+    "additionalItems", "unevaluatedItems", "allOf", "anyOf", "oneOf", "not", "if", "then",
+    "else", "dependentSchemas", "$ref", "$dynamicRef", "$recursiveRef"})
+"""The JSON Schema keywords that constrain an instance, and ``format`` when it names one
+of KNOWN_FORMATS. Every other key annotates (title, default, ``discriminator``, OpenAPI's
+``nullable``, which xgrammar reads as an annotation too) or is unknown (``x-order``, Gemini's
+``propertyOrdering``), and JSON Schema ignores unknown keywords, as the grammar does."""
 NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 STRING_KEYWORDS = ("pattern", "minLength", "maxLength", "format")
 ARRAY_KEYWORDS = ("minItems", "maxItems", "uniqueItems")
@@ -55,7 +62,15 @@ def combination_problem(node: dict[str, Any], root: Any) -> Found:
 
 
 def _constraints(node: dict[str, Any], besides: tuple[str, ...]) -> list[str]:
-    return [key for key in node if key not in ANNOTATIONS and key not in besides]
+    return [key for key in node if key not in besides and (
+        key in ASSERTIONS or (key == "format" and _known_format(node)))]
+
+
+def _known_format(node: dict[str, Any]) -> bool:
+    """Whether the node's ``format`` is one the grammar generates (any other value, a
+    non-string included, annotates)."""
+    value = node.get("format")
+    return isinstance(value, str) and value in KNOWN_FORMATS
 
 
 def _taken_alone(node: dict[str, Any]) -> Found:
@@ -119,7 +134,7 @@ def _scalar_breaks(node: dict[str, Any], value: Any) -> str | None:
 
 def _string_keywords(node: dict[str, Any]) -> Found:
     lengths = [key for key in ("minLength", "maxLength") if key in node]
-    if node.get("format") in KNOWN_FORMATS:
+    if _known_format(node):
         for key in ("pattern", *lengths):
             if key in node and not _implied_beside_format(key, node[key]):
                 return key, (f"structured output drops it beside format "
@@ -145,7 +160,7 @@ def _untyped(node: dict[str, Any]) -> Found:
         return None
     for keyword in (*NUMBER_KEYWORDS, *STRING_KEYWORDS, *ARRAY_KEYWORDS):
         if keyword in node:
-            if keyword == "format" and node[keyword] not in KNOWN_FORMATS:
+            if keyword == "format" and not _known_format(node):
                 continue  # an annotation
             return keyword, "structured output holds it only in a schema that gives type"
     return None

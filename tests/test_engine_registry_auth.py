@@ -4,6 +4,8 @@ tenant's prompt. Live gateway and engines over a private real Redis."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -13,8 +15,9 @@ from pathlib import Path
 
 import httpx
 import redis
+import redis.asyncio as aioredis
 
-from engine.http.registry import signed_entry, verified_url
+from engine.http.registry import heartbeat, registry_client, signed_entry, verified_url
 from gateway.exposure import instance_tag
 from tests.live_http import instances, metric, poll
 from tests.live_servers import start_engine, start_gateway
@@ -125,4 +128,59 @@ def test_a_draining_engine_withdraws_its_registry_entries(tiny_model_dir: Path,
         assert engine.process.wait(30) == 0
     finally:
         engine.stop()
+        store.stop()
+
+
+def test_a_beat_whose_reply_timed_out_is_withdrawn_too(tmp_path: Path) -> None:
+    # Under load the heartbeat's ZADD can land while its reply misses the client's 0.5 s
+    # socket timeout. The drain must withdraw that member as well, or gateways keep
+    # discovering a stopped engine until its TTL. A proxy in front of a real Redis holds
+    # back the reply to a ZADD while `hold_zadd` is set; everything else passes at once.
+    store = private_redis(tmp_path)
+    hold_zadd = True
+
+    async def relay(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", store.port)
+        zadd_sent = asyncio.Event()
+
+        async def requests() -> None:
+            while data := await client_r.read(65536):
+                if hold_zadd and b"ZADD" in data:
+                    zadd_sent.set()
+                server_w.write(data)
+                await server_w.drain()
+            server_w.close()
+
+        async def replies() -> None:
+            while data := await server_r.read(65536):
+                if zadd_sent.is_set():
+                    zadd_sent.clear()
+                    await asyncio.sleep(1.0)
+                client_w.write(data)
+                await client_w.drain()
+            client_w.close()
+
+        with contextlib.suppress(OSError):
+            await asyncio.gather(requests(), replies())
+
+    async def scenario() -> None:
+        nonlocal hold_zadd
+        proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
+        port = proxy.sockets[0].getsockname()[1]
+        direct = aioredis.from_url(store.url, decode_responses=True)
+        draining = False
+        beats = asyncio.create_task(heartbeat(
+            registry_client(f"redis://127.0.0.1:{port}/0"), "http://e:1", TOKEN,
+            ttl_s=30.0, draining=lambda: draining))
+        await asyncio.sleep(1.5)  # the first beat timed out (logged) after its write landed
+        assert await direct.zcard(ENGINES_KEY) == 1
+        hold_zadd, draining = False, True
+        await asyncio.wait_for(beats, 10)
+        assert await direct.zrange(ENGINES_KEY, 0, -1) == []  # not left for its 30 s TTL
+        await direct.aclose()
+        proxy.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
         store.stop()

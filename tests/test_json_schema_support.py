@@ -74,6 +74,11 @@ ENFORCED = [  # what stays allowed, and why it may: the grammar refuses the viol
     ({"type": "integer", "multipleOf": 7, "minimum": 0, "maximum": 70}, "45"),
     ({"type": "string", "format": "not-a-known-format", "pattern": "^[a-z]+$"}, '"B"'),
     ({"type": "string", "pattern": "^[^0-9$]+$"}, '"1"'),
+    # Keys JSON Schema does not know are ignored beside anything (vendor extensions).
+    ({"anyOf": [INTEGERS, {"type": "null"}], "x-order": 1, "propertyOrdering": ["a"]},
+     '"x"'),
+    ({"$ref": "#/$defs/a", "x-go-type": "int", "$defs": {"a": INTEGERS}}, '"x"'),
+    ({"type": "string", "enum": ["red", "green"], "x-enum-varnames": ["R", "G"]}, '"blue"'),
     # pydantic's HttpUrl: lengths its format's values meet (the 2083 cap let through).
     ({"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083}, '"no uri"'),
     ({"oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}],

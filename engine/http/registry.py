@@ -106,8 +106,10 @@ async def heartbeat(client: aioredis.Redis, engine_url: str, token: str,
                 # returns it, its signed expiry has not passed.
                 exp = math.ceil(time.time() + ttl_s) + 1
                 member = signed_entry(token, engine_url, exp)
-                await register(client, key, member, ttl_s)
+                # Remembered before the write: a reply that times out may follow a write
+                # that landed, and the drain must withdraw that member too.
                 written[member] = exp
+                await register(client, key, member, ttl_s)
             except (RedisError, OSError) as exc:  # the text may name the server: not logged
                 log.warning("engine registry unreachable: %s", type(exc).__name__)
             now = time.time()
