@@ -51,8 +51,9 @@ class StructuredOutput:
     spec: str = ""
     choices: tuple[str, ...] = field(default_factory=tuple)
     any_whitespace: bool = True
-    """JSON kinds: whitespace between tokens as JSON allows; False: compact JSON only (a
-    small model can otherwise spend its whole budget on whitespace)."""
+    """JSON kinds: whitespace between tokens as JSON allows; False: single-line JSON only,
+    one space after each ':' and ',' (a small model can otherwise spend its whole budget on
+    whitespace)."""
     param: str = field(default="structured_outputs", compare=False)
     """The request field it came from: what a spec that does not compile is refused as (no
     part of its identity: the same grammar from two fields is one)."""

@@ -66,6 +66,20 @@ def check_owner(owner: str | None, public: bool) -> None:
                        "public=true for an adapter every tenant may use)", param="owner")
 
 
+def check_upload_alias(records: list[AdapterRecord], owner: str | None, param: str) -> None:
+    """A second name for an uploaded directory (``records``: the names it has) reaches no
+    tenant that the upload's own names do not: the same owner, or public beside a public
+    name. Widening who may use an upload is a PATCH of its own record, which says so."""
+    private = [r for r in records if r.owner is not None]
+    if not private or owner in {r.owner for r in records}:
+        return
+    first = private[0]
+    raise ApiError(400, f"this path is the upload of adapter {first.name!r}, private to tenant "
+                   f"{first.owner!r}: register it with owner {first.owner!r}, or widen who "
+                   f"may use it with PATCH /admin/adapters/{first.name} (shared_with, owner)",
+                   param=param, code="adapter_private")
+
+
 def max_rank(gw: Gateway) -> int:
     """The smallest max_lora_rank the engines report: what every one of them can load."""
     ranks = [i.max_lora_rank for i in gw.pool.instances.values() if i.max_lora_rank]

@@ -108,7 +108,9 @@ def build_admin_router(model_dir: str, pending: lifecycle.PendingDeletes) -> API
         adapter = await validate_adapter(body.name, path, shape, lifecycle.max_rank(gw))
         # A second name for an uploaded directory shares the upload (see adapter_admin).
         known = (await gw.view.store.snapshot()).adapters.values()
-        upload_id = next((a.upload_id for a in known if a.path == path and a.upload_id), None)
+        same_upload = [a for a in known if a.path == path and a.upload_id]
+        lifecycle.check_upload_alias(same_upload, body.owner, param="path")
+        upload_id = same_upload[0].upload_id if same_upload else None
         record = AdapterRecord(body.name, path, body.owner, tuple(body.shared_with),
                                digest=adapter.digest, upload_id=upload_id)
         return await record_adapter(gw, record)

@@ -282,7 +282,7 @@ class ChatCompletionRequest(SamplingFields):
             + documents_chars(self.documents or [])
 
     def _compact_json_elsewhere(self) -> bool:
-        return self.tool_plan().mode in ("required", "named")  # its calls are compact JSON
+        return self.tool_plan().mode in ("required", "named")  # its calls are single-line JSON
 
     def tool_plan(self) -> ToolPlan:
         functions = tuple(Function(t.function.name, t.function.description,

@@ -142,7 +142,7 @@ STREAM_OPTIONS: Mapping[str, Unsupported] = {
 
 STRUCTURED_OUTPUTS: Mapping[str, Unsupported] = {
     "whitespace_pattern": _off(reason="JSON follows xgrammar's whitespace rules "
-                                      "(disable_any_whitespace: compact JSON)"),
+                                      "(disable_any_whitespace: single-line JSON)"),
 }
 """The structured_outputs object (vLLM's)."""
 

@@ -247,7 +247,7 @@ class SamplingFields(StrictRequest):
         return self
 
     def _compact_json_elsewhere(self) -> bool:
-        """Whether the request's output is compact JSON by another field (a forced tool
+        """Whether the request's output is single-line JSON by another field (a forced tool
         call's), which disable_any_whitespace then asks for as well."""
         return False
 

@@ -228,7 +228,12 @@ class RateLimiter:
         unit = "requests" if admission.reason == "rpm" else "tokens"
         need = f"; this request needs {tokens} (prompt + max_tokens)" if tokens else ""
         self.rejections.labels(admission.reason or "").inc()
+        # The sliding window's last second can make the wait 61 s; the openai SDK honours a
+        # Retry-After of at most 60 and otherwise retries at once, spending its retries
+        # while still refused. Said as 60, a retry is at most one second early, and its 429
+        # says "1".
+        retry = min(admission.retry_after_s, sw.WINDOW_S)
         return ApiError(429, f"rate limit exceeded: {admission.reason} (tenant "
                         f"{tenant.tenant_id} may use {limit} {unit} per minute{need}); retry "
-                        f"in {admission.retry_after_s}s", code=f"{admission.reason}_exceeded",
-                        headers={"Retry-After": str(admission.retry_after_s)})
+                        f"in {retry}s", code=f"{admission.reason}_exceeded",
+                        headers={"Retry-After": str(retry)})

@@ -232,6 +232,16 @@ def test_delete_removes_only_directories_its_upload_created(setup: Setup) -> Non
         assert (path / "adapter_model.safetensors").is_file()
     assert upload(setup, "up", tar_dir(setup.new), "&owner=tb").status_code == 201
     up = Path(admin(setup, "GET", "/admin/adapters/up").json()["path"])
+    # A second name reaches no tenant the upload's own does not: not another, not everyone.
+    for fields in ({"owner": "ta"}, {"public": True}):
+        refused = register(setup, "up-wider", up, **fields)
+        assert refused.status_code == 400, refused.text
+        assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == (
+            "path", "adapter_private")
+    vllm = admin(setup, "POST", "/v1/load_lora_adapter",
+                 json={"lora_name": "up-wider", "lora_path": str(up)})
+    assert (vllm.status_code, vllm.json()["error"]["param"]) == (400, "lora_path")
+    assert complete(setup, "ta", "up-wider").status_code == 404
     assert register(setup, "up-alias", up, owner="tb").status_code == 201
     assert admin(setup, "DELETE", "/admin/adapters/up-alias").status_code == 200
     assert (up / "adapter_model.safetensors").is_file()

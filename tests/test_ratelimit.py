@@ -252,6 +252,27 @@ def test_an_unset_max_tokens_reserves_only_what_the_tpm_leaves_beside_the_prompt
     run(scenario())
 
 
+def test_retry_after_is_at_most_a_minute(make_store: Callable[[], StateStore]) -> None:
+    # At the start of a second, the oldest bucket leaves in 61 s: said as 60 (what the
+    # openai SDK waits for at most), and the retry then is told the second left.
+    async def scenario() -> None:
+        clock = Clock()
+        lim = limiter(make_store(), clock)
+        principal = caller(rpm=1)
+        clock.at(0.0)
+        await lim.release(await lim.admit(principal), 0, reached_engine=True)
+        for offset, said in ((0.0, "60"), (60.0, "1")):
+            clock.at(offset)
+            with pytest.raises(ApiError) as refused:
+                await lim.admit(principal)
+            assert refused.value.headers["Retry-After"] == said
+            assert refused.value.message.endswith(f"retry in {said}s")
+        clock.at(61.0)
+        await lim.admit(principal)
+
+    run(scenario())
+
+
 def test_rpm_is_a_sliding_window_too(make_store: Callable[[], StateStore]) -> None:
     async def scenario() -> None:
         clock = Clock()

@@ -309,7 +309,7 @@ TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "o
 @pytest.mark.parametrize("extra, compact", [
     ({"response_format": {"type": "json_object"}}, True),
     ({"guided_json": {"type": "object"}}, True),
-    ({"tools": TOOL, "tool_choice": "required"}, True),     # its calls are compact JSON
+    ({"tools": TOOL, "tool_choice": "required"}, True),     # its calls are single-line JSON
     ({"tools": TOOL, "tool_choice": {"type": "function", "function": {"name": "f"}}}, True),
     ({"tools": TOOL}, False),                                # auto: free text
     ({"guided_regex": "a+"}, False),
