@@ -227,11 +227,20 @@ class ChatCompletionRequest(SamplingFields):
         if self.echo and self.tool_plan().mode in ("required", "named"):
             raise InvalidField("echo", "echo cannot be combined with a forced tool call "
                                "(tool_choice required or named): its answer is the call")
-        if constraint is not None and self.structured_output() is not None:
+        if constraint is not None and self.structured_output() is not None and not (
+                self._format_of_no_text()):
             raise InvalidField("tool_choice", "a constrained tool call (tool_choice required "
                                "or named, or a strict function) cannot be combined with "
                                "another structured output constraint")
         return self
+
+    def _format_of_no_text(self) -> bool:
+        """Whether the only structured output is a response_format beside a forced call: it
+        shapes the message's text, and a forced answer is its calls, with no text. OpenAI
+        takes the pair (instructor's Responses modes send it); vLLM's guided fields and
+        structured_outputs constrain the generated text itself, so they stay refused."""
+        given = [name for name, spec in self._constraints() if spec is not None]
+        return given == ["response_format"] and self.tool_plan().mode in ("required", "named")
 
     def structured_constraint(self) -> StructuredOutput | None:
         """The request's constraint: a forced tool call's, else the structured output's."""

@@ -176,14 +176,15 @@ class ToolPlan:
         """(content, OpenAI tool_calls) of an output cut at max_tokens. A call a grammar
         holds stays a call, as OpenAI returns it: its arguments are the text so far (not
         JSON yet); under ``required``, every call whose arguments began, else no call and no
-        content (the array is the grammar's, never the answer's text). Under ``auto`` the
-        text is content, but for the calls of held blocks."""
+        content (the array is the grammar's, never the answer's text). Under ``auto`` as a
+        finished output is read: a block closed before the cut is a call (the text ran on
+        after it), a held block cut inside a call too; a block the cut left open is
+        content."""
         if self.mode == "named":
             return None, [self.named_call(text)]
         if self.mode == "required":
             return None, self.read_calls(text)[1]
-        content, found = self.read_calls(text) if self.reads_calls_as_generated else (text, [])
-        return (content, found) if found else (text, [])
+        return self.parse(text)
 
     @property
     def reads_calls_as_generated(self) -> bool:

@@ -196,15 +196,17 @@ def test_strict_auto_calls_stream_their_arguments_as_generated(tiny_model_dir: P
     ('<tool_call>{"name": "add", "arguments": {}}</tool_call>', ""),
     ('{"a": 1} <tool_call>{"name": "add", "arguments": {}}</tool_call>', '{"a": 1} ')])
 @pytest.mark.parametrize("size", [3, 9, 1000])  # the last: all of it with the finish
+@pytest.mark.parametrize("finish", ["stop", "length"])
 def test_auto_calls_leave_the_same_content_streamed_or_whole(tiny_model_dir: Path,
                                                              text: str, content: str,
-                                                             size: int) -> None:
+                                                             size: int, finish: str) -> None:
     # The text before the first call as it came (vLLM's content; a stream may have sent
-    # it already), what lies outside the calls after it less trailing whitespace.
+    # it already), what lies outside the calls after it less trailing whitespace. Cut at
+    # max_tokens after its blocks closed, the same calls and content, finish "length".
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     tools = ToolPlan((Function("add", None, {"type": "object"}),), "auto")
     chunks = [StreamChunk("r", [5], text[i:i + size], 3, i + 1,
-                          "stop" if i + size >= len(text) else None)
+                          finish if i + size >= len(text) else None)
               for i in range(0, len(text), size)]
     streamed = _formatter(tokenizer, tools)
     deltas = [e["choices"][0]["delta"] for chunk in chunks
@@ -213,7 +215,10 @@ def test_auto_calls_leave_the_same_content_streamed_or_whole(tiny_model_dir: Pat
     sent = "".join(d.get("content") or "" for d in deltas)
     assert (choice["message"]["content"] or "") == sent
     assert sent == content
-    assert choice["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["add"]
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls") or []] == [
+        "add"]
+    assert choice["finish_reason"] == ("tool_calls" if finish == "stop" else "length")
 
 
 def test_text_offsets_index_the_text_where_characters_span_tokens(

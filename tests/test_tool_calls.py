@@ -146,6 +146,20 @@ def test_a_forced_call_cut_short_stays_a_call(comma: str) -> None:
     assert ToolPlan((WEATHER, ADD), "auto").parse_cut('{"city": "Ro') == ('{"city": "Ro', [])
 
 
+def test_an_auto_block_closed_before_the_cut_is_a_call() -> None:
+    # The model closed a call, then ran on until max_tokens: the call is returned as when a
+    # stop string ends the same text (vLLM's hermes parser reads it so too); a block the cut
+    # left open stays text.
+    auto = ToolPlan((WEATHER, ADD), "auto")
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    text = f"Let me check. {block}\nThe weather in Paris is usually"
+    content, found = auto.parse_cut(text)
+    assert _calls(found) == [("get_weather", {"city": "Paris"})]
+    assert content == "Let me check. \nThe weather in Paris is usually"
+    opened = 'Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1'
+    assert auto.parse_cut(opened) == (opened, [])
+
+
 @pytest.mark.parametrize("text, sendable", [
     ("Hello there", "Hello there"),
     ("Hello <tool", "Hello "),                 # may become a tag: held back

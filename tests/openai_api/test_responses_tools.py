@@ -118,6 +118,20 @@ def test_a_call_cut_at_max_output_tokens_is_an_incomplete_item(client: openai.Op
     assert whole.output[0].arguments == final.output[0].arguments
 
 
+def test_a_forced_call_takes_a_text_format_it_has_no_text_for(client: openai.OpenAI,
+                                                               base_model: str) -> None:
+    # As instructor's RESPONSES_TOOLS mode sends it, and OpenAI answers it: the call.
+    reply = client.responses.create(
+        model=base_model, input=ASK, tools=TOOLS, temperature=0, max_output_tokens=60,
+        tool_choice={"type": "function", "name": "get_time"},
+        text={"format": {"type": "json_schema", "name": "User", "strict": True, "schema": {
+            "type": "object", "properties": {"name": {"type": "string"}},
+            "required": ["name"], "additionalProperties": False}}})
+    (call,) = reply.output
+    assert isinstance(call, ResponseFunctionToolCall) and call.name == "get_time"
+    assert _valid(call.name, call.arguments) and reply.text.format.type == "json_schema"
+
+
 def test_an_empty_tools_list_is_no_tools(client: openai.OpenAI, base_model: str) -> None:
     """As the openai-agents SDK sends it for an agent without tools."""
     request: dict[str, Any] = {"model": base_model, "input": ASK, "max_output_tokens": 4,
@@ -202,7 +216,7 @@ def test_an_adapter_as_model_answers_as_on_chat(client: openai.OpenAI, model: st
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required",
+    ({"tools": [{**TOOLS[0], "strict": True}], "tool_choice": "auto",  # calls or text
       "text": {"format": {"type": "json_object"}}}, "tool_choice"),
     ({"tools": TOOLS + TOOLS[:1]}, "tools"),
     ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools.[0].name"),

@@ -63,6 +63,24 @@ def test_required_always_calls_a_tool(client: openai.OpenAI, base_model: str,
                 assert _valid(call.function.name, call.function.arguments)
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+def test_a_forced_call_takes_a_response_format_it_has_no_text_for(
+        client: openai.OpenAI, base_model: str, choice: Any) -> None:
+    # OpenAI takes the pair (instructor's Responses modes send it): response_format shapes
+    # a message's text, and a forced answer is its calls.
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "t", "strict": True, "schema": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+        "additionalProperties": False}}}
+    reply = client.chat.completions.create(
+        model=base_model, messages=ASK, tools=TOOLS, tool_choice=choice, response_format=fmt,
+        parallel_tool_calls=False, max_tokens=60, temperature=0)
+    [call] = reply.choices[0].message.tool_calls or []
+    assert reply.choices[0].message.content is None
+    assert reply.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop")
+    assert _valid(call.function.name, call.function.arguments)
+
+
 class Room(enum.StrEnum):
     kitchen = "kitchen"
     hall = "hall"
@@ -245,7 +263,9 @@ def test_tool_choice_none_or_an_empty_tools_list_is_a_plain_answer(client: opena
     {"tool_choice": "required"},
     {"tool_choice": "auto"},                                     # a choice among no tools
     {"tools": [], "tool_choice": "required"},                    # a choice among no tools
-    {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+    {"tools": TOOLS, "tool_choice": "required", "guided_json": {"type": "object"}},
+    {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"},
+     "guided_regex": "[a-z]+"},
     {"tools": TOOLS + TOOLS[:1]},                                # a name twice
     {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
     {"functions": [{"name": "f"}]},                              # the legacy API
