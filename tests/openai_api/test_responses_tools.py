@@ -129,7 +129,8 @@ def test_a_forced_call_takes_a_text_format_it_has_no_text_for(client: openai.Ope
             "required": ["name"], "additionalProperties": False}}})
     (call,) = reply.output
     assert isinstance(call, ResponseFunctionToolCall) and call.name == "get_time"
-    assert _valid(call.name, call.arguments) and reply.text.format.type == "json_schema"
+    assert _valid(call.name, call.arguments)
+    assert reply.text and reply.text.format and reply.text.format.type == "json_schema"
 
 
 def test_an_empty_tools_list_is_no_tools(client: openai.OpenAI, base_model: str) -> None:

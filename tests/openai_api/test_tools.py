@@ -76,7 +76,7 @@ def test_a_forced_call_takes_a_response_format_it_has_no_text_for(
         model=base_model, messages=ASK, tools=TOOLS, tool_choice=choice, response_format=fmt,
         parallel_tool_calls=False, max_tokens=60, temperature=0)
     [call] = reply.choices[0].message.tool_calls or []
-    assert reply.choices[0].message.content is None
+    assert call.type == "function" and reply.choices[0].message.content is None
     assert reply.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop")
     assert _valid(call.function.name, call.function.arguments)
 
