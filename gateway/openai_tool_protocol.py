@@ -5,12 +5,13 @@ at this edge."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 from engine.structured_output import MAX_SPEC_CHARS
-from gateway.openai_fields import StrictRequest
+from gateway.openai_fields import StrictRequest, Unsupported
 from gateway.openai_text import Text
 
 
@@ -88,5 +89,11 @@ class NamedFunction(StrictRequest):
 
 
 class NamedToolChoice(StrictRequest):
+    """A named function to call; OpenAI's other object form, allowed_tools, is refused by
+    name (a request's tools can be narrowed to the allowed ones instead)."""
+
     type: Literal["function"]
     function: NamedFunction
+    UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = {
+        "allowed_tools": Unsupported((), "send only the allowed functions in tools"),
+    }

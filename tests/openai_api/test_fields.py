@@ -246,6 +246,16 @@ def test_a_nested_unsupported_field_is_named_once_by_its_path(
     assert error["message"].startswith(
         "structured_outputs.whitespace_pattern is not supported"), error
     assert error["message"].count("whitespace_pattern") == 1, error
+    # OpenAI's allowed_tools form of tool_choice: named as unsupported, not as unknown.
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=base_model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "allowed_tools", "allowed_tools": {
+                "mode": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]}})
+    assert caught.value.param == "tool_choice.allowed_tools", caught.value.body
+    assert "allowed_tools is not supported: send only the allowed functions" in str(
+        caught.value.body)
 
 
 def test_the_server_answers_400_naming_an_unknown_field(gateway: LiveServer,
