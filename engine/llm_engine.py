@@ -277,13 +277,15 @@ class LLMEngine:
         self.isolation.succeeded(sched)
         t2 = time.perf_counter()
         self._store_prompt_logprobs(result.prompt_logprobs)
-        updated = self.scheduler.update(sched, result.sampled,
-                                        result.no_token + result.non_finite)
+        updated = self.scheduler.update(sched, result.sampled, result.no_token +
+                                        result.non_finite + list(result.grammar_over_budget))
         now = time.monotonic()
         outputs = failed + [self._on_new_token(self._tracked[r.request_id], result.logprobs,
                                                now) for r in updated]
         outputs += [self._fail(r, NO_TOKEN_MESSAGE, "invalid_request") for r in result.no_token]
         outputs += [self._fail(r, NON_FINITE_MESSAGE) for r in result.non_finite]
+        outputs += [self._fail(r, why, "invalid_request")
+                    for r, why in result.grammar_over_budget.items()]
         t3 = time.perf_counter()
         prefill_tokens = sum(c.num_tokens for c in sched.chunks if not c.sample or
                              c.num_tokens > 1)

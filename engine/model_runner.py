@@ -14,6 +14,7 @@ from engine.cascade_spans import span_kernel_fits
 from engine.config import EngineConfig
 from engine.cpu_kernels import load_fused_ops, load_paged_decode, load_span_attention
 from engine.decode_graphs import DecodeGraphs
+from engine.grammar_matchers import GrammarMatchers
 from engine.input_batch import InputBatch
 from engine.kv_cache import blocks_for
 from engine.lazy_zeros import lazy_zeros
@@ -23,7 +24,6 @@ from engine.paged_decode import CopyBuffers
 from engine.prompt_logprobs import PromptLogprob, plan_prompt_rows, score_prompt_rows
 from engine.sampler import NO_TOKEN, NON_FINITE, Sampler
 from engine.scheduler_output import SchedulerOutput
-from engine.structured_output import GrammarMatchers
 from engine.triton_attention import default_block_m, resolve_attention_backend
 from lora.layers import LoraSlots
 from lora.ops import build_lora_metadata, resolve_backend
@@ -38,6 +38,8 @@ class RunnerOutput:
     """Requests due a token whose constraints allowed none (nothing sampled for them)."""
     non_finite: list[str] = field(default_factory=list)
     """Requests due a token whose logits were NaN or +inf (nothing sampled for them)."""
+    grammar_over_budget: dict[str, str] = field(default_factory=dict)
+    """Requests whose grammar cost too much to match, with why (their tokens dropped)."""
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
     """Per request asking for them: (first prompt position scored, one entry per position)."""
@@ -205,8 +207,12 @@ class ModelRunner:
                               if token == NON_FINITE]
             ids, rows = [ids[i] for i in kept], [rows[i] for i in kept]
             tokens, logprobs = [tokens[i] for i in kept], [logprobs[i] for i in kept]
+        out.grammar_over_budget = self.grammars.accept(ids, tokens)
+        if out.grammar_over_budget:
+            kept = [i for i, r in enumerate(ids) if r not in out.grammar_over_budget]
+            ids, rows = [ids[i] for i in kept], [rows[i] for i in kept]
+            tokens, logprobs = [tokens[i] for i in kept], [logprobs[i] for i in kept]
         self._count_penalized(rows, tokens)
-        self.grammars.accept(ids, tokens)
         for request_id, token, lp in zip(ids, tokens, logprobs, strict=True):
             self.batch.append_sampled(request_id, token)
             out.sampled[request_id] = token

@@ -28,7 +28,7 @@ from engine.json_schema_combinations import with_required_tags
 from engine.json_schema_support import structural_tag_schemas, unenforced_keyword
 
 if TYPE_CHECKING:
-    import torch  # annotations only: the gateway imports this module for its specs
+    pass  # annotations only: the gateway imports this module for its specs
 
 log = logging.getLogger(__name__)
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -195,51 +195,3 @@ def library_reason(message: str) -> str:
     lines = message.strip().splitlines()
     reason = _LOG_PREFIX.sub("", lines[0]).strip() if lines else ""
     return reason[:300] or "invalid"
-
-
-class GrammarMatchers:
-    """The runner's matchers, one per running request that has a grammar, and the bitmask
-    buffer of a step."""
-
-    def __init__(self, max_rows: int) -> None:
-        self._matchers: dict[str, Any] = {}
-        self._max_rows = max_rows
-        self._bitmask: torch.Tensor | None = None
-
-    def prepare(self, request_id: str, compiled: Any) -> None:
-        import xgrammar
-
-        self._matchers[request_id] = xgrammar.GrammarMatcher(compiled)
-        if self._bitmask is None:
-            self._bitmask = xgrammar.allocate_token_bitmask(
-                self._max_rows, compiled.tokenizer_info.vocab_size)
-
-    def release(self, request_ids: Iterable[str]) -> None:
-        for request_id in request_ids:
-            self._matchers.pop(request_id, None)
-
-    def mask(self, logits: torch.Tensor, raw: torch.Tensor, request_ids: list[str]
-             ) -> torch.Tensor:
-        """``logits`` [N, V] (already adjusted) with the grammar-forbidden tokens of each
-        constrained row set to -inf; a copy when ``logits`` is ``raw`` (whose values the
-        logprobs report)."""
-        rows = [i for i, r in enumerate(request_ids) if r in self._matchers]
-        if not rows:
-            return logits
-        import xgrammar
-
-        assert self._bitmask is not None
-        if logits is raw:
-            logits = logits.clone()
-        for i in rows:
-            self._matchers[request_ids[i]].fill_next_token_bitmask(self._bitmask, i)
-        xgrammar.apply_token_bitmask_inplace(logits, self._bitmask[:len(request_ids)].to(
-            logits.device), indices=rows)
-        return logits
-
-    def accept(self, request_ids: list[str], tokens: list[int]) -> None:
-        for request_id, token in zip(request_ids, tokens, strict=True):
-            matcher = self._matchers.get(request_id)
-            if matcher is not None and not matcher.is_terminated() \
-                    and not matcher.accept_token(token):
-                log.warning("request %s: token %d is outside its grammar", request_id, token)

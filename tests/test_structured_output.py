@@ -146,3 +146,27 @@ def test_a_spec_that_compiles_too_long_is_refused_and_the_next_one_compiles(
             "regex", "[d-f]{2}"))).grammar
     finally:
         builder.close()
+
+
+def test_a_matcher_goes_over_budget_on_one_costly_token_or_many_slow_ones() -> None:
+    from engine.grammar_matchers import (
+        BASE_BUDGET_S,
+        PER_TOKEN_BUDGET_S,
+        STEP_BUDGET_S,
+        _Matcher,
+    )
+
+    one = _Matcher(matcher=None)
+    one.tokens = 1
+    one.charge(STEP_BUDGET_S * 0.9)
+    assert one.over is None
+    one.charge(STEP_BUDGET_S * 1.5)
+    assert one.over is not None and "for one token" in one.over
+    # Each token under the step budget, yet together over the base plus a share per token.
+    slow = _Matcher(matcher=None)
+    step = STEP_BUDGET_S * 0.9
+    while slow.over is None:
+        slow.tokens += 1
+        slow.charge(step)
+    assert slow.tokens == int(BASE_BUDGET_S / (step - PER_TOKEN_BUDGET_S)) + 1
+    assert slow.over.endswith(f"for {slow.tokens} tokens")

@@ -294,3 +294,19 @@ def test_constraints_that_allow_no_token_end_the_request_with_a_400(
                                                     "min_tokens": 3})
     assert allowed.choices[0].finish_reason == "length"  # 5 and 6 were left
     assert_healthy(gateway, client, base_model)
+
+
+def test_a_grammar_too_costly_to_match_ends_its_request_not_the_engine(
+        client: openai.OpenAI, gateway: LiveServer, base_model: str,
+        tokenizer: PreTrainedTokenizerBase) -> None:
+    # Nested repetitions of overlapping alternatives compile at once, then their matching
+    # grows about 1.6x a token (here past 0.1 s of CPU by the 8th "a"): the request ends
+    # with a 400 before it stalls the engine's steps, and the engine serves on.
+    a = tokenizer.convert_tokens_to_ids("a")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=base_model, prompt="hi", max_tokens=60, extra_body={
+            "guided_regex": "((a|aa)*){1,100}c", "allowed_token_ids": [a]})
+    error = refused.value.body
+    assert isinstance(error, dict) and error["code"] == "invalid_request", error
+    assert "too costly to match" in error["message"] and "(a|aa)*" in error["message"]
+    assert_healthy(gateway, client, base_model)
