@@ -136,11 +136,13 @@ def chat_messages(instructions: str | None, items: list[Any]) -> list[dict[str, 
     """The chat messages of a request: ``instructions`` as a system message first, then the
     input. Calls in a row (a response's parallel calls) are one assistant message's
     ``tool_calls``, joined to the assistant message just before them if there is one (its
-    text and calls were one answer); each output is a ``tool`` message."""
+    text and calls were one answer); each output is a ``tool`` message, and answers a call
+    given before it (as OpenAI requires: nothing is stored that an output could refer to)."""
     messages: list[dict[str, Any]] = []
     if instructions is not None:
         messages.append({"role": "system", "content": instructions})
-    for item in items:
+    called: set[str] = set()
+    for index, item in enumerate(items):
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _chat_content(item.content)})
         elif isinstance(item, FunctionCallItem):
@@ -149,8 +151,13 @@ def chat_messages(instructions: str | None, items: list[Any]) -> list[dict[str, 
             if not messages or messages[-1]["role"] != "assistant":
                 messages.append({"role": "assistant", "content": None})
             messages[-1].setdefault("tool_calls", []).append(call)
+            called.add(item.call_id)
         else:
             assert isinstance(item, FunctionCallOutputItem)
+            if item.call_id not in called:
+                raise InvalidField(f"input.[{index}].call_id", (
+                    f"no function_call item before input[{index}] has call_id "
+                    f"{item.call_id[:64]!r}: send the call with its output"))
             messages.append({"role": "tool", "tool_call_id": item.call_id,
                              "content": _chat_content(item.output)})
     return messages

@@ -158,7 +158,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._cancel_header_timer()
         self.flow.resume_reading()  # a body over uvicorn's high-water mark paused reading
         if transport.can_write_eof():
-            transport.write_eof()
+            try:
+                transport.write_eof()
+            except OSError:  # the peer is gone already (ENOTCONN): nothing to linger for
+                transport.close()
+                return
         self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
 
     def pause_writing(self) -> None:

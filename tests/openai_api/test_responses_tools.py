@@ -220,6 +220,9 @@ def test_an_adapter_as_model_answers_as_on_chat(client: openai.OpenAI, model: st
     ({"tools": [{**TOOLS[0], "strict": True}], "tool_choice": "auto",  # calls or text
       "text": {"format": {"type": "json_object"}}}, "tool_choice"),
     ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+    ({"input": [{"type": "message", "role": "user", "content": ASK},  # answers no call
+                {"type": "function_call_output", "call_id": "call_1", "output": "12:00"}]},
+     "input.[1].call_id"),
     ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools.[0].name"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time", "foo": 1}},
      "tool_choice.foo"),
