@@ -52,7 +52,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.redact import redact_url
 from gateway.redis_store import RedisStore, check_reachable
 from gateway.registry import discover
-from gateway.route_label import RouteLabels
+from gateway.route_label import UNMATCHED, RouteLabels
 from gateway.router import Router, RouterWeights
 from gateway.service import Gateway
 from gateway.shutdown_cutoff import ShutdownCutoff
@@ -285,6 +285,14 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
                 for i in pool.instances.values()]
 
     return app
+
+
+def count_unrouted(app: FastAPI, status: int, code: str) -> None:
+    """Count a refusal the connection's protocol sent before any route saw its request (a
+    malformed request line, headers too large or too late): its path is unknown."""
+    gateway: Gateway | None = getattr(app.state, "gateway", None)
+    if gateway is not None:
+        gateway.metrics.responses.labels(UNMATCHED, str(status), code).inc()
 
 
 def check_engine_sources(config: GatewayConfig, engine_urls: Sequence[str],

@@ -44,7 +44,7 @@ from engine.http.listen import check_port_free
 from engine.kv_events import for_instance
 from engine.models.loader import load_hf_config
 from engine.parent_watch import child_env
-from gateway.app import check_engine_sources, create_app, open_store
+from gateway.app import check_engine_sources, count_unrouted, create_app, open_store
 from gateway.config import GatewayConfig
 from gateway.engine_supervisor import EngineSupervisor
 from gateway.local_engine import LocalEngine
@@ -233,7 +233,8 @@ def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: st
     server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
         http=guarded_protocol(config.header_read_timeout_s, config.max_header_bytes,
-                              config.write_timeout_s)),
+                              config.write_timeout_s, lambda status, code: count_unrouted(
+                                  app, status, code))),
         config.drain_timeout_s)
     server.on_drain = lambda: start_drain(app, config.drain_timeout_s)
     server.on_deadline = lambda: cut_off(app)

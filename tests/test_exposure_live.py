@@ -217,7 +217,16 @@ def test_a_client_that_leaves_mid_body_is_counted_as_closed(setup: Setup) -> Non
     assert metric(text, "loragate_gateway_responses_total", status="500") == 0
 
 
+def refused_unrouted(setup: Setup, status: int, code: str) -> float:
+    """Answers the connection's protocol sent before any route saw the request, as
+    /metrics counts them."""
+    return metric(httpx.get(setup.open.url + "/metrics", timeout=10).text,
+                  "loragate_gateway_responses_total", route="unmatched", status=str(status),
+                  code=code)
+
+
 def test_trickled_or_missing_headers_are_cut_off(setup: Setup) -> None:
+    before = refused_unrouted(setup, 408, "request_timeout")
     trickled = connect(setup.open)
     trickled.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     assert parse_answer(drip_until_closed(trickled, b"X-Slow: yes\r\n")) == (408, {
@@ -226,15 +235,18 @@ def test_trickled_or_missing_headers_are_cut_off(setup: Setup) -> None:
     silent = connect(setup.open)  # connects, never sends a byte
     assert parse_answer(drip_until_closed(silent, b""))[0] == 408
     assert complete(setup.open.url).status_code == 200
+    assert refused_unrouted(setup, 408, "request_timeout") == before + 2
 
 
 def test_an_endless_header_gets_431_and_the_connection_closed(setup: Setup) -> None:
+    before = refused_unrouted(setup, 431, "headers_too_large")
     sock = connect(setup.open)
     sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 70_000)
     assert parse_answer(drip_until_closed(sock, b"a")) == (431, {
         "message": "request headers over 65536 bytes", "type": "invalid_request_error",
         "param": None, "code": "headers_too_large"})
     assert complete(setup.open.url).status_code == 200
+    assert refused_unrouted(setup, 431, "headers_too_large") == before + 1
 
 
 def test_a_large_header_block_in_one_read_gets_431(setup: Setup) -> None:

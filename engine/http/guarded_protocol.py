@@ -50,6 +50,7 @@ import asyncio
 import json
 import logging
 from asyncio import TimerHandle
+from collections.abc import Callable
 from typing import Any, cast
 
 from uvicorn.config import Config
@@ -103,6 +104,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0
     max_header_bytes: int = 65536
     write_timeout_s: float = 60.0
+    count_refusal: Callable[[int, str], None] | None = None
+    """Called with (status, code) for each answer sent before any app saw its request (a
+    malformed request, headers too large or too late), for the server's response metrics."""
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -349,6 +353,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             cycle.scope[REFUSED_FRAMING_KEY] = (status, message, code)  # type: ignore[literal-required]
             cycle.disconnected = True
             cycle.message_event.set()
+        elif self.count_refusal is not None:  # no app saw this request: counted here
+            self.count_refusal(status, code)
         body = json.dumps(error_body(status, message, code=code),
                           separators=(",", ":")).encode()
         head = [STATUS_LINE[status]]
@@ -361,7 +367,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
 
 def guarded_protocol(header_timeout_s: float, max_header_bytes: int,
-                     write_timeout_s: float) -> type[HttpToolsProtocol]:
+                     write_timeout_s: float,
+                     count_refusal: Callable[[int, str], None] | None = None
+                     ) -> type[HttpToolsProtocol]:
     """The protocol class to give uvicorn.Config(http=...) for these limits."""
 
     class Configured(GuardedHttpProtocol):
@@ -370,4 +378,5 @@ def guarded_protocol(header_timeout_s: float, max_header_bytes: int,
     Configured.header_timeout_s = header_timeout_s
     Configured.max_header_bytes = max_header_bytes
     Configured.write_timeout_s = write_timeout_s
+    Configured.count_refusal = staticmethod(count_refusal) if count_refusal else None
     return Configured
