@@ -347,6 +347,8 @@ def _route_headers(job: Job, config: GatewayConfig) -> dict[str, str]:
     """The request id, the serving instance's opaque id (never its URL) and, with
     debug_headers only, the routing decision (engine URLs and every instance's score)."""
     headers = {"x-request-id": job.request_id}
+    if job.claim.ticket is not None:  # the tenant's limits, as OpenAI reports them
+        headers.update(job.claim.ticket.headers())
     if job.decision is not None:
         headers["x-loragate-instance"] = instance_tag(job.decision.instance_id,
                                                       config.admin_key)

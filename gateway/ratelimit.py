@@ -62,6 +62,24 @@ class Ticket:
     token_store: StateStore | None = None
     """Where reserve() took them (None: not yet)."""
     released: bool = False
+    requests_used: int | None = None
+    tokens_used: int | None = None
+    """The tenant's window as the store last told it (Admission's fields)."""
+
+    def headers(self) -> dict[str, str]:
+        """OpenAI's x-ratelimit-limit-* and x-ratelimit-remaining-* headers for the
+        tenant's limits, as of this request's admission (and token reservation)."""
+        tenant = self.principal.tenant
+        assert tenant is not None
+        return {**_window_headers("requests", tenant.rpm, self.requests_used),
+                **_window_headers("tokens", tenant.tpm, self.tokens_used)}
+
+
+def _window_headers(unit: str, limit: int | None, used: int | None) -> dict[str, str]:
+    if limit is None:
+        return {}
+    left = limit if used is None else max(0, limit - used)
+    return {f"x-ratelimit-limit-{unit}": str(limit), f"x-ratelimit-remaining-{unit}": str(left)}
 
 
 def counted_as(tenant: Tenant) -> str:
@@ -125,7 +143,8 @@ class RateLimiter:
         except BaseException:
             self._free_slot(counted)
             raise
-        return Ticket(principal, admission.second, store)
+        return Ticket(principal, admission.second, store,
+                      requests_used=admission.requests_used, tokens_used=admission.tokens_used)
 
     async def reserve(self, ticket: Ticket | None, tokens: int, *,
                       prompt_tokens: int | None = None) -> None:
@@ -165,6 +184,7 @@ class RateLimiter:
             raise self._refusal(tenant, admission, tokens)
         ticket.reserved, ticket.reserved_second, ticket.token_store = (
             tokens, admission.second, store)
+        ticket.tokens_used = admission.tokens_used
 
     async def release(self, ticket: Ticket | None, tokens: int, reached_engine: bool) -> None:
         """End a ticket: settle its tokens (``tokens`` used: refund the rest of the
@@ -236,4 +256,5 @@ class RateLimiter:
         return ApiError(429, f"rate limit exceeded: {admission.reason} (tenant "
                         f"{tenant.tenant_id} may use {limit} {unit} per minute{need}); retry "
                         f"in {retry}s", code=f"{admission.reason}_exceeded",
-                        headers={"Retry-After": str(retry)})
+                        headers={"Retry-After": str(retry),
+                                 **_window_headers(unit, limit, limit)})

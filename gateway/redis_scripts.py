@@ -38,7 +38,8 @@ local oldest = second - tonumber(ARGV[2])
 local span = tonumber(ARGV[3])
 """
 # KEYS: keys table, req hash, tok hash. ARGV: now, window, span, key hash ('' for none),
-# rpm, tpm (-1: unlimited). Returns {1, second} or {-1 rpm | -2 tpm | -3 revoked, wait}.
+# rpm, tpm (-1: unlimited). Returns {1, second, requests in the window with this one, tokens
+# in the window} or {-1 rpm | -2 tpm | -3 revoked, wait}.
 ADMIT = LIB + """
 if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[1], ARGV[4]) == 0 then return {-3, 0} end
 local rpm, tpm = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -48,16 +49,17 @@ local made, buckets = live(KEYS[2], oldest)
 if rpm >= 0 and made >= rpm then return {-1, wait(buckets, made, 1, rpm, now, span)} end
 redis.call('HINCRBY', KEYS[2], string.format('%d', second), 1)
 redis.call('EXPIRE', KEYS[2], span + 1)
-return {1, second}
+return {1, second, made + 1, used}
 """
-# KEYS: tok hash. ARGV: now, window, span, tokens, tpm. Returns {1, second} or {-2, wait}.
+# KEYS: tok hash. ARGV: now, window, span, tokens, tpm. Returns {1, second, tokens in the
+# window with these} or {-2, wait}.
 RESERVE = LIB + """
 local need, tpm = tonumber(ARGV[4]), tonumber(ARGV[5])
 local used, buckets = live(KEYS[1], oldest)
 if used + need > tpm then return {-2, wait(buckets, used, need, tpm, now, span)} end
 redis.call('HINCRBY', KEYS[1], string.format('%d', second), need)
 redis.call('EXPIRE', KEYS[1], span + 1)
-return {1, second}
+return {1, second, used + need}
 """
 # KEYS: req or tok hash. ARGV: now, window, span, second, amount (negative: give back).
 # Adds to that second while it is in the window; a second never goes below zero.

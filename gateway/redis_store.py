@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -313,17 +313,21 @@ class RedisStore:
     async def admit(self, key_hash: str | None, tenant_id: str, rpm: int | None,
                     tpm: int | None, now: float | None = None) -> Admission:
         now = time.time() if now is None else now
-        code, value = await self._script(
+        code, value, *used = await self._script(
             self._admit, [self._k("keys"), *self._rate_keys(tenant_id)], now, key_hash or "",
             -1 if rpm is None else rpm, -1 if tpm is None else tpm)
-        return _admission(int(code), int(value), now)
+        admission = _admission(int(code), int(value), now)
+        if not admission.allowed:
+            return admission
+        return replace(admission, requests_used=int(used[0]), tokens_used=int(used[1]))
 
     async def reserve(self, tenant_id: str, tokens: int, tpm: int,
                       now: float | None = None) -> Admission:
         now = time.time() if now is None else now
-        code, value = await self._script(self._reserve, self._rate_keys(tenant_id)[1:], now,
-                                         tokens, tpm)
-        return _admission(int(code), int(value), now)
+        code, value, *used = await self._script(self._reserve, self._rate_keys(tenant_id)[1:],
+                                                now, tokens, tpm)
+        admission = _admission(int(code), int(value), now)
+        return replace(admission, tokens_used=int(used[0])) if admission.allowed else admission
 
     async def charge(self, tenant_id: str, tokens: int, second: int,
                      now: float | None = None) -> None:

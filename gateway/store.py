@@ -58,6 +58,11 @@ class Admission:
     second: int
     reason: str | None = None
     retry_after_s: int = 0
+    requests_used: int | None = None
+    """Allowed by admit(): the requests in the tenant's window, this one counted."""
+    tokens_used: int | None = None
+    """Allowed: the tokens held in the tenant's window (admit(): before this request's
+    reservation; reserve(): with it)."""
 
 
 @dataclass(frozen=True)
@@ -233,7 +238,7 @@ class MemoryStore:
         if rpm is not None and made >= rpm:
             return Admission(False, second, "rpm", sw.wait_s(requests, made, 1, rpm, now))
         requests[second] = requests.get(second, 0) + 1
-        return Admission(True, second)
+        return Admission(True, second, requests_used=made + 1, tokens_used=used)
 
     async def reserve(self, tenant_id: str, tokens: int, tpm: int,
                       now: float | None = None) -> Admission:
@@ -244,7 +249,7 @@ class MemoryStore:
         if used + tokens > tpm:
             return Admission(False, second, "tpm", sw.wait_s(buckets, used, tokens, tpm, now))
         buckets[second] = buckets.get(second, 0) + tokens
-        return Admission(True, second)
+        return Admission(True, second, tokens_used=used + tokens)
 
     async def charge(self, tenant_id: str, tokens: int, second: int,
                      now: float | None = None) -> None:

@@ -252,6 +252,35 @@ def test_an_unset_max_tokens_reserves_only_what_the_tpm_leaves_beside_the_prompt
     run(scenario())
 
 
+def test_tickets_and_refusals_carry_openais_ratelimit_headers(
+        make_store: Callable[[], StateStore]) -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        lim = limiter(make_store(), clock)
+        principal = caller(rpm=3, tpm=500)
+        clock.at(1.0)
+        first = await take(lim, principal, 100)
+        assert isinstance(first, Ticket)
+        assert first.headers() == {
+            "x-ratelimit-limit-requests": "3", "x-ratelimit-remaining-requests": "2",
+            "x-ratelimit-limit-tokens": "500", "x-ratelimit-remaining-tokens": "400"}
+        await lim.release(first, 30, reached_engine=True)  # 70 unused come back
+        second = await take(lim, principal, 200)
+        assert isinstance(second, Ticket)
+        assert second.headers()["x-ratelimit-remaining-requests"] == "1"
+        assert second.headers()["x-ratelimit-remaining-tokens"] == str(500 - 30 - 200)
+        assert await take(lim, principal, 10) is not None
+        refused = await take(lim, principal, 10)
+        assert isinstance(refused, ApiError) and refused.code == "rpm_exceeded"
+        assert (refused.headers["x-ratelimit-limit-requests"],
+                refused.headers["x-ratelimit-remaining-requests"]) == ("3", "0")
+        # A tenant without limits gets none of them.
+        unlimited = await lim.admit(caller())
+        assert unlimited is not None and unlimited.headers() == {}
+
+    run(scenario())
+
+
 def test_retry_after_is_at_most_a_minute(make_store: Callable[[], StateStore]) -> None:
     # At the start of a second, the oldest bucket leaves in 61 s: said as 60 (what the
     # openai SDK waits for at most), and the retry then is told the second left.

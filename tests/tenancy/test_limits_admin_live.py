@@ -36,6 +36,11 @@ def test_rpm_is_exact_across_two_gateways(setup: Setup) -> None:
     base = poll(lambda: models(setup, key, 1), "replica 1 to know delta")[0]
     statuses = [complete(setup, key, base, gateway=i % 2) for i in range(6)]
     assert [r.status_code for r in statuses].count(200) == 4
+    # OpenAI's headers, counted across both replicas (Redis): 3, 2, 1, 0 requests left.
+    assert sorted(r.headers["x-ratelimit-remaining-requests"] for r in statuses
+                  if r.status_code == 200) == ["0", "1", "2", "3"]
+    assert {r.headers["x-ratelimit-limit-requests"] for r in statuses} == {"4"}
+    assert all("x-ratelimit-limit-tokens" not in r.headers for r in statuses)  # no tpm
     limited = [r for r in statuses if r.status_code == 429]
     assert len(limited) == 2
     for response in limited:
@@ -93,6 +98,8 @@ def test_tpm_counts_prompt_and_completion_tokens(setup: Setup) -> None:
     base = poll(lambda: models(setup, key, 1), "replica 1 to know epsilon")[0]
     first = complete(setup, key, base, list(range(10, 50)), max_tokens=8)  # 48 tokens
     assert first.status_code == 200
+    assert (first.headers["x-ratelimit-limit-tokens"],
+            first.headers["x-ratelimit-remaining-tokens"]) == ("50", "2")  # 48 reserved
     assert first.json()["usage"]["total_tokens"] == 48
     refused = poll(lambda: if_status(complete(setup, key, base, gateway=1), 429),
                    "the charge to reach the shared counter", timeout_s=5)
