@@ -1,6 +1,6 @@
 """Hostile clients against a live gateway, each beside a victim that must not notice.
 
-Part of benchmarks/reliability.py (`--parts adversarial` runs it alone). Four attacks:
+Part of benchmarks/reliability.py (`--parts adversarial` runs it alone). Six attacks:
 
 1. hang-ups under load: two clients keep the engines in long prefills while --hangups
    streaming requests are reset (TCP RST) 20-600 ms after they were sent;
@@ -12,7 +12,10 @@ Part of benchmarks/reliability.py (`--parts adversarial` runs it alone). Four at
    them costs the event loop every other request shares;
 5. a flood of new grammars that each compile past the timeout (five at once, from
    127.0.0.1), and two seconds later a new small schema from another client address
-   (127.0.0.2) and one from the flooding address: how long each waits for its turn.
+   (127.0.0.2) and one from the flooding address: how long each waits for its turn;
+6. a regex whose matching grows with every token (``((a|aa)*){1,100}c``, held to "a"
+   tokens by allowed_token_ids) while a victim streams: how long the victim's stream
+   stalls, and how the attacker is answered.
 
 Counted: engines alive and ready afterwards, the busy clients' and victims' streams clean
 (every token, no error event), the victims' longest gap between two streamed events, the
@@ -199,13 +202,31 @@ async def grammar_flood(url: str, model: str, slow: int = 5) -> dict[str, Any]:
             "flooding_client": {"status": same[0], "answered_s": same[1]}}
 
 
+async def costly_matching(url: str, model: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        tokenized = await client.post("/tokenize", json={"model": model, "prompt": "a",
+                                                         "add_special_tokens": False})
+        victim = asyncio.create_task(_victim(client, model, 128))
+        await asyncio.sleep(0.5)  # the victim is streaming
+        started = time.monotonic()
+        response = await client.post("/v1/completions", json={
+            "model": model, "prompt": "hello", "max_tokens": 60,
+            "guided_regex": "((a|aa)*){1,100}c",
+            "allowed_token_ids": tokenized.json()["tokens"]})
+        answered_s = time.monotonic() - started
+        error = response.json().get("error") or {}
+        return {"status": response.status_code, "code": error.get("code"),
+                "attacker_answered_s": answered_s, "victim": await victim}
+
+
 def run(url: str, model: str, hangup_count: int) -> dict[str, Any]:
-    """All five attacks in turn; what to check is in the module docstring."""
+    """All six attacks in turn; what to check is in the module docstring."""
     report = {"hangups": asyncio.run(hangups(url, model, hangup_count)),
               "hostile_parameters": asyncio.run(hostile_parameters(url, model)),
               "big_prompt": asyncio.run(big_prompt(url, model)),
               "many_parts": asyncio.run(many_parts(url, model)),
-              "grammar_flood": asyncio.run(grammar_flood(url, model))}
+              "grammar_flood": asyncio.run(grammar_flood(url, model)),
+              "costly_matching": asyncio.run(costly_matching(url, model))}
     codes = Counter(report["hostile_parameters"]["statuses"].values())
     report["hostile_parameters"]["status_counts"] = {str(k): v for k, v in codes.items()}
     return report
