@@ -202,21 +202,23 @@ async def grammar_flood(url: str, model: str, slow: int = 5) -> dict[str, Any]:
             "flooding_client": {"status": same[0], "answered_s": same[1]}}
 
 
-async def costly_matching(url: str, model: str) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+async def costly_matching(url: str, model: str, max_tokens: int = 60) -> dict[str, Any]:
+    """Two victims (one per engine, as the router spreads them) beside the attacker."""
+    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
         tokenized = await client.post("/tokenize", json={"model": model, "prompt": "a",
                                                          "add_special_tokens": False})
-        victim = asyncio.create_task(_victim(client, model, 128))
-        await asyncio.sleep(0.5)  # the victim is streaming
+        victims = [asyncio.create_task(_victim(client, model, 400)) for _ in range(2)]
+        await asyncio.sleep(0.5)  # the victims are streaming
         started = time.monotonic()
         response = await client.post("/v1/completions", json={
-            "model": model, "prompt": "hello", "max_tokens": 60,
+            "model": model, "prompt": "hello", "max_tokens": max_tokens,
             "guided_regex": "((a|aa)*){1,100}c",
             "allowed_token_ids": tokenized.json()["tokens"]})
         answered_s = time.monotonic() - started
         error = response.json().get("error") or {}
         return {"status": response.status_code, "code": error.get("code"),
-                "attacker_answered_s": answered_s, "victim": await victim}
+                "attacker_answered_s": answered_s,
+                "victims": list(await asyncio.gather(*victims))}
 
 
 def run(url: str, model: str, hangup_count: int) -> dict[str, Any]:
