@@ -283,6 +283,8 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
     k = req.body.samples_per_prompt
     streams = await _open_all(gateway, jobs, req)
     job = jobs[0]
+    # The tenant's limits as admission left them: read before settle() ends the ticket.
+    limits = job.claim.ticket.headers() if job.claim.ticket is not None else {}
 
     def settle() -> None:
         gateway.settle(job.claim, sum(_used_tokens(jobs, fmt, k)), "served", job.adapter)
@@ -290,7 +292,7 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
     if req.body.stream:  # the headers go first: the instance that took the stream
         events = sse(gateway, jobs, streams, fmt, req.body.stream_usage, req.http.scope)
         return ClosingStream(events, streams, settle,
-                             headers=_route_headers(job, gateway.config))
+                             headers=_route_headers(job, gateway.config, limits))
     try:
         result = await next_or_disconnect(req.http, collect(gateway, jobs, streams, fmt))
     finally:
@@ -299,7 +301,7 @@ async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseF
     gateway.metrics.requests.labels(job.endpoint, "200", job.adapter or "base",
                                     job.instance_id or "none").inc()
     # After collect: a whole response retried elsewhere names the instance that served it.
-    return JSONResponse(result, headers=_route_headers(job, gateway.config))
+    return JSONResponse(result, headers=_route_headers(job, gateway.config, limits))
 
 
 async def _open_all(gateway: Gateway, jobs: list[Job], req: _Call) -> BatchStream:
@@ -343,12 +345,12 @@ def _used_tokens(jobs: list[Job], fmt: ResponseFormatter, k: int) -> tuple[int, 
     return prompt, max(fmt.completion_tokens, sum(job.held_tokens for job in jobs))
 
 
-def _route_headers(job: Job, config: GatewayConfig) -> dict[str, str]:
-    """The request id, the serving instance's opaque id (never its URL) and, with
-    debug_headers only, the routing decision (engine URLs and every instance's score)."""
-    headers = {"x-request-id": job.request_id}
-    if job.claim.ticket is not None:  # the tenant's limits, as OpenAI reports them
-        headers.update(job.claim.ticket.headers())
+def _route_headers(job: Job, config: GatewayConfig, limits: dict[str, str]
+                   ) -> dict[str, str]:
+    """The request id, the tenant's ``limits`` (OpenAI's x-ratelimit headers), the serving
+    instance's opaque id (never its URL) and, with debug_headers only, the routing decision
+    (engine URLs and every instance's score)."""
+    headers = {"x-request-id": job.request_id, **limits}
     if job.decision is not None:
         headers["x-loragate-instance"] = instance_tag(job.decision.instance_id,
                                                       config.admin_key)
