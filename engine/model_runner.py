@@ -200,20 +200,18 @@ class ModelRunner:
         tokens, logprobs = self.sampler.sample(
             self.grammars.mask(logits, logits, ids), ids, rows,
             lambda raw: adjust_logits(raw, rows, self.stop_token_ids, self.penalty_counts))
+        sampled = list(zip(ids, rows, tokens, logprobs, strict=True))
         if min(tokens, default=0) < 0:
-            kept = [i for i, token in enumerate(tokens) if token >= 0]
             out.no_token = [r for r, token in zip(ids, tokens, strict=True) if token == NO_TOKEN]
             out.non_finite = [r for r, token in zip(ids, tokens, strict=True)
                               if token == NON_FINITE]
-            ids, rows = [ids[i] for i in kept], [rows[i] for i in kept]
-            tokens, logprobs = [tokens[i] for i in kept], [logprobs[i] for i in kept]
-        out.grammar_over_budget = self.grammars.accept(ids, tokens)
-        if out.grammar_over_budget:
-            kept = [i for i, r in enumerate(ids) if r not in out.grammar_over_budget]
-            ids, rows = [ids[i] for i in kept], [rows[i] for i in kept]
-            tokens, logprobs = [tokens[i] for i in kept], [logprobs[i] for i in kept]
-        self._count_penalized(rows, tokens)
-        for request_id, token, lp in zip(ids, tokens, logprobs, strict=True):
+            sampled = [s for s in sampled if s[2] >= 0]
+        out.grammar_over_budget = self.grammars.accept([s[0] for s in sampled],
+                                                       [s[2] for s in sampled])
+        # Rows dropped above get no token: their requests end (LLMEngine.step).
+        sampled = [s for s in sampled if s[0] not in out.grammar_over_budget]
+        self._count_penalized([s[1] for s in sampled], [s[2] for s in sampled])
+        for request_id, _, token, lp in sampled:
             self.batch.append_sampled(request_id, token)
             out.sampled[request_id] = token
             if lp is not None:

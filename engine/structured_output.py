@@ -20,15 +20,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.grammar_probe import GrammarProbe, compile_spec
 from engine.invalid_field import InvalidField
 from engine.json_schema_combinations import with_required_tags
 from engine.json_schema_support import structural_tag_schemas, unenforced_keyword
-
-if TYPE_CHECKING:
-    pass  # annotations only: the gateway imports this module for its specs
 
 log = logging.getLogger(__name__)
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")

@@ -76,10 +76,11 @@ class Ticket:
 
 
 def _window_headers(unit: str, limit: int | None, used: int | None) -> dict[str, str]:
+    """The limit, and what is left of it when ``used`` is known."""
     if limit is None:
         return {}
-    left = limit if used is None else max(0, limit - used)
-    return {f"x-ratelimit-limit-{unit}": str(limit), f"x-ratelimit-remaining-{unit}": str(left)}
+    left = {} if used is None else {f"x-ratelimit-remaining-{unit}": str(max(0, limit - used))}
+    return {f"x-ratelimit-limit-{unit}": str(limit), **left}
 
 
 def counted_as(tenant: Tenant) -> str:
@@ -257,4 +258,6 @@ class RateLimiter:
                         f"{tenant.tenant_id} may use {limit} {unit} per minute{need}); retry "
                         f"in {retry}s", code=f"{admission.reason}_exceeded",
                         headers={"Retry-After": str(retry),
-                                 **_window_headers(unit, limit, limit)})
+                                 # Refused at admission, the window is full; refused a
+                                 # reservation, some may be left, but not what it needs.
+                                 **_window_headers(unit, limit, None if tokens else limit)})

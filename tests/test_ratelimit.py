@@ -274,6 +274,13 @@ def test_tickets_and_refusals_carry_openais_ratelimit_headers(
         assert isinstance(refused, ApiError) and refused.code == "rpm_exceeded"
         assert (refused.headers["x-ratelimit-limit-requests"],
                 refused.headers["x-ratelimit-remaining-requests"]) == ("3", "0")
+        # Refused a reservation: the limit, but no claim of what is left (some may be).
+        beta = Principal(Tenant("beta", tpm=100))
+        assert isinstance(await take(lim, beta, 60), Ticket)
+        refused = await take(lim, beta, 60)  # 40 left: admitted, then its 60 refused
+        assert isinstance(refused, ApiError) and refused.code == "tpm_exceeded"
+        assert refused.headers["x-ratelimit-limit-tokens"] == "100"
+        assert "x-ratelimit-remaining-tokens" not in refused.headers
         # A tenant without limits gets none of them.
         unlimited = await lim.admit(caller())
         assert unlimited is not None and unlimited.headers() == {}
