@@ -218,8 +218,7 @@ def test_a_client_that_leaves_mid_body_is_counted_as_closed(setup: Setup) -> Non
 
 
 def refused_unrouted(setup: Setup, status: int, code: str) -> float:
-    """Answers the connection's protocol sent before any route saw the request, as
-    /metrics counts them."""
+    """Answers sent before any route saw the request, as /metrics counts them."""
     return metric(httpx.get(setup.open.url + "/metrics", timeout=10).text,
                   "loragate_gateway_responses_total", route="unmatched", status=str(status),
                   code=code)
