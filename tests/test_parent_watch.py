@@ -1,5 +1,5 @@
 """Children started with child_env stop once their parent is gone, however it went (the
-demo-adapter trainer relies on this as the engines do; tests/test_gateway_ops_live.py kills
+demo-adapter trainer relies on this as the engines do; tests/test_serve_lifecycle_live.py kills
 a real gateway under its engine)."""
 
 from __future__ import annotations
