@@ -107,12 +107,15 @@ DEMO_TARGETS = (
 
 def make_peft_adapter(base_dir: str | Path, out_dir: str | Path, rank: int,
                       target_modules: tuple[str, ...], seed: int, lora_alpha: int | None = None,
-                      use_rslora: bool = False, b_scale: float = 1.0) -> Path:
+                      use_rslora: bool = False, b_scale: float = 1.0,
+                      rank_pattern: dict[str, int] | None = None,
+                      alpha_pattern: dict[str, float] | None = None) -> Path:
     """Write a seeded random LoRA adapter for base_dir, made by PEFT itself.
 
     PEFT initialises B to zeros (a no-op adapter); with init_lora_weights=False both A and B
     are random, so the adapter really changes outputs. b_scale shrinks B to keep the model's
-    outputs in a sane range.
+    outputs in a sane range. rank_pattern / alpha_pattern give some modules a rank / alpha of
+    their own, as in LoraConfig.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -120,7 +123,8 @@ def make_peft_adapter(base_dir: str | Path, out_dir: str | Path, rank: int,
     torch.manual_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=lora_alpha if lora_alpha is not None else 2 * rank,
                         target_modules=list(target_modules), init_lora_weights=False,
-                        use_rslora=use_rslora, lora_dropout=0.0)
+                        use_rslora=use_rslora, lora_dropout=0.0,
+                        rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {})
     peft_model = get_peft_model(base, config)
     if b_scale != 1.0:
         with torch.no_grad():

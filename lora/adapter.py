@@ -3,7 +3,8 @@
 A PEFT directory holds adapter_config.json and adapter_model.safetensors with keys like
 ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`` ([r, in]) and
 ``...lora_B.weight`` ([out, r]). The delta of one module is ``x @ A.T @ B.T * scaling``
-with scaling = lora_alpha / r, or lora_alpha / sqrt(r) under rsLoRA.
+with scaling = lora_alpha / r, or lora_alpha / sqrt(r) under rsLoRA; ``rank_pattern`` and
+``alpha_pattern`` give some modules a rank and alpha of their own (lora/peft_patterns.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from lora.peft_patterns import module_shapes
 from lora.peft_targets import module_targeter
 from lora.targets import SUPPORTED_MODULES, LoraTargets
 
@@ -43,8 +45,9 @@ MAX_CONFIG_BYTES = 1 << 20
 class LoraAdapter:
     """A validated adapter in CPU memory.
 
-    weights[(layer, module)] = (A [r, in], B_scaled [out, r]) in float32, with the scaling
-    already folded into B.
+    weights[(layer, module)] = (A [r, in], B_scaled [out, r]) in float32, with the module's
+    scaling already folded into B; r is the module's own rank (rank_pattern), and ``rank``
+    the largest of them, the rows of a slot the adapter needs.
     """
 
     name: str
@@ -110,13 +113,11 @@ def _check_config(config: dict[str, Any], where: str, max_rank: int) -> tuple[in
     if config.get("bias", "none") not in ("none", "all", "lora_only"):
         raise ValueError(f"{where}: bias={config['bias']!r} is not one of PEFT's 'none', "
                          f"'all', 'lora_only'")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if config.get(key):
-            raise ValueError(f"{where}: per-module {key} is not supported")
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"{where}: r must be a positive integer, got {rank!r}")
-    if rank > max_rank:
+    # With a rank_pattern the modules' own ranks are checked as they are read.
+    if rank > max_rank and not config.get("rank_pattern"):
         raise ValueError(f"{where}: rank {rank} exceeds max_lora_rank {max_rank}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
@@ -160,9 +161,10 @@ def _load(name: str, path: Path, targets: LoraTargets, max_rank: int) -> LoraAda
     except (SafetensorError, ValueError) as exc:
         raise ValueError(f"{where}: adapter_model.safetensors is corrupt: {exc}") from exc
 
-    scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     targeted = module_targeter(config, where, targets.model_type)
+    shape_of = module_shapes(config, where, rank, alpha)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    names: dict[tuple[int, str], str] = {}
     for key, tensor in tensors.items():
         match = _KEY.fullmatch(key)
         if match is None:
@@ -174,13 +176,14 @@ def _load(name: str, path: Path, targets: LoraTargets, max_rank: int) -> LoraAda
         if layer >= targets.num_layers:
             raise ValueError(f"{where}: weight for layer {layer}, the base model has "
                              f"{targets.num_layers} layers")
-        if (layer, module) not in pairs and \
-                not targeted(module_name := f"model.layers.{layer}.{match[2]}.{module}"):
+        module_name = f"model.layers.{layer}.{match[2]}.{module}"
+        if (layer, module) not in pairs and not targeted(module_name):
             raise ValueError(f"{where}: adapter_model.safetensors holds weights for "
                              f"{module_name}, which adapter_config.json does not target "
                              f"(target_modules, layers_to_transform, exclude_modules): PEFT "
                              f"would not use them")
         pairs.setdefault((layer, module), {})[half] = tensor
+        names[(layer, module)] = module_name
     if not pairs:
         raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")
 
@@ -190,12 +193,17 @@ def _load(name: str, path: Path, targets: LoraTargets, max_rank: int) -> LoraAda
             raise ValueError(f"{where}: layer {layer} {module} lacks lora_"
                              f"{'B' if 'A' in halves else 'A'}")
         a, b = halves["A"], halves["B"]
+        own = shape_of(names[(layer, module)])  # r and lora_alpha, or their patterns'
+        if own.rank > max_rank:
+            raise ValueError(f"{where}: rank {own.rank} exceeds max_lora_rank {max_rank} "
+                             f"(rank_pattern, for layer {layer} {module})")
         fan_in, fan_out = targets.module_dims(module)
-        if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
+        if tuple(a.shape) != (own.rank, fan_in) or tuple(b.shape) != (fan_out, own.rank):
             raise ValueError(
                 f"{where}: layer {layer} {module} has A {tuple(a.shape)} and B "
-                f"{tuple(b.shape)}; the base model and r={rank} need A {(rank, fan_in)} and "
-                f"B {(fan_out, rank)}")
+                f"{tuple(b.shape)}; the base model and r={own.rank} need A "
+                f"{(own.rank, fan_in)} and B {(fan_out, own.rank)}")
+        scaling = own.alpha / (math.sqrt(own.rank) if use_rslora else own.rank)
         a32, b32 = a.float().contiguous(), (b.float() * scaling).contiguous()
         # A NaN or inf (stored, or from overflow by the scaling) makes every logit of the
         # adapter's requests NaN: refused here rather than sampled from.
@@ -213,9 +221,15 @@ def _load(name: str, path: Path, targets: LoraTargets, max_rank: int) -> LoraAda
                              f"lora_alpha)")
         weights[(layer, module)] = (a32, b32)
 
-    # The digest covers everything that changes the KV an adapter produces.
+    # The digest covers everything that changes the KV an adapter produces: the weights and
+    # each module's scaling.
     digest = hashlib.sha256(raw)
     digest.update(json.dumps({"r": rank, "alpha": alpha, "rslora": use_rslora},
                              sort_keys=True).encode())
-    return LoraAdapter(name=name, path=str(path), digest=digest.hexdigest()[:32], rank=rank,
-                       alpha=alpha, use_rslora=use_rslora, weights=weights)
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        digest.update(json.dumps([config.get("rank_pattern"), config.get("alpha_pattern")]
+                                 ).encode())
+    # A slot holds the largest of the modules' ranks; the others are zero-padded to it.
+    largest = max(a.shape[0] for a, _ in weights.values())
+    return LoraAdapter(name=name, path=str(path), digest=digest.hexdigest()[:32],
+                       rank=largest, alpha=alpha, use_rslora=use_rslora, weights=weights)

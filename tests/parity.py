@@ -61,9 +61,10 @@ def shared_prefix_workload(n: int, seed: int, num_docs: int = 4, vocab: int = 51
     ]
 
 
-def run_workload(engine: LLMEngine, items: list[WorkItem], logprobs: int = 5
-                 ) -> dict[str, RequestOutput]:
-    """Add each item at its arrival step; step until everything finished."""
+def run_workload(engine: LLMEngine, items: list[WorkItem], logprobs: int = 5,
+                 loras: dict[str, str | None] | None = None) -> dict[str, RequestOutput]:
+    """Add each item at its arrival step (with its adapter in `loras`, by request id, if
+    given); step until everything finished."""
     pending = sorted(items, key=lambda w: w.arrival_step)
     finished: dict[str, RequestOutput] = {}
     step = 0
@@ -71,7 +72,8 @@ def run_workload(engine: LLMEngine, items: list[WorkItem], logprobs: int = 5
         while pending and pending[0].arrival_step <= step:
             w = pending.pop(0)
             engine.add_request(w.request_id, w.prompt, SamplingParams(
-                max_tokens=w.max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs))
+                max_tokens=w.max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs),
+                lora=(loras or {}).get(w.request_id))
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
