@@ -239,23 +239,20 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
     (n, best_of); a seeded request's j-th sequence draws with seed + j."""
     body = req.body
     max_tokens = req.max_tokens
-    if max_tokens is None:  # chat default: whatever the context (or KV capacity) leaves
-        room = gateway.max_request_tokens() or context
-        max_tokens = max(1, room - len(prompt_ids))
-    elif max_tokens > context:
+    if max_tokens is not None and max_tokens > context:
         raise ApiError(400, f"{req.max_tokens_param} ({max_tokens}) is more than the model's "
                        f"maximum context length ({context} tokens)",
                        code="context_length_exceeded", param=req.max_tokens_param)
-    elif len(prompt_ids) + max_tokens > context:  # as OpenAI and vLLM refuse it, never cut
-        raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) + {req.max_tokens_param} "
-                       f"({max_tokens}) is more than the model's maximum context length "
-                       f"({context} tokens): lower {req.max_tokens_param} or shorten the "
-                       "prompt", code="context_length_exceeded", param=req.max_tokens_param)
-    elif len(prompt_ids) + max_tokens > (room := gateway.max_request_tokens() or context):
-        raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) + {req.max_tokens_param} "
-                       f"({max_tokens}) is more than one request can hold in the engines' KV "
-                       f"cache ({room} tokens): lower {req.max_tokens_param}",
-                       param=req.max_tokens_param)
+    # What the output may use: the context after the prompt, or less where the engines' KV
+    # cache holds less for one request. A max_tokens past it is lowered to it, as vLLM
+    # serves it (the answer then ends with finish_reason "length"); unset, chat's default.
+    room = min(context, gateway.max_request_tokens() or context)
+    if len(prompt_ids) >= room:  # the prompt fits the context (_fitting), not the KV cache
+        raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) leaves no room for output "
+                       f"in what one request can hold in the engines' KV cache ({room} "
+                       "tokens): shorten the prompt")
+    left = room - len(prompt_ids)
+    max_tokens = left if max_tokens is None else min(max_tokens, left)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,

@@ -15,7 +15,7 @@ import pytest
 
 from engine.demo_model import make_demo_model
 from engine.demo_shapes import DemoModelSpec
-from tests.live_http import sse_events, wait_engines_idle
+from tests.live_http import engine_state, sse_events, wait_engines_idle
 from tests.live_servers import LiveServer, running, start_engine, start_gateway
 
 LONG_CONTEXT = 2**19
@@ -79,4 +79,27 @@ def test_a_huge_prompt_does_not_stall_another_stream(servers: tuple[LiveServer, 
     assert error["message"].startswith(f"This model's maximum context length is "
                                        f"{LONG_CONTEXT} tokens; the prompt has ")
     assert max(gaps) < STALL_BOUND_S
+    wait_engines_idle(engine.url)
+
+
+def test_what_the_kv_cache_holds_bounds_a_request_below_the_context(
+        servers: tuple[LiveServer, LiveServer]) -> None:
+    # 1024 blocks hold far less than the 512k context: a max_tokens past what they leave
+    # after the prompt is lowered to it (as past the context's end), a prompt that leaves
+    # nothing is refused.
+    engine, gateway = servers
+    room = engine_state(engine.url)["max_request_tokens"]
+    assert 0 < room < LONG_CONTEXT
+    url, model = gateway.url + "/v1/completions", _model(gateway)
+    answer = httpx.post(url, timeout=120.0, json={
+        "model": model, "prompt": [5] * (room - 3), "max_tokens": 100, "ignore_eos": True})
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["usage"]["completion_tokens"],
+            answer.json()["choices"][0]["finish_reason"]) == (3, "length")
+    refused = httpx.post(url, timeout=120.0, json={
+        "model": model, "prompt": [5] * room, "max_tokens": 1})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == (
+        f"the prompt ({room} tokens) leaves no room for output in what one request can hold "
+        f"in the engines' KV cache ({room} tokens): shorten the prompt")
     wait_engines_idle(engine.url)
