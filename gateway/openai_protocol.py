@@ -53,8 +53,9 @@ MAX_PROMPT_TOKEN_IDS = 2**20
 is the context, checked once it is known)."""
 MAX_BATCH_PROMPTS = 128
 """Most engine requests one request becomes (a batch's prompts times its samples each)."""
-MAX_SAMPLES = 16
-"""Most sequences per prompt (n, best_of)."""
+MAX_SAMPLES = 128
+"""Most sequences per prompt (n, best_of): OpenAI's bound on n (a batch's prompts times
+their samples stay within MAX_BATCH_PROMPTS)."""
 MAX_MODEL_NAME = 512
 MAX_LOGPROBS = 20
 """Most alternatives per position (logprobs, top_logprobs, prompt_logprobs): vLLM's default

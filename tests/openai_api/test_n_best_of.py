@@ -32,6 +32,11 @@ def test_n_choices_are_independent_seeded_samples(client: openai.OpenAI,
                                           max_tokens=4, temperature=1.0, seed=1,
                                           extra_body=NO_EOS)
     assert [c.index for c in chat.choices] == [0, 1]
+    many = client.chat.completions.create(model=base_model, messages=MESSAGES, n=128,
+                                          max_tokens=1, temperature=1.0, seed=2,
+                                          extra_body=NO_EOS)  # OpenAI's bound on n
+    assert [c.index for c in many.choices] == list(range(128))
+    assert many.usage is not None and many.usage.completion_tokens == 128
 
 
 def test_n_with_a_batch_and_streaming(client: openai.OpenAI, base_model: str) -> None:
