@@ -34,7 +34,8 @@ class AdapterPathRefused(ValueError):
     message is safe to return to the caller (no path in it)."""
 
 
-OUTSIDE = "adapter path is outside the engine's adapter roots"
+OUTSIDE = ("adapter path is outside the engine's adapter roots (give its directory's parent "
+           "with --adapter-root)")
 MISSING = "adapter directory does not exist"
 
 

@@ -138,15 +138,18 @@ def field_default(f: dataclasses.Field[Any]) -> Any:
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
-                    title: str | None = None) -> None:
-    """One flag per field of dataclass cls (default None: precedence is resolved later)."""
+                    title: str | None = None, defaults: Mapping[str, Any] | None = None
+                    ) -> None:
+    """One flag per field of dataclass cls (default None: precedence is resolved later);
+    ``defaults``: the defaults the caller applies in place of the dataclass's, as --help
+    shows them."""
     group = parser.add_argument_group(title or cls.__name__)
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        default = field_default(f)
+        default = (defaults or {}).get(f.name, field_default(f))
         kind = _base_type(hints[f.name])
         choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
         env = ENV_PREFIX + f.name.upper()

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
                     content=tar_directory(source)))
 
     client = OpenAI(base_url=args.base_url + "/v1", api_key=key)
-    print("\n## 4. the tenant calls its adapter (loaded on an engine on first use)")
+    print("\n## 4. the tenant calls its adapter (loaded on every engine when it was registered)")
     print("models it sees:", [m.id for m in client.models.list()])
     reply = client.chat.completions.create(
         model=adapter, messages=[{"role": "user", "content": "Hello!"}], max_tokens=16)

@@ -40,6 +40,7 @@ from gateway.adapter_resolver import AdapterResolver
 from gateway.admin_api import build_admin_router
 from gateway.auth import StateView, require_admin
 from gateway.config import GatewayConfig
+from gateway.configured_adapters import bring_to_command_line
 from gateway.demo_adapters import watch
 from gateway.docs_ui import install_docs
 from gateway.exposure import instance_tag, operator_endpoints_open, require_operator
@@ -60,6 +61,7 @@ from gateway.sqlite_store import SqliteStore, resolve_state_path
 from gateway.store import MemoryStore, StateStore, StoreUnavailable
 from gateway.tenancy import AdapterRecord
 from gateway.vllm_adapter_api import VLLM_ADMIN_PATHS
+from lora.demo_data import STYLES
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
@@ -114,9 +116,8 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
             raise RuntimeError(f"the state store at {redact_url(config.redis_url or '')} is "
                                f"unreachable")
         async def register_configured() -> None:
-            # Adapters given on the command line are public unless the store knows them.
-            for adapter_name, path in (adapters or {}).items():
-                await store.swap_adapter(adapter_name, None, AdapterRecord(adapter_name, path))
+            await bring_to_command_line(store, adapters or {},
+                                        STYLES if watch_adapter_dir is not None else ())
 
         await register_configured()
         view.reset_hooks.append(register_configured)  # a Redis that lost them gets them back

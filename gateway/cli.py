@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine_cli.add_adapter_args(serve)
     engine_cli.add_engine_access_args(serve)
     add_config_args(serve, GatewayConfig, title="gateway")
-    add_config_args(serve, EngineConfig, skip=("model",), title="engine (every instance)")
+    add_config_args(serve, EngineConfig, skip=("model",), title="engine (every instance)",
+                    defaults=engine_cli.SERVED_DEFAULTS)
     serve.set_defaults(func=_serve)
 
     engine_cli.add_arguments(sub.add_parser("engine", help=engine_cli.HELP))

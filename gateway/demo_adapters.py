@@ -105,6 +105,9 @@ def start_training(model_dir: Path, log_path: Path) -> subprocess.Popen[bytes] |
     adapter_dir = model_dir / "adapters"
     adapter_dir.mkdir(exist_ok=True)
     if os.environ.get(TRAIN_ENV, "1") == "0":
+        if missing := missing_styles(adapter_dir):
+            print(f"demo adapters {', '.join(missing)} are not trained ({TRAIN_ENV}=0): the "
+                  f"examples that use them need them", flush=True)
         return None
     with open(adapter_dir / TRAINING_LOCK, "a") as lock:
         try:  # removed before the gateway registers what is there ...

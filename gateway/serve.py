@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -45,6 +46,7 @@ from engine.kv_events import for_instance
 from engine.models.loader import load_hf_config
 from engine.parent_watch import child_env
 from gateway.app import check_engine_sources, count_unrouted, create_app, open_store
+from gateway.auth import StateView
 from gateway.config import GatewayConfig
 from gateway.engine_supervisor import EngineSupervisor
 from gateway.local_engine import LocalEngine
@@ -224,7 +226,7 @@ def stop_engines(engines: list[EngineProcess], timeout_s: float) -> None:
 
 
 def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
-                adapters: dict[str, str], banner: str | None = None,
+                adapters: dict[str, str], banner: Callable[[StateView], str] | None = None,
                 watch_adapter_dir: str | None = None, local: LocalEngine | None = None,
                 store: StateStore | None = None) -> None:
     """Serve the gateway until SIGTERM/SIGINT, then drain."""
@@ -244,7 +246,7 @@ def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: st
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
         if server.started and banner:
-            print(banner, flush=True)
+            print(banner(app.state.gateway.view), flush=True)
         await serving
 
     asyncio.run(main())
@@ -326,7 +328,7 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
                 supervisor.start()
             # uvicorn holds the signals while it serves (a drain), then gives them back.
             run_gateway(gateway_config, engine_urls, tokenizer_dir, adapters,
-                        banner=ready_banner(gateway_config, tokenizer_dir, adapters),
+                        banner=functools.partial(ready_banner, gateway_config, tokenizer_dir),
                         watch_adapter_dir=watch_adapter_dir, local=local, store=store)
             clean = True
         except StoppedWhileStarting as stop:  # the operator's stop, not a failure

@@ -121,6 +121,47 @@ def test_a_pending_delete_is_finished_by_the_gateway_that_restarts(
         assert second.stop() == 0
 
 
+def test_command_line_adapters_exist_while_they_are_given(
+        tiny_model_dir: Path, tiny_adapters: dict[str, Path], engine: LiveServer,
+        tmp_path: Path) -> None:
+    # Restarted on the same state with other --lora flags: a name no longer given is gone
+    # from /v1/models and unloaded from the engine, a name given another path moves, and an
+    # admin's change of who may use it stands.
+    state = tmp_path / "state.db"
+    first = gateway(tiny_model_dir, engine, tmp_path, "--state-path", str(state),
+                    "--lora", f"kept={tiny_adapters['a0']}",
+                    "--lora", f"dropped={tiny_adapters['a1']}")
+    try:
+        assert complete(first.url, ADMIN, "dropped").status_code == 200  # loaded on the engine
+        assert httpx.post(first.url + "/admin/tenants", headers=AUTH, timeout=30.0,
+                          json={"tenant_id": "acme"}).status_code == 201
+        assert httpx.patch(first.url + "/admin/adapters/kept", headers=AUTH, timeout=30.0,
+                           json={"owner": "acme"}).status_code == 200
+    finally:
+        assert first.stop() == 0
+    assert "dropped" in [a["name"] for a in httpx.get(engine.url + "/adapters").json()]
+    second = gateway(tiny_model_dir, engine, tmp_path, "--state-path", str(state),
+                     "--lora", f"kept={tiny_adapters['a1']}")
+    try:
+        poll(lambda: httpx.get(second.url + "/admin/adapters/dropped", headers=AUTH,
+                               timeout=30.0).status_code == 404,
+             "the restarted gateway to delete the adapter it is no longer given")
+        assert "dropped" not in [a["name"] for a in
+                                 httpx.get(engine.url + "/adapters").json()]
+        models = httpx.get(second.url + "/v1/models", headers=AUTH, timeout=30.0).json()
+        assert {m["id"] for m in models["data"]} >= {"kept"} and "dropped" not in {
+            m["id"] for m in models["data"]}
+        kept = httpx.get(second.url + "/admin/adapters/kept", headers=AUTH, timeout=30.0)
+        assert (kept.json()["path"], kept.json()["owner"]) == (str(tiny_adapters["a1"]),
+                                                               "acme")
+        assert complete(second.url, ADMIN, "dropped").status_code == 404
+    finally:
+        assert second.stop() == 0
+    assert f"adapter kept: now served from {tiny_adapters['a1']}" in second.log()
+    assert ("adapters given on an earlier start's command line and not on this one are "
+            "deleted: dropped") in second.log()
+
+
 def test_access_log_has_a_line_per_request_and_shutdown_says_what_drains(
         tiny_model_dir: Path, tiny_adapters: dict[str, Path], engine: LiveServer,
         tmp_path: Path) -> None:

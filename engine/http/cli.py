@@ -26,14 +26,17 @@ def setup_logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
 
 
+SERVED_DEFAULTS: dict[str, Any] = {"scheduling_policy": "priority"}
+"""EngineConfig defaults of served engines (`serve`, `engine`) that differ from the
+library's: they schedule by priority, since tenant tiers become request priorities (with
+equal priorities the order is the same as fcfs)."""
+
+
 def engine_config(args: argparse.Namespace, file_values: dict[str, Any], model: str) -> Any:
-    """The EngineConfig of flags > env > file > defaults. Served engines schedule by
-    priority unless told otherwise: tenant tiers become request priorities, and with equal
-    priorities the order is the same as fcfs."""
+    """The EngineConfig of flags > env > file > SERVED_DEFAULTS > defaults."""
     from engine.config import EngineConfig
 
-    values = {"scheduling_policy": "priority", **file_values}
-    return build_config(EngineConfig, args, values, model=model)
+    return build_config(EngineConfig, args, {**SERVED_DEFAULTS, **file_values}, model=model)
 
 
 def engine_token(args: argparse.Namespace) -> str | None:
@@ -166,7 +169,8 @@ def add_arguments(engine: argparse.ArgumentParser) -> None:
                              "LORAGATE_ENGINE_TOKEN; visible in `ps`: prefer the env or a file)")
     add_engine_access_args(engine)
     add_adapter_args(engine)
-    add_config_args(engine, EngineConfig, skip=("model",), title="engine")
+    add_config_args(engine, EngineConfig, skip=("model",), title="engine",
+                    defaults=SERVED_DEFAULTS)
     engine.set_defaults(func=run)
 
 

@@ -23,7 +23,8 @@ from tests.live_servers import LiveServer, start_engine
 TOKEN = "engine-test-token-7f3a"
 UNAUTHORIZED = {"message": "missing or invalid engine token", "type": "authentication_error",
                 "param": None, "code": "invalid_token"}
-OUTSIDE = {"message": "adapter path is outside the engine's adapter roots",
+OUTSIDE = {"message": "adapter path is outside the engine's adapter roots (give its "
+                      "directory's parent with --adapter-root)",
            "type": "invalid_request_error", "param": "path", "code": None}
 
 
