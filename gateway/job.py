@@ -10,6 +10,7 @@ from typing import Literal
 
 from engine.protocol import GenerateRequest
 from gateway.auth import Principal
+from gateway.cache_key_affinity import AffinityKey
 from gateway.ratelimit import Ticket
 from gateway.router import RoutingDecision
 
@@ -50,6 +51,8 @@ class Job:
     """time.monotonic() when the first token reached the gateway (the access log's TTFT)."""
     prefer: str | None = None
     """An instance to try first (another sequence of the same prompt runs there)."""
+    cache_key: AffinityKey | None = None
+    """Its prompt_cache_key, scoped to the requests it can share cache blocks with."""
     whole: bool = False
     """Answered as one response (not streamed): its chunks are held until the last, so an
     engine that dies mid-response is invisible to the client and the job starts over

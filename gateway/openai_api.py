@@ -36,6 +36,7 @@ from gateway.access_log import AccessRecord, record_of
 from gateway.admission import Admitted, AdmittedRoute
 from gateway.auth import Principal
 from gateway.batch_stream import BatchStream
+from gateway.cache_key_affinity import affinity_key
 from gateway.caller import Caller, turn_of
 from gateway.config import GatewayConfig
 from gateway.exposure import instance_tag
@@ -269,7 +270,8 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
         gateway.priority(req.principal, body.priority),
         deadline=time.time() + gateway.config.request_timeout_s,
         tenant=turn_of(req.principal, req.http))
-    return Job(request, req.endpoint, claim)
+    return Job(request, req.endpoint, claim, cache_key=affinity_key(
+        request.cache_salt, adapter, body.prompt_cache_key))
 
 
 async def _respond(gateway: Gateway, jobs: list[Job], req: _Call, fmt: ResponseFormatter

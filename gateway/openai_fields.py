@@ -121,8 +121,6 @@ CHAT: Mapping[str, Unsupported] = {
     "verbosity": _off("medium", reason="not implemented"),
     "web_search_options": Unsupported((), "no web search", empty_asks=True),
     "moderation": _off(reason="no moderation"),
-    "prompt_cache_key": _off(reason="the router places requests by their prompts' cached "
-                                    "prefixes; cache_salt keeps tenants' caches apart"),
     "prompt_cache_options": _off(reason="the router places requests by their prompts' cached "
                                         "prefixes"),
     "add_special_tokens": _off(False, reason="the chat template places special tokens"),

@@ -116,6 +116,9 @@ class SamplingFields(StrictRequest):
     """OpenAI's newer name for ``user``."""
     ignore_eos: StrictBool = False
     cache_salt: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
+    prompt_cache_key: Annotated[Text, Field(max_length=1024)] | None = None
+    """OpenAI's: requests with the same key (and cache salt and adapter) are routed where the
+    last of them went, as if it held their prompt cached (gateway/cache_key_affinity.py)."""
     priority: Int = Field(default=0, ge=-1000, le=1000)
     return_token_ids: StrictBool = False
     """vLLM's: the prompt's and the generated token ids beside the text."""

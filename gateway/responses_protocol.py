@@ -59,9 +59,6 @@ UNSUPPORTED: Mapping[str, Unsupported] = {
     "service_tier": Unsupported(("auto", "default"), "one tier"),
     "max_tool_calls": Unsupported((), "not implemented"),
     "stream_options": Unsupported(({"include_obfuscation": False},), "events are not padded"),
-    "prompt_cache_key": Unsupported((), "the router places requests by their prompts' "
-                                        "cached prefixes; cache_salt keeps tenants' caches "
-                                        "apart"),
     "prompt_cache_retention": Unsupported(("in_memory", "in-memory"), "cached blocks live in "
                                                                      "the engines' memory only"),
 }
@@ -71,7 +68,7 @@ PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "top_logprobs"
           "safety_identifier", "top_k", "min_p", "min_tokens", "seed", "stop",
           "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "ignore_eos",
           "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-          "bad_words", "allowed_token_ids", "cache_salt", "priority")
+          "bad_words", "allowed_token_ids", "cache_salt", "priority", "prompt_cache_key")
 """Fields passed to the chat request as they came (it validates them)."""
 
 RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens",
@@ -181,6 +178,7 @@ class ResponsesRequest(StrictRequest):
     allowed_token_ids: Any = None
     cache_salt: Any = None
     priority: Any = None
+    prompt_cache_key: Any = None
     UNSUPPORTED: ClassVar[Mapping[str, Unsupported]] = UNSUPPORTED
     _chat: ChatCompletionRequest | None = PrivateAttr(default=None)
 

@@ -36,10 +36,11 @@ def prefix_chain(pool: InstancePool, config: GatewayConfig,
 
 
 def candidates(pool: InstancePool, config: GatewayConfig, job: Job,
-               instances: list[Instance],
-               chain: list[tuple[int, int]] | None) -> list[Candidate]:
+               instances: list[Instance], chain: list[tuple[int, int]] | None,
+               key_affine: str | None = None) -> list[Candidate]:
     """The instances as the router scores them; a tenant's tier share scales the per
-    instance admission bound (at least 1, so every tier can run somewhere)."""
+    instance admission bound (at least 1, so every tier can run somewhere). key_affine:
+    the instance the request's prompt_cache_key last went to."""
     matched: dict[str, int] = {}
     if chain is not None and pool.index is not None:
         matched = pool.index.match(chain, [i.instance_id for i in instances])
@@ -48,7 +49,8 @@ def candidates(pool: InstancePool, config: GatewayConfig, job: Job,
         instance_id=i.instance_id, in_flight=i.in_flight, max_in_flight=bound,
         max_num_seqs=i.max_num_seqs, kv_usage=i.kv_usage, max_loras=i.max_loras,
         resident=i.slot_claims, busy_adapters=i.unevictable,
-        matched_tokens=matched.get(i.instance_id, 0)) for i in instances]
+        matched_tokens=matched.get(i.instance_id, 0),
+        key_affine=i.instance_id == key_affine) for i in instances]
 
 
 def note_prefix_outcome(pool: InstancePool, metrics: GatewayMetrics, job: Job,

@@ -15,6 +15,9 @@ in-flight count:
   sparse chain hashes (computed with the engines' own hashing), in tokens.
 - load: in_flight / max_num_seqs + kv_usage.
 
+An instance that a request's prompt_cache_key last went to (gateway/cache_key_affinity.py)
+counts as matching the whole prompt.
+
 Prefix affinity yields under imbalance: an instance whose load exceeds the least-loaded
 candidate's by more than ``imbalance`` gets no prefix credit, so a hot prefix spreads to a
 second instance instead of queueing on one. The same rule places adapters: when the
@@ -53,6 +56,8 @@ class Candidate:
     busy_adapters: frozenset[str]
     """Resident adapters that cannot be evicted (running requests or pinned)."""
     matched_tokens: int = 0
+    key_affine: bool = False
+    """Where the request's prompt_cache_key last went: credited with the whole prompt."""
 
     @property
     def load(self) -> float:
@@ -119,7 +124,7 @@ class Router:
         scores: dict[str, float] = {}
         parts: dict[str, tuple[float, float]] = {}
         for c in open_:
-            prefix = c.matched_tokens / max(1, prompt_len)
+            prefix = 1.0 if c.key_affine else c.matched_tokens / max(1, prompt_len)
             if c.load - min_load > self.weights.imbalance:
                 prefix = 0.0
             prefix_term = self.weights.prefix * prefix
@@ -139,7 +144,7 @@ class Router:
             return TIER_REASONS[tier]
         prefix_term = parts[best.instance_id][0]
         if prefix_term > 0 and any(parts[c.instance_id][0] < prefix_term for c in candidates):
-            return "prefix"
+            return "prompt_cache_key" if best.key_affine else "prefix"
         if len(candidates) > 1:
             return "least_loaded"
         return "only_candidate"

@@ -30,6 +30,7 @@ from engine.protocol import (
 )
 from gateway.adapter_placement import AdapterPlacement
 from gateway.auth import Principal, StateView, authenticate
+from gateway.cache_key_affinity import CacheKeyAffinity
 from gateway.config import GatewayConfig
 from gateway.instances import Instance, InstancePool
 from gateway.job import Claim, Job, Outcome, tier_share
@@ -68,6 +69,7 @@ class Gateway:
         self.placement = AdapterPlacement(view, config.retry_after_s)
         self.resolver: Callable[[Gateway, str], Awaitable[bool]] | None = None
         """Loads an unknown model name as an adapter (opt-in; True when it did)."""
+        self.cache_keys = CacheKeyAffinity()
 
     def cancelled_status(self) -> int:
         """The status a request whose work was cancelled counts as: 503 when the server
@@ -210,13 +212,15 @@ class Gateway:
                                       job.adapter, prompt_len) if same else None
         if decision is None:  # no preference, or that instance is gone or full
             decision = self.router.choose(
-                candidates(self.pool, self.config, job, instances, chain), job.adapter,
+                candidates(self.pool, self.config, job, instances, chain,
+                           self.cache_keys.instance_for(job.cache_key)), job.adapter,
                 prompt_len)
         if decision is None:
             raise ApiError(429, "every engine instance is at its admission limit; retry "
                            "later", code="overloaded",
                            headers={"Retry-After": str(self.config.retry_after_s)})
         self.metrics.routing.labels(decision.reason).inc()
+        self.cache_keys.note(job.cache_key, decision.instance_id)
         if chain is not None and self.pool.index is not None:
             self.pool.index.note_routed(decision.instance_id, chain)
         if log.isEnabledFor(logging.DEBUG):

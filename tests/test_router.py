@@ -17,11 +17,11 @@ from gateway.router import Candidate, Router, RouterWeights
 def cand(instance_id: str, *, in_flight: int = 0, max_in_flight: int = 8,
          max_num_seqs: int = 4, kv: float = 0.0, max_loras: int = 2,
          resident: tuple[str, ...] = (), busy: tuple[str, ...] = (),
-         matched: int = 0) -> Candidate:
+         matched: int = 0, key_affine: bool = False) -> Candidate:
     return Candidate(instance_id=instance_id, in_flight=in_flight, max_in_flight=max_in_flight,
                      max_num_seqs=max_num_seqs, kv_usage=kv, max_loras=max_loras,
                      resident=frozenset(resident), busy_adapters=frozenset(busy),
-                     matched_tokens=matched)
+                     matched_tokens=matched, key_affine=key_affine)
 
 
 # Four instances, one per adapter tier for a request of adapter "ad".
@@ -127,6 +127,20 @@ def test_prefix_affinity_yields_beyond_imbalance(in_flight: int, kv: float) -> N
     assert (decision.instance_id, decision.reason, decision.matched_tokens) == (
         "idle", "least_loaded", 0)
     assert decision.scores == {"holder": 3.0 - holder.load, "idle": 3.0}
+
+
+def test_the_prompt_cache_key_s_instance_counts_as_holding_the_whole_prompt() -> None:
+    # Over a partial prefix elsewhere; and yielding beyond imbalance like any prefix credit.
+    keyed, other = cand("keyed", key_affine=True, in_flight=1), cand("other", matched=128)
+    decision = Router().choose([keyed, other], None, 256)
+    assert decision is not None
+    assert (decision.instance_id, decision.reason, decision.matched_tokens) == (
+        "keyed", "prompt_cache_key", 0)
+    assert decision.scores == {"keyed": 5.0 - keyed.load, "other": 4.0}
+    busy = cand("keyed", key_affine=True, in_flight=3)  # load 0.75 > imbalance 0.5
+    decision = Router().choose([busy, cand("idle")], None, 256)
+    assert decision is not None and (decision.instance_id, decision.reason) == (
+        "idle", "least_loaded")
 
 
 def test_imbalance_is_measured_from_the_least_loaded_open_candidate() -> None:

@@ -257,3 +257,23 @@ def test_a_burst_on_a_new_prefix_stays_together(cluster: Cluster) -> None:
     hits = sum(metric(httpx.get(url + "/metrics").text, "loragate_prefix_cache_hit_tokens_total")
                - hits_before[url] for url in cluster.urls)
     assert hits == 2 * PREFIX_LEN
+
+
+def test_a_prompt_cache_key_returns_to_the_instance_it_last_went_to(cluster: Cluster) -> None:
+    """Requests that share a prompt_cache_key but no cached block are routed for the key
+    (the router's own scoring of it: tests/test_router.py); a key counts only among
+    requests that can share cache blocks (the same cache_salt here)."""
+    wait_quiet(cluster)
+    first = served_by(complete_keyed(cluster, random_tokens(50, 8), "conv-1"))
+    again = complete_keyed(cluster, random_tokens(51, 8), "conv-1")  # no shared block
+    assert (served_by(again), route_reason(again)) == (first, "prompt_cache_key")
+    salted = complete_keyed(cluster, random_tokens(52, 8), "conv-1", cache_salt="other")
+    assert route_reason(salted) == "least_loaded"
+
+
+def complete_keyed(cluster: Cluster, prompt: list[int], key: str, **extra: Any
+                   ) -> httpx.Response:
+    response = httpx.post(cluster.gateway.url + "/v1/completions", timeout=60.0,
+                          json=completion_body(prompt, prompt_cache_key=key, **extra))
+    assert response.status_code == 200, response.text
+    return response

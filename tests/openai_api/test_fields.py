@@ -73,7 +73,7 @@ ACTIVE: dict[str, Any] = {
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
     "reasoning_effort": "high", "verbosity": "low",
     "web_search_options": {"search_context_size": "low"},
-    "moderation": {"type": "auto"}, "prompt_cache_key": "k",
+    "moderation": {"type": "auto"},
     "prompt_cache_options": {"x": 1}, "chat_template": "{{ messages }}",
     "mm_processor_kwargs": {"x": 1},
     "request_id": "trace-1", "session_id": "s", "thinking_token_budget": 100,
