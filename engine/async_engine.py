@@ -250,8 +250,11 @@ class AsyncEngine:
         make = functools.partial(self._make, prompt, params, request_id, priority, lora,
                                  cache_salt, time.monotonic())
         if not self.engine.requests.takes_long(prompt, params, cache_salt):
-            return make()
-        return await self._preparing.run(make, tenant)
+            request = make()
+        else:
+            request = await self._preparing.run(make, tenant)
+        request.tenant = tenant  # its share of the running batch (Scheduler)
+        return request
 
     async def tokenize_off_loop(self, text: str, tenant: str | None = None) -> list[int]:
         """tokenize() on the preparing thread, in ``tenant``'s turn (a long text takes a

@@ -51,6 +51,9 @@ class Request:
     arrival_seq: int
     """Monotonic admission number; the tie-breaker of every queue order ("newest" = largest)."""
     priority: int = 0
+    tenant: str | None = None
+    """Whose share of the running batch it counts in (Scheduler: fair between the tenants of
+    one priority); None: the engine's own caller (one tenant)."""
     lora_name: str | None = None
     """Adapter the request runs with (None: the base model)."""
     lora_slot: int = -1

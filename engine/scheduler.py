@@ -6,7 +6,8 @@ within ``max_num_batched_tokens`` tokens and ``max_num_seqs`` running requests:
 1. running requests first, in admission order (a decode costs 1 token); when blocks run out
    the victim (lowest priority, then newest) is preempted by recompute or swap;
 2. then, if nothing was preempted this step, swapped requests come back;
-3. then waiting requests are admitted in policy order.
+3. then waiting requests are admitted in policy order (tenants of one priority sharing the
+   batch: engine/tenant_share.py).
 
 A prefill longer than the remaining budget is cut so that the chunk ends on a block
 boundary (chunked prefill), so every finished chunk fills whole blocks.
@@ -22,6 +23,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, blocks_for, pool_of
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import NewRequest, ScheduledChunk, SchedulerOutput
+from engine.tenant_share import fair_order, fair_victim
 from lora.manager import LoraManager
 
 QueueKey = tuple[int, int]
@@ -61,10 +63,8 @@ class Scheduler:
         self._focus: str | None = None
         self._exclude: frozenset[str] = frozenset()
         self._queue_key: Callable[[Request], QueueKey] = (
-            (lambda r: (-r.priority, r.arrival_seq))
-            if config.scheduling_policy == "priority"
-            else (lambda r: (0, r.arrival_seq))
-        )
+            (lambda r: (-r.priority, r.arrival_seq)) if config.scheduling_policy == "priority"
+            else (lambda r: (0, r.arrival_seq)))
 
     # ----------------------------------------------------------------- queue management
     def add(self, request: Request) -> None:
@@ -159,10 +159,17 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, scheduled: Scheduled, budget: int
                           ) -> int:
         for request in self._admission_order():
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget == 0:
                 break
             if request.status is not RequestStatus.WAITING or not self._eligible(request):
                 continue  # admitted or finished since the order was taken, or held back
+            if len(self.running) >= self.config.max_num_seqs:  # a fair share's slot?
+                victim = None if self._focus else fair_victim(
+                    request, self.running, self.waiting, self.config.max_num_seqs,
+                    self._queue_key, self._swapped_in_this_step)
+                if victim is None:
+                    break
+                budget += self._preempt(victim, out, scheduled)
             hit = self.kv.find_cached_prefix(request)
             if self.kv.next_block_in_flight(request, len(hit)):
                 continue  # another request is computing that block now: reuse it next step
@@ -195,29 +202,24 @@ class Scheduler:
 
     def _admission_order(self) -> list[Request]:
         """Queue order, except that while the queue is short the head's priority group
-        (first cache_aware_window of it) goes longest-cached-prefix first; requests that
-        waited over max_admission_delay_s keep their place ahead of it."""
+        (first cache_aware_window of it) goes longest-cached-prefix first (requests that
+        waited over max_admission_delay_s keep their place ahead of it); then, within a
+        priority, tenants holding fewer running requests first (engine/tenant_share.py)."""
         order = list(self.waiting)
         cfg = self.config
-        if (not self.kv.caching_enabled or cfg.cache_aware_window == 0
-                or not 1 < len(order) <= cfg.cache_aware_max_queue):
-            return order
-        head_priority = order[0].priority
-        group = [r for r in order[:cfg.cache_aware_window] if r.priority == head_priority]
-        now = time.monotonic()
-        overdue = [r for r in group if now - r.timing.arrival > cfg.max_admission_delay_s]
-        rest = [r for r in group if now - r.timing.arrival <= cfg.max_admission_delay_s]
-        rest.sort(key=lambda r: -len(self.kv.find_cached_prefix(r)))  # stable: ties keep order
-        return overdue + rest + order[len(group):]
+        if (self.kv.caching_enabled and cfg.cache_aware_window > 0
+                and 1 < len(order) <= cfg.cache_aware_max_queue):
+            head_priority = order[0].priority
+            group = [r for r in order[:cfg.cache_aware_window] if r.priority == head_priority]
+            now = time.monotonic()
+            overdue = [r for r in group if now - r.timing.arrival > cfg.max_admission_delay_s]
+            rest = [r for r in group if now - r.timing.arrival <= cfg.max_admission_delay_s]
+            rest.sort(key=lambda r: -len(self.kv.find_cached_prefix(r)))  # stable
+            order = overdue + rest + order[len(group):]
+        return fair_order(order, self.running, self._queue_key)
 
-    def _allocate_for_waiting(
-        self,
-        request: Request,
-        n: int,
-        hit: list[int],
-        out: SchedulerOutput,
-        scheduled: Scheduled,
-    ) -> int | None:
+    def _allocate_for_waiting(self, request: Request, n: int, hit: list[int],
+                              out: SchedulerOutput, scheduled: Scheduled) -> int | None:
         """Blocks for a waiting request; under the priority policy strictly lower-priority
         running requests are preempted to make room. Returns the budget the victims' chunks
         gave back, or None when the request cannot be admitted."""
