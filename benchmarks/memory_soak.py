@@ -9,13 +9,15 @@ chat, a completion with logprobs and echo, a chat stream with include_usage, a s
 client hangs up after 3 chunks, a chat held to a JSON schema (four schemas in turn, so the
 grammar cache fills and is reused), a chat with n=2 at temperature 0.8, and /v1/responses.
 
-VmRSS (/proc/PID/status) of the server and of every process under it (the engine with
---engine-process, the grammar helper once a schema came) is read once it is ready and then
-every --sample-every finished requests. Per process: its growth over the first half of its
-series and over the second, and a verdict: "levels off" when the second half grew by under
-2% of the RSS at the middle, else "still growing". A request fails on a status other than
-200, a transport error, an error event, or an answer without what it asked for; any failure
-makes the exit status 1.
+VmRSS and RssAnon (/proc/PID/status) of the server and of every process under it (the engine
+with --engine-process, the grammar helper once a schema came) are read once it is ready and
+then every --sample-every finished requests. Per process: the growth over the first half of
+its series and over the second, and a verdict: "levels off" when the second half grew by
+under 2% of the RSS at the middle, else "still growing". RssAnon is the part a leak grows:
+VmRSS also counts file pages (shared libraries, the mapped weights) that the kernel drops and
+reads back as the host's memory comes and goes. A request fails on a status other than 200,
+a transport error, an error event, or an answer without what it asked for; any failure makes
+the exit status 1.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ HANG_UP_AFTER = 3
 """Chunks the hang-up kind reads before it closes the connection."""
 SCHEMAS = schema_cases()[:4]
 
+Point = tuple[int, int, int]
+"""(requests finished, VmRSS kB, RssAnon kB)."""
 Send = Callable[[httpx.AsyncClient, str, int], Coroutine[Any, Any, None]]
 
 
@@ -149,15 +153,16 @@ KINDS: dict[str, Send] = {
     "json_schema": json_schema, "chat_n2": chat_n2, "responses": responses}
 
 
-def rss_kb(pid: int) -> int | None:
-    """VmRSS of a process in kB; None once it has gone."""
+def rss_kb(pid: int) -> tuple[int, int] | None:
+    """VmRSS and RssAnon of a process in kB; None once it has gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
+        status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
-        pass
-    return None
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if "VmRSS" not in fields:  # a zombie
+        return None
+    return int(fields["VmRSS"].split()[0]), int(fields["RssAnon"].split()[0])
 
 
 def process_tree(root: int) -> dict[int, str]:
@@ -182,18 +187,18 @@ def process_tree(root: int) -> dict[int, str]:
     return found
 
 
-def sample(root: int, done: int, series: dict[str, list[tuple[int, int]]]) -> None:
-    """Append (requests done, RSS kB) to the series of every process under root."""
+def sample(root: int, done: int, series: dict[str, list[Point]]) -> None:
+    """Append a point to the series of every process under root."""
     read = []
     for pid, label in process_tree(root).items():
         if (kb := rss_kb(pid)) is not None:
-            series.setdefault(label, []).append((done, kb))
-            read.append(f"{label} {kb / 1024:.1f} MiB")
+            series.setdefault(label, []).append((done, *kb))
+            read.append(f"{label} {kb[0] / 1024:.1f} MiB")
     print(f"{done} requests: " + ", ".join(read), flush=True)
 
 
 def verdict(points: list[tuple[int, int]]) -> dict[str, Any]:
-    """Growth over the first and second half of one process's series."""
+    """Growth over the first and second half of one series of (requests finished, kB)."""
     if len(points) < 3:
         return {"verdict": "too few samples"}
     (_, first), (mid_at, mid), (_, last) = points[0], points[len(points) // 2], points[-1]
@@ -207,7 +212,7 @@ def verdict(points: list[tuple[int, int]]) -> dict[str, Any]:
 async def soak(url: str, root: int, requests: int, concurrency: int, every: int
                ) -> dict[str, Any]:
     """Send the mixed workload; the RSS series of each process and the failures."""
-    series: dict[str, list[tuple[int, int]]] = {}
+    series: dict[str, list[Point]] = {}
     failures: Counter[str] = Counter()
     sent: Counter[str] = Counter()
     kinds = list(KINDS.items())
@@ -255,23 +260,36 @@ def start_server(model: str, port: int, engine_process: bool, log_dir: Path) -> 
     return server
 
 
+def verdicts(series: dict[str, list[Point]]) -> dict[str, dict[str, Any]]:
+    """Per process, the verdict on its VmRSS and on its RssAnon."""
+    return {label: {"vmrss": verdict([(d, rss) for d, rss, _ in points]),
+                    "rss_anon": verdict([(d, anon) for d, _, anon in points])}
+            for label, points in series.items()}
+
+
+def _growth(name: str, v: dict[str, Any]) -> str:
+    if "start_kb" not in v:
+        return f"{name} {v['verdict']}"
+    return (f"{name} {v['start_kb'] / 1024:.1f} -> {v['middle_kb'] / 1024:.1f} (at "
+            f"{v['middle_at']}) -> {v['end_kb'] / 1024:.1f} MiB; first half "
+            f"{v['first_half_mb']:+.1f} MiB ({v['first_half_pct']:+.2f}%), second half "
+            f"{v['second_half_mb']:+.1f} MiB ({v['second_half_pct']:+.2f}%): {v['verdict']}")
+
+
 def report(result: dict[str, Any]) -> None:
-    series: dict[str, list[tuple[int, int]]] = result["rss_kb"]
+    series: dict[str, list[Point]] = result["rss_kb"]
     labels = list(series)
-    print("requests  " + "  ".join(f"{label:>24}" for label in labels))
-    by_label = {label: dict(points) for label, points in series.items()}
-    for done in sorted({d for points in series.values() for d, _ in points}):
-        cells = (f"{by_label[label][done] / 1024:20.1f} MiB" if done in by_label[label]
-                 else " " * 24 for label in labels)
+    print("requests  " + "  ".join(f"{label:>24}" for label in labels)
+          + "   (VmRSS, RssAnon MiB)")
+    by_label = {label: {d: (rss, anon) for d, rss, anon in points}
+                for label, points in series.items()}
+    for done in sorted({point[0] for points in series.values() for point in points}):
+        cells = (f"{by_label[label][done][0] / 1024:14.1f} {by_label[label][done][1] / 1024:9.1f}"
+                 if done in by_label[label] else " " * 24 for label in labels)
         print(f"{done:8d}  " + "  ".join(cells))
     for label, v in result["verdicts"].items():
-        if "start_kb" not in v:
-            print(f"{label}: {v['verdict']}")
-            continue
-        print(f"{label}: {v['start_kb'] / 1024:.1f} -> {v['middle_kb'] / 1024:.1f} "
-              f"(at {v['middle_at']}) -> {v['end_kb'] / 1024:.1f} MiB; first half "
-              f"{v['first_half_mb']:+.1f} MiB ({v['first_half_pct']:+.2f}%), second half "
-              f"{v['second_half_mb']:+.1f} MiB ({v['second_half_pct']:+.2f}%): {v['verdict']}")
+        print(f"{label}: {_growth('VmRSS', v['vmrss'])}\n"
+              f"{' ' * len(label)}  {_growth('RssAnon', v['rss_anon'])}")
     print(f"{sum(result['sent'].values())} requests in {result['seconds']:.0f} s; failed: "
           f"{result['failed']} {result['failures'] or ''}".rstrip(), flush=True)
 
@@ -303,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                                       args.concurrency, args.sample_every))
         finally:
             stop_gateway(server)
-    result["verdicts"] = {label: verdict(points) for label, points in result["rss_kb"].items()}
+    result["verdicts"] = verdicts(result["rss_kb"])
     result["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     report(result)
     if args.out is not None:

@@ -19,10 +19,14 @@ from typing import Any
 
 import regex
 
-from lora.peft_targets import MAX_PATTERN_CHARS, PATTERN_TIMEOUT_S
+from lora.peft_regex import compile_pattern
+from lora.peft_targets import PATTERN_TIMEOUT_S
 
 MAX_PATTERN_KEYS = 4096
 """A pattern per module of a large model is a few thousand; more is not a PEFT config."""
+MAX_KEY_CHARS = 1 << 16
+"""All of one pattern's keys together: a full module name per module of a large model is
+tens of kilobytes; a megabyte of long expressions takes seconds to compile."""
 
 
 @dataclass(frozen=True)
@@ -65,19 +69,16 @@ def _patterns(value: Any, key: str, where: str, check: Callable[[Any], bool], wa
                          f"{str(value)[:100]}")
     if len(value) > MAX_PATTERN_KEYS:
         raise ValueError(f"{where}: {key} has {len(value)} keys, over {MAX_PATTERN_KEYS}")
+    if (chars := sum(len(pattern) for pattern in value)) > MAX_KEY_CHARS:
+        raise ValueError(f"{where}: {key}'s keys hold {chars} characters, over "
+                         f"{MAX_KEY_CHARS}")
     compiled: _Patterns = []
     for pattern, number in value.items():
         if not check(number):
             raise ValueError(f"{where}: {key}[{pattern[:100]!r}] must be {wanted}, got "
-                             f"{str(number)[:100]}")
-        if len(pattern) > MAX_PATTERN_CHARS:
-            raise ValueError(f"{where}: a {key} key of {len(pattern)} characters, over "
-                             f"{MAX_PATTERN_CHARS}")
-        try:
-            compiled.append((pattern, regex.compile(rf"(.*\.)?({pattern})$"), float(number)))
-        except regex.error as exc:
-            raise ValueError(f"{where}: {key} key {pattern[:100]!r} is not a regular "
-                             f"expression: {exc}") from None
+                             f"{repr(number)[:100]}")
+        compiled.append((pattern, compile_pattern(pattern, rf"(.*\.)?({pattern})$",
+                                                  f"{key} key", where), float(number)))
     return compiled
 
 

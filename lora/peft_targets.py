@@ -10,8 +10,9 @@ whose file holds weights its config does not target would run differently here t
 PEFT: such an adapter is refused (lora/adapter.py), not served with weights PEFT never uses.
 
 Names are the base model's module names, e.g. ``model.layers.3.self_attn.q_proj``. A
-regular expression comes from the adapter's uploader: its matches run under one time limit
-for the whole adapter (the ``regex`` package's timeouts), so a slow pattern is refused.
+regular expression comes from the adapter's uploader: it is checked and compiled as
+lora/peft_regex.py says, and its matches run under one time limit for the whole adapter (the
+``regex`` package's timeouts), so a slow pattern is refused.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from typing import Any, TypeAlias
 
 import regex
 
+from lora.peft_regex import compile_pattern
 from lora.targets import SUPPORTED_MODULES
 
 PATTERN_TIMEOUT_S = 0.5
 """All the matches of one adapter's patterns together (a few hundred module names of tens of
 characters): far more than any sane pattern needs."""
-MAX_PATTERN_CHARS = 4096
 
 PEFT_DEFAULT_TARGETS = {model_type: ("q_proj", "v_proj") for model_type in (
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")}
@@ -90,14 +91,7 @@ def _names_or_pattern(value: Any, key: str, where: str) -> _NamesOrPattern | Non
     if value is None or value == [] or value == "":
         return None
     if isinstance(value, str):
-        if len(value) > MAX_PATTERN_CHARS:
-            raise ValueError(f"{where}: {key} is a pattern of {len(value)} characters, over "
-                             f"{MAX_PATTERN_CHARS}")
-        try:
-            return regex.compile(value)
-        except regex.error as exc:
-            raise ValueError(f"{where}: {key} {value[:100]!r} is not a regular expression: "
-                             f"{exc}") from None
+        return compile_pattern(value, value, key, where)
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return frozenset(value)
     raise ValueError(f"{where}: {key} must be a list of module names or a regular "

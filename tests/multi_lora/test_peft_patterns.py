@@ -99,11 +99,18 @@ def test_an_alpha_pattern_changes_the_identity(patterned: dict[str, Path], shape
 @pytest.mark.parametrize(("changes", "match"), [
     ({"rank_pattern": ["q_proj", 8]}, r"rank_pattern must be an object"),
     ({"rank_pattern": {"q_proj": 0}}, r"rank_pattern\['q_proj'\] must be a positive integer"),
-    ({"rank_pattern": {"q_proj": "8"}}, r"must be a positive integer, got 8"),
+    ({"rank_pattern": {"q_proj": "8"}}, r"must be a positive integer, got '8'"),
     ({"rank_pattern": {"q_proj": True}}, r"must be a positive integer, got True"),
     ({"alpha_pattern": {"v_proj": "3"}}, r"alpha_pattern\['v_proj'\] must be a finite number"),
     ({"alpha_pattern": {"(v_proj": 3}}, r"alpha_pattern key '\(v_proj' is not a regular"),
-    ({"rank_pattern": {"(a|aa)*c" + "x" * 4100: 8}}, r"key of 4108 characters, over 4096"),
+    ({"rank_pattern": {"(a|aa)*c" + "x" * 4100: 8}}, r"of 4108 characters, over 4096"),
+    ({"alpha_pattern": {f"{i}" + "x" * 4000: 1 for i in range(17)}},
+     r"alpha_pattern's keys hold 68024 characters, over 65536"),
+    # Unrolled by a compiler, gigabytes from 30 characters: refused before compiling.
+    ({"rank_pattern": {"(?:(?:x{100}){100}){100}": 8}}, r"repeats a part more than 1024"),
+    # Python's re (PEFT) reads [[:digit:]] as characters; the regex package as a class.
+    ({"alpha_pattern": {r"layers\.1[[:digit:]]\.self_attn\.q_proj": 512}},
+     r"Python's re \(PEFT's\) reads as written: Possible nested set"),
     # Backtracks through every split of a name: its groups are 3-10 inside (.*\.)?(KEY)$.
     ({"rank_pattern": {"(.*)(.*)(.*)(.*)(.*)(.*)(.*)(.*)\\10\\9\\8\\7\\6\\5\\4\\3": 8}},
      r"took over 0.5 s"),
