@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from importlib.metadata import version as package_version
@@ -92,12 +92,14 @@ task that does not end on cancellation must not keep a drained gateway alive."""
 def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
                adapters: dict[str, str] | None = None, base_model: str | None = None,
                watch_adapter_dir: str | None = None, local: LocalEngine | None = None,
-               store: StateStore | None = None) -> FastAPI:
+               store: StateStore | None = None, withheld: Collection[str] = ()) -> FastAPI:
     """A gateway over engine servers at engine_urls and/or the engine in this process
     (``local``: its metrics join the gateway's /metrics); adapters (name -> PEFT dir as the
     engines see it) are registered on every instance as it comes up. watch_adapter_dir: a
     directory where the demo adapters appear while serving (gateway/demo_adapters.py).
-    ``store``: the state store, opened by the caller (default: open_store(config))."""
+    ``store``: the state store, opened by the caller (default: open_store(config)).
+    ``withheld``: adapters given on the command line but not served now (an adapter
+    directory's member that did not load): their records stand, as an admin left them."""
     check_engine_sources(config, engine_urls, local is not None)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     instance_tag("", config.admin_key)  # its key stretch (scrypt) now, not in a request
@@ -116,8 +118,8 @@ def create_app(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str
             raise RuntimeError(f"the state store at {redact_url(config.redis_url or '')} is "
                                f"unreachable")
         async def register_configured() -> None:
-            await bring_to_command_line(store, adapters or {},
-                                        STYLES if watch_adapter_dir is not None else ())
+            await bring_to_command_line(store, adapters or {}, {*withheld, *(
+                STYLES if watch_adapter_dir is not None else ())})
 
         await register_configured()
         view.reset_hooks.append(register_configured)  # a Redis that lost them gets them back

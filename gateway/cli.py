@@ -102,11 +102,11 @@ def _serve(args: argparse.Namespace) -> int:
                          "tokenizer (a local copy of the model directory is enough)")
     if demo:  # trained into once serve's checks pass: watched and loadable from the start
         (Path(model) / "adapters").mkdir(exist_ok=True)
-    adapters, adapter_dir = served_adapters(args.lora, args.adapter_dir, model,
-                                            attached=attached)
+    found, adapter_dir = served_adapters(args.lora, args.adapter_dir, model,
+                                         attached=attached)
     gateway_config, engine_config = _configs(args, model)
     adapters = check_served_adapters(
-        args.lora, adapters, model, engine_config.max_lora_rank,
+        args.lora, found, model, engine_config.max_lora_rank,
         gateway_config.served_model_name or model.rstrip("/").split("/")[-1],
         load=not attached)
     if gateway_config.adapter_upload_dir:  # recorded in adapter paths the engines load
@@ -132,7 +132,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         serve(gateway_config, engine_config, args.instances, args.engine, model, adapters,
               roots, watch_adapter_dir=adapter_dir if demo else None,
-              engine_process=args.engine_process, start_training=train if demo else None)
+              engine_process=args.engine_process, start_training=train if demo else None,
+              withheld=found.keys() - adapters.keys())
     finally:
         for trainer in trainers:
             if trainer.poll() is None:

@@ -35,23 +35,28 @@ def from_command_line(record: AdapterRecord) -> bool:
 
 
 async def bring_to_command_line(store: StateStore, given: Mapping[str, str],
-                                to_come: Collection[str] = ()) -> list[str]:
+                                kept: Collection[str] = ()) -> list[str]:
     """Make the store's command-line adapters those in ``given`` (name -> path): add the
     new, move those whose path changed, and mark for deletion (``deleting``: PendingDeletes
-    finishes it) those given before but not now, except names in ``to_come`` (demo adapters
-    still being trained, registered as they appear). A record an admin registered under a
-    given name stands. Returns the names marked for deletion."""
+    finishes it) those given before but not now, except names in ``kept`` (demo adapters
+    still being trained, registered as they appear; an adapter directory's member that did
+    not load this time: its record stands, with who may use it). A record an admin
+    registered under a given name stands. Returns the names marked for deletion."""
     adapters = (await store.snapshot()).adapters
     for name, path in given.items():
         known = adapters.get(name)
         if known is None:
             await store.swap_adapter(name, None, AdapterRecord(name, path))
+        elif not from_command_line(known):
+            log.warning("adapter %s given on the command line is not served from %s: the "
+                        "name belongs to an adapter registered through the admin API or "
+                        "uploaded (delete that one to serve this)", name, path)
         elif from_command_line(known) and known.path != path and not known.deleting and \
                 await store.swap_adapter(name, known, dataclasses.replace(known, path=path)):
             log.info("adapter %s: now served from %s (was %s)", name, path, known.path)
     retired = [name for name, known in adapters.items()
                if from_command_line(known) and not known.deleting and name not in given
-               and name not in to_come and await store.swap_adapter(
+               and name not in kept and await store.swap_adapter(
                    name, known, dataclasses.replace(known, deleting=True))]
     if retired:
         log.info("adapters given on an earlier start's command line and not on this one are "

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,12 +226,14 @@ def stop_engines(engines: list[EngineProcess], timeout_s: float) -> None:
 
 
 def run_gateway(config: GatewayConfig, engine_urls: list[str], tokenizer_dir: str,
-                adapters: dict[str, str], banner: Callable[[StateView], str] | None = None,
+                adapters: dict[str, str], withheld: Collection[str] = (),
+                banner: Callable[[StateView], str] | None = None,
                 watch_adapter_dir: str | None = None, local: LocalEngine | None = None,
                 store: StateStore | None = None) -> None:
     """Serve the gateway until SIGTERM/SIGINT, then drain."""
     app = create_app(config, engine_urls, tokenizer_dir, adapters,
-                     watch_adapter_dir=watch_adapter_dir, local=local, store=store)
+                     watch_adapter_dir=watch_adapter_dir, local=local, store=store,
+                     withheld=withheld)
     server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
         http=guarded_protocol(config.header_read_timeout_s, config.max_header_bytes,
@@ -276,14 +278,15 @@ def start_drain(app: FastAPI, timeout_s: float) -> None:
 def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, instances: int,
           engine_urls: list[str], tokenizer_dir: str, adapters: dict[str, str],
           adapter_roots: Sequence[str] = (), watch_adapter_dir: str | None = None,
-          engine_process: bool = False, start_training: Callable[[], bool] | None = None
-          ) -> None:
+          engine_process: bool = False, start_training: Callable[[], bool] | None = None,
+          withheld: Collection[str] = ()) -> None:
     """Start local engines (unless engine_urls are given, or instances is 0: then engines
     come from the Redis registry) and the gateway in front: one in this process unless
     engine_process, else engine processes, which get the gateway's engine token (a fresh
     random one when it has none). Local engines load adapters only from adapter_roots (and
     the directories of ``adapters``). ``start_training`` runs once the checks passed; False:
-    nothing trains into watch_adapter_dir, which is then not watched."""
+    nothing trains into watch_adapter_dir, which is then not watched. ``withheld``: adapters
+    given but not served now (an adapter directory's member that did not load)."""
     # Configuration before the network: each refusal names the first problem.
     load_hf_config(tokenizer_dir)  # a missing or foreign model directory
     check_engine_sources(gateway_config, engine_urls, has_local_engine=instances > 0)
@@ -327,7 +330,7 @@ def serve(gateway_config: GatewayConfig, engine_config: EngineConfig | None, ins
                 supervisor = EngineSupervisor(engines)
                 supervisor.start()
             # uvicorn holds the signals while it serves (a drain), then gives them back.
-            run_gateway(gateway_config, engine_urls, tokenizer_dir, adapters,
+            run_gateway(gateway_config, engine_urls, tokenizer_dir, adapters, withheld,
                         banner=functools.partial(ready_banner, gateway_config, tokenizer_dir),
                         watch_adapter_dir=watch_adapter_dir, local=local, store=store)
             clean = True
