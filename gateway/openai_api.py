@@ -178,7 +178,8 @@ async def _serve(gateway: Gateway, req: _Call,
         jobs.extend(_job(gateway, claim, req, adapter, prompt.token_ids, context, sample)
                     for prompt in prompts for sample in range(k))
         fmt.start([prompt for prompt in prompts for _ in range(k)], k)
-        prompt_tokens = sum(len(job.request.prompt_token_ids) for job in jobs)
+        # Each prompt once, as usage counts it: its samples share its computed blocks.
+        prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
         await gateway.limiter.reserve(
             claim.ticket, prompt_tokens + sum(_output_reserve(gateway, req, job) for job in jobs),
             prompt_tokens=None if req.max_tokens is not None else prompt_tokens)
@@ -251,8 +252,12 @@ def _job(gateway: Gateway, claim: Claim, req: _Call, adapter: str | None,
     if len(prompt_ids) >= room:  # the prompt fits the context (_fitting), not the KV cache
         raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) leaves no room for output "
                        f"in what one request can hold in the engines' KV cache ({room} "
-                       "tokens): shorten the prompt")
+                       "tokens): shorten the prompt", code="context_length_exceeded")
     left = room - len(prompt_ids)
+    if body.min_tokens > left:  # else SamplingParams' message names a bound nobody sent
+        raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than the {left} tokens "
+                       f"of output the context leaves after the prompt ({len(prompt_ids)} "
+                       "tokens)", code="context_length_exceeded", param="min_tokens")
     max_tokens = left if max_tokens is None else min(max_tokens, left)
     try:
         params = SamplingParams(

@@ -209,8 +209,10 @@ def _load(name: str, path: Path, targets: LoraTargets, max_rank: int) -> LoraAda
         # adapter's requests NaN: refused here rather than sampled from.
         for half, tensor in (("A", a32), ("B", b32)):
             if not bool(torch.isfinite(tensor).all()):
+                stored = bool(torch.isfinite(a if half == "A" else b.float()).all())
                 raise ValueError(f"{where}: layer {layer} {module} lora_{half} holds NaN or "
-                                 f"infinite values")
+                                 f"infinite values" + (f" once scaled by {scaling:.3g} (check "
+                                 f"lora_alpha)" if stored else ""))
         # Finite halves can still overflow in the forward (lora_alpha=-1e30 with small B):
         # bound the weight change's largest entry, |(B A)_ij| <= |B_i.| |A_.j| (in float64).
         bound = float(b32.double().norm(dim=1).max() * a32.double().norm(dim=0).max())

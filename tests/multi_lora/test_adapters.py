@@ -211,6 +211,16 @@ def test_alpha_that_overflows_the_forward_is_refused(adapters: dict[str, Path],
         load_adapter("alpha", path, shape.lora_targets(), max_rank=32)
 
 
+def test_an_alpha_whose_scaling_overflows_names_alpha(adapters: dict[str, Path],
+                                                     shape: ModelShape, tmp_path: Path) -> None:
+    path = _broken_copy(adapters["ad0"], tmp_path / "alpha")
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 1e300}))
+    with pytest.raises(ValueError, match=r"lora_B holds NaN or infinite values once scaled "
+                                         r"by .* \(check lora_alpha\)"):
+        load_adapter("alpha", path, shape.lora_targets(), max_rank=32)
+
+
 @pytest.mark.parametrize("alpha", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_alpha_is_refused(adapters: dict[str, Path], shape: ModelShape,
                                      tmp_path: Path, alpha: str) -> None:

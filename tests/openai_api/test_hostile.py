@@ -314,6 +314,13 @@ def test_max_tokens_past_what_the_prompt_leaves_is_lowered_to_it(gateway: LiveSe
                 assert (reply["choices"][0]["finish_reason"] if endpoint != "responses"
                         else reply["incomplete_details"]["reason"]) in (
                     "length", "max_output_tokens"), reply
+    left = CONTEXT - len(prompt)
+    short = _post(gateway, base_model, "completions",
+                  {"prompt": prompt, "max_tokens": 64, "min_tokens": left + 1})
+    assert (short.status_code, short.json()["error"]["param"]) == (400, "min_tokens")
+    assert short.json()["error"]["message"] == (
+        f"min_tokens ({left + 1}) is more than the {left} tokens of output the context "
+        f"leaves after the prompt ({len(prompt)} tokens)")
     fits = _post(gateway, base_model, "completions",
                  {"prompt": prompt, "max_tokens": CONTEXT - len(prompt), "ignore_eos": True})
     assert fits.status_code == 200, fits.text

@@ -106,6 +106,20 @@ def test_tpm_counts_prompt_and_completion_tokens(setup: Setup) -> None:
     assert refused.json()["error"]["code"] == "tpm_exceeded"
 
 
+def test_samples_of_one_prompt_reserve_the_prompt_once(setup: Setup) -> None:
+    # n=3 of a 40-token prompt, 8 tokens each: 40 + 24 reserved (as usage counts them), not
+    # 3 x 40 + 24, which a TPM of 100 would refuse as never fitting.
+    key = new_tenant(setup, "kappa", tpm=100)
+    base = poll(lambda: models(setup, key, 0), "the gateway to know kappa")[0]
+    reply = httpx.post(setup.gateways[0].url + "/v1/completions", timeout=60.0,
+                       headers={"Authorization": f"Bearer {key}"},
+                       json={"model": base, "prompt": list(range(10, 50)), "max_tokens": 8,
+                             "n": 3, "temperature": 1.0, "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-ratelimit-remaining-tokens"] == "36"
+    assert reply.json()["usage"]["total_tokens"] == 64
+
+
 def test_a_chat_without_max_tokens_reserves_a_share_not_the_whole_context(
         setup: Setup) -> None:
     # Its output may fill the context (1024 tokens here): reserving all of that would
