@@ -9,15 +9,16 @@ chat, a completion with logprobs and echo, a chat stream with include_usage, a s
 client hangs up after 3 chunks, a chat held to a JSON schema (four schemas in turn, so the
 grammar cache fills and is reused), a chat with n=2 at temperature 0.8, and /v1/responses.
 
-VmRSS and RssAnon (/proc/PID/status) of the server and of every process under it (the engine
-with --engine-process, the grammar helper once a schema came) are read once it is ready and
-then every --sample-every finished requests. Per process: the growth over the first half of
-its series and over the second, and a verdict: "levels off" when the second half grew by
-under 2% of the RSS at the middle, else "still growing". RssAnon is the part a leak grows:
-VmRSS also counts file pages (shared libraries, the mapped weights) that the kernel drops and
-reads back as the host's memory comes and goes. A request fails on a status other than 200,
-a transport error, an error event, or an answer without what it asked for; any failure makes
-the exit status 1.
+VmRSS (/proc/PID/status) of the server and of every process under it (the engine with
+--engine-process, the grammar helper once a schema came) is read once it is ready and then
+every --sample-every finished requests, with its parts: RssAnon (the heap: what a leak
+grows), RssShmem (the KV cache, a shared anonymous map whose pages count once first written,
+so it grows up to the cache's size) and RssFile (libraries and weights, which the kernel
+drops and reads back as the host's memory comes and goes). Per process, for VmRSS and for
+RssAnon: the growth over the first half of its series and over the second, and a verdict:
+"levels off" when the second half grew by under 2% of the value at the middle, else "still
+growing". A request fails on a status other than 200, a transport error, an error event, or
+an answer without what it asked for; any failure makes the exit status 1.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ HANG_UP_AFTER = 3
 """Chunks the hang-up kind reads before it closes the connection."""
 SCHEMAS = schema_cases()[:4]
 
-Point = tuple[int, int, int]
-"""(requests finished, VmRSS kB, RssAnon kB)."""
+Point = tuple[int, int, int, int, int]
+"""(requests finished, VmRSS, RssAnon, RssShmem, RssFile), the sizes in kB."""
+PARTS = ("VmRSS", "RssAnon", "RssShmem", "RssFile")
 Send = Callable[[httpx.AsyncClient, str, int], Coroutine[Any, Any, None]]
 
 
@@ -153,8 +155,8 @@ KINDS: dict[str, Send] = {
     "json_schema": json_schema, "chat_n2": chat_n2, "responses": responses}
 
 
-def rss_kb(pid: int) -> tuple[int, int] | None:
-    """VmRSS and RssAnon of a process in kB; None once it has gone."""
+def rss_kb(pid: int) -> tuple[int, int, int, int] | None:
+    """The PARTS of a process's resident memory in kB; None once it has gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
@@ -162,7 +164,8 @@ def rss_kb(pid: int) -> tuple[int, int] | None:
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     if "VmRSS" not in fields:  # a zombie
         return None
-    return int(fields["VmRSS"].split()[0]), int(fields["RssAnon"].split()[0])
+    vm, anon, shmem, file = (int(fields[part].split()[0]) for part in PARTS)
+    return vm, anon, shmem, file
 
 
 def process_tree(root: int) -> dict[int, str]:
@@ -204,8 +207,8 @@ def verdict(points: list[tuple[int, int]]) -> dict[str, Any]:
     (_, first), (mid_at, mid), (_, last) = points[0], points[len(points) // 2], points[-1]
     second_pct = 100 * (last - mid) / mid
     return {"start_kb": first, "middle_kb": mid, "end_kb": last, "middle_at": mid_at,
-            "first_half_mb": (mid - first) / 1024, "first_half_pct": 100 * (mid - first) / first,
-            "second_half_mb": (last - mid) / 1024, "second_half_pct": second_pct,
+            "first_half_mib": (mid - first) / 1024, "first_half_pct": 100 * (mid - first) / first,
+            "second_half_mib": (last - mid) / 1024, "second_half_pct": second_pct,
             "verdict": "levels off" if second_pct < LEVELS_OFF_PCT else "still growing"}
 
 
@@ -262,8 +265,8 @@ def start_server(model: str, port: int, engine_process: bool, log_dir: Path) -> 
 
 def verdicts(series: dict[str, list[Point]]) -> dict[str, dict[str, Any]]:
     """Per process, the verdict on its VmRSS and on its RssAnon."""
-    return {label: {"vmrss": verdict([(d, rss) for d, rss, _ in points]),
-                    "rss_anon": verdict([(d, anon) for d, _, anon in points])}
+    return {label: {"vmrss": verdict([(p[0], p[1]) for p in points]),
+                    "rss_anon": verdict([(p[0], p[2]) for p in points])}
             for label, points in series.items()}
 
 
@@ -272,20 +275,20 @@ def _growth(name: str, v: dict[str, Any]) -> str:
         return f"{name} {v['verdict']}"
     return (f"{name} {v['start_kb'] / 1024:.1f} -> {v['middle_kb'] / 1024:.1f} (at "
             f"{v['middle_at']}) -> {v['end_kb'] / 1024:.1f} MiB; first half "
-            f"{v['first_half_mb']:+.1f} MiB ({v['first_half_pct']:+.2f}%), second half "
-            f"{v['second_half_mb']:+.1f} MiB ({v['second_half_pct']:+.2f}%): {v['verdict']}")
+            f"{v['first_half_mib']:+.1f} MiB ({v['first_half_pct']:+.2f}%), second half "
+            f"{v['second_half_mib']:+.1f} MiB ({v['second_half_pct']:+.2f}%): {v['verdict']}")
 
 
 def report(result: dict[str, Any]) -> None:
     series: dict[str, list[Point]] = result["rss_kb"]
     labels = list(series)
-    print("requests  " + "  ".join(f"{label:>24}" for label in labels)
-          + "   (VmRSS, RssAnon MiB)")
-    by_label = {label: {d: (rss, anon) for d, rss, anon in points}
-                for label, points in series.items()}
+    print("MiB: VmRSS = RssAnon + RssShmem + RssFile")
+    print("requests  " + "  ".join(f"{label:>39}" for label in labels))
+    by_label = {label: {p[0]: p[1:] for p in points} for label, points in series.items()}
     for done in sorted({point[0] for points in series.values() for point in points}):
-        cells = (f"{by_label[label][done][0] / 1024:14.1f} {by_label[label][done][1] / 1024:9.1f}"
-                 if done in by_label[label] else " " * 24 for label in labels)
+        cells = ("".join(f"{kb / 1024:{9 if i else 12}.1f}" for i, kb in
+                         enumerate(by_label[label][done]))
+                 if done in by_label[label] else " " * 39 for label in labels)
         print(f"{done:8d}  " + "  ".join(cells))
     for label, v in result["verdicts"].items():
         print(f"{label}: {_growth('VmRSS', v['vmrss'])}\n"

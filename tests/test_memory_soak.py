@@ -26,7 +26,8 @@ def test_a_short_soak_fails_nothing_and_samples_every_k_requests(
     server = [label for label in result["rss_kb"] if label.startswith("gateway.cli ")]
     assert len(server) == 1
     points = result["rss_kb"][server[0]]
-    assert [done for done, _, _ in points] == list(range(0, REQUESTS + 1, EVERY))
-    assert all(rss >= anon > 0 for _, rss, anon in points)
+    assert [done for done, *_ in points] == list(range(0, REQUESTS + 1, EVERY))
+    assert all(rss == anon + shmem + file and anon > 0
+               for _, rss, anon, shmem, file in points)
     for v in result["verdicts"][server[0]].values():
         assert v["verdict"] in ("levels off", "still growing")
