@@ -20,12 +20,22 @@ def start_gateway(model: str, engine_urls: list[str], adapters: dict[str, str],
         command += ["--engine", url]
     for name, path in adapters.items():
         command += ["--lora", f"{name}={path}"]
-    log = log_dir / f"gateway-{port}.log"
+    return spawn_server(command, port, log_dir / f"gateway-{port}.log")
+
+
+def spawn_server(command: list[str], port: int, log: Path, env: dict[str, str] | None = None,
+                 ready_s: float = 120.0) -> EngineProcess:
+    """A server command (listening on ``port``) as a child process logging to ``log``,
+    waited for until ready; stopped if it never is."""
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    gateway = EngineProcess(f"http://127.0.0.1:{port}", process, log)
-    wait_ready([gateway], 120)
-    return gateway
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = EngineProcess(f"http://127.0.0.1:{port}", process, log)
+    try:
+        wait_ready([server], ready_s)
+    except BaseException:
+        stop_gateway(server)
+        raise
+    return server
 
 
 def stop_gateway(gateway: EngineProcess) -> None:

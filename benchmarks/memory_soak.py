@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,11 +37,11 @@ from typing import Any
 
 import httpx
 
-from benchmarks.gateway_process import stop_gateway
+from benchmarks.gateway_process import spawn_server, stop_gateway
 from benchmarks.serving_client import discover_model
 from benchmarks.structured_schemas import schema_cases
 from engine.default_model import default_model_dir
-from gateway.serve import EngineProcess, free_port, wait_ready
+from gateway.serve import EngineProcess, free_port
 
 LEVELS_OFF_PCT = 2.0
 """A second half that grew by less than this share of the RSS levels off."""
@@ -250,17 +249,8 @@ def start_server(model: str, port: int, engine_process: bool, log_dir: Path) -> 
     """`loragate serve` on the model as a child process, waited for until ready."""
     command = [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--port",
                str(port), "--state-path", "", *(["--engine-process"] if engine_process else [])]
-    env = dict(os.environ, LORAGATE_DEMO_ADAPTERS="0")
-    log = log_dir / f"serve-{port}.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    server = EngineProcess(f"http://127.0.0.1:{port}", process, log)
-    try:
-        wait_ready([server], 300)
-    except BaseException:
-        stop_gateway(server)
-        raise
-    return server
+    return spawn_server(command, port, log_dir / f"serve-{port}.log",
+                        dict(os.environ, LORAGATE_DEMO_ADAPTERS="0"), ready_s=300)
 
 
 def verdicts(series: dict[str, list[Point]]) -> dict[str, dict[str, Any]]:
