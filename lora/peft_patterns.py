@@ -12,15 +12,13 @@ their matches for one adapter run under one time limit, so a slow pattern is ref
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import regex
 
-from lora.peft_regex import compile_pattern
-from lora.peft_targets import PATTERN_TIMEOUT_S
+from lora.peft_regex import compile_pattern, deadline, timed_match
 
 MAX_PATTERN_KEYS = 4096
 """A pattern per module of a large model is a few thousand; more is not a PEFT config."""
@@ -48,11 +46,11 @@ def module_shapes(config: dict[str, Any], where: str, rank: int, alpha: float
                       "a positive integer")
     alphas = _patterns(config.get("alpha_pattern"), "alpha_pattern", where, _finite_number,
                        "a finite number")
-    deadline = time.monotonic() + PATTERN_TIMEOUT_S
+    until = deadline()
 
     def shape(name: str) -> ModuleShape:
-        return ModuleShape(int(_first_match(ranks, name, where, deadline, rank)),
-                           float(_first_match(alphas, name, where, deadline, alpha)))
+        return ModuleShape(int(_first_match(ranks, name, where, until, rank)),
+                           float(_first_match(alphas, name, where, until, alpha)))
 
     return shape
 
@@ -91,13 +89,9 @@ def _finite_number(value: Any) -> bool:
         math.isfinite(value)
 
 
-def _first_match(patterns: _Patterns, name: str, where: str, deadline: float,
+def _first_match(patterns: _Patterns, name: str, where: str, until: float,
                  default: float) -> float:
     for pattern, compiled, number in patterns:
-        try:
-            if compiled.match(name, timeout=max(deadline - time.monotonic(), 0.001)):
-                return number
-        except TimeoutError:
-            raise ValueError(f"{where}: matching the pattern {pattern[:100]!r} against the "
-                             f"module names took over {PATTERN_TIMEOUT_S:g} s") from None
+        if timed_match(compiled, name, where, until, shown=pattern):
+            return number
     return default

@@ -10,20 +10,25 @@ PEFT matches them with Python's ``re``; they come from the adapter's uploader. E
   (``(?:(?:x{100}){100}){100}``): a compiler that unrolls them takes gigabytes for a pattern
   of 30 characters, and no module name is that long;
 - compiled with ``regex`` without its pattern cache (a refused pattern must not stay in
-  memory), whose matches take a timeout (lora/peft_targets.py): ``re`` would backtrack
-  catastrophically without a bound.
+  memory), whose matches take a timeout: ``re`` would backtrack catastrophically without a
+  bound. All the matches of one adapter's patterns share one deadline (``deadline()``), so
+  a slow pattern is refused.
 """
 
 from __future__ import annotations
 
 import re
 import re._parser as re_parser
+import time
 import warnings
 from typing import Any
 
 import regex
 
 MAX_PATTERN_CHARS = 4096
+PATTERN_TIMEOUT_S = 0.5
+"""All the matches of one adapter's patterns together (a few hundred module names of tens of
+characters): far more than any sane pattern needs."""
 MAX_REPEAT_PRODUCT = 1024
 """Far past any module name's length (under 100 characters)."""
 
@@ -55,6 +60,30 @@ def compile_pattern(pattern: str, compiled_as: str, what: str, where: str
     except regex.error as exc:
         raise ValueError(f"{where}: {what} {shown} is not a regular expression: {exc}"
                          ) from None
+
+
+def deadline() -> float:
+    """When one adapter's matches must be done (time.monotonic())."""
+    return time.monotonic() + PATTERN_TIMEOUT_S
+
+
+def time_left(until: float) -> float:
+    """Seconds left before ``until`` (a timeout of 0 would mean none: at least 1 ms)."""
+    return max(until - time.monotonic(), 0.001)
+
+
+def timed_match(compiled: regex.Pattern[str], name: str, where: str, until: float,
+                whole: bool = False, shown: str | None = None) -> bool:
+    """Whether ``compiled`` matches ``name`` from its start (``whole``: all of it) before
+    ``until``; ValueError naming ``where`` and the pattern (``shown``: as the config gave
+    it) once the time is up."""
+    match = compiled.fullmatch if whole else compiled.match
+    try:
+        return match(name, timeout=time_left(until)) is not None
+    except TimeoutError:
+        pattern = compiled.pattern if shown is None else shown
+        raise ValueError(f"{where}: matching the pattern {pattern[:100]!r} against the "
+                         f"module names took over {PATTERN_TIMEOUT_S:g} s") from None
 
 
 def _repeat_product(items: Any) -> int:

@@ -17,18 +17,13 @@ lora/peft_regex.py says, and its matches run under one time limit for the whole 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import regex
 
-from lora.peft_regex import compile_pattern
+from lora.peft_regex import compile_pattern, deadline, time_left, timed_match
 from lora.targets import SUPPORTED_MODULES
-
-PATTERN_TIMEOUT_S = 0.5
-"""All the matches of one adapter's patterns together (a few hundred module names of tens of
-characters): far more than any sane pattern needs."""
 
 PEFT_DEFAULT_TARGETS = {model_type: ("q_proj", "v_proj") for model_type in (
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")}
@@ -67,18 +62,18 @@ def module_targeter(config: dict[str, Any], where: str, model_type: str
     layers = _layer_indexes(config.get("layers_to_transform"), where)
     patterns = _layer_patterns(config.get("layers_pattern"), where)
 
-    deadline = time.monotonic() + PATTERN_TIMEOUT_S
+    until = deadline()
 
     def targeted(name: str) -> bool:
-        if excluded is not None and _matches(excluded, name, where, deadline):
+        if excluded is not None and _matches(excluded, name, where, until):
             return False
-        if chosen is None or not _matches(chosen, name, where, deadline):
+        if chosen is None or not _matches(chosen, name, where, until):
             return False
         # PEFT applies layers_to_transform only to names matched by their end, not to a
         # module listed by its full name (a pattern never comes with layers: see above).
         if isinstance(chosen, regex.Pattern) or layers is None or name in chosen:
             return True
-        index = _layer_of(name, patterns, deadline)
+        index = _layer_of(name, patterns, until)
         return index is not None and index in layers
 
     return targeted
@@ -98,19 +93,10 @@ def _names_or_pattern(value: Any, key: str, where: str) -> _NamesOrPattern | Non
                      f"expression, got {str(value)[:100]}")
 
 
-def _matches(chosen: _NamesOrPattern, name: str, where: str, deadline: float) -> bool:
+def _matches(chosen: _NamesOrPattern, name: str, where: str, until: float) -> bool:
     if isinstance(chosen, frozenset):
         return name in chosen or any(name.endswith("." + target) for target in chosen)
-    try:
-        return chosen.fullmatch(name, timeout=_left(deadline)) is not None
-    except TimeoutError:
-        raise ValueError(f"{where}: matching the pattern {chosen.pattern[:100]!r} against "
-                         f"the module names took over {PATTERN_TIMEOUT_S:g} s") from None
-
-
-def _left(deadline: float) -> float:
-    """Seconds left before ``deadline`` (a timeout of 0 would mean none: at least 1 ms)."""
-    return max(deadline - time.monotonic(), 0.001)
+    return timed_match(chosen, name, where, until, whole=True)
 
 
 def _layer_indexes(value: Any, where: str) -> frozenset[int] | None:
@@ -135,17 +121,16 @@ def _layer_patterns(value: Any, where: str) -> list[regex.Pattern[str]]:
     if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"{where}: layers_pattern must be a name or a list of names, got "
                          f"{str(value)[:100]}")
-    # PEFT puts the name into its expression unescaped: so does this, under the time limit.
-    try:
-        return [regex.compile(rf"(?:^|.*?\.){name}\.(?P<idx>\d+)\.") for name in names]
-    except regex.error as exc:
-        raise ValueError(f"{where}: layers_pattern {value!r} is not usable: {exc}") from None
+    # PEFT puts the name into its expression unescaped: so does this, checked as any
+    # pattern of the config is, and under the time limit.
+    return [compile_pattern(name, rf"(?:^|.*?\.){name}\.(?P<idx>\d+)\.", "layers_pattern",
+                            where) for name in names]
 
 
-def _layer_of(name: str, patterns: list[regex.Pattern[str]], deadline: float) -> int | None:
+def _layer_of(name: str, patterns: list[regex.Pattern[str]], until: float) -> int | None:
     for pattern in patterns:
         try:
-            found = pattern.match(name, timeout=_left(deadline))
+            found = pattern.match(name, timeout=time_left(until))
         except TimeoutError:
             return None
         if found is not None:

@@ -89,11 +89,13 @@ def test_an_adapter_is_served_exactly_when_peft_uses_all_its_weights(
      "took over"),
     ({"target_modules": "(unclosed"}, "is not a regular expression"),
     ({"target_modules": "(?:(?:x{100}){100}){100}"}, "repeats a part more than 1024 times"),
+    ({"target_modules": ["q_proj"], "layers_to_transform": [0],
+      "layers_pattern": "(?:(?:x{100}){100}){100}"}, "layers_pattern .* repeats a part"),
     ({"target_modules": {"q_proj": 1}}, "must be a list of module names"),
     ({"layers_to_transform": [0, "1"]}, "layers_to_transform must be"),
     ({"layers_to_transform": [0], "layers_pattern": 5}, "layers_pattern must be"),
-], ids=["slow-pattern", "bad-pattern", "repeat-bomb", "object", "layer-string",
-        "pattern-number"])
+], ids=["slow-pattern", "bad-pattern", "repeat-bomb", "layers-repeat-bomb", "object",
+        "layer-string", "pattern-number"])
 def test_configs_peft_would_not_take_are_refused(shape: ModelShape, saved: Path,
                                                  tmp_path: Path, edit: dict[str, Any],
                                                  match: str) -> None:
