@@ -2,7 +2,8 @@
 
 Without them one request of many sequences (n=128, or a batch of 128 prompts) takes every
 one of max_num_seqs slots, and another tenant's request of the same priority waits until
-they all end (48 s for a 16-token answer behind n=128 x 200 tokens on a 2-core CPU). With
+they all end (37 s for a 16-token answer behind n=128 x 200 tokens on a 2-core CPU,
+benchmarks/tenant_share.py; 3 s with shares). With
 them, a tenant's share is max_num_seqs divided by the tenants that have requests in the
 engine (running or waiting):
 

@@ -51,7 +51,7 @@ async def bring_to_command_line(store: StateStore, given: Mapping[str, str],
             log.warning("adapter %s given on the command line is not served from %s: the "
                         "name belongs to an adapter registered through the admin API or "
                         "uploaded (delete that one to serve this)", name, path)
-        elif from_command_line(known) and known.path != path and not known.deleting and \
+        elif known.path != path and not known.deleting and \
                 await store.swap_adapter(name, known, dataclasses.replace(known, path=path)):
             log.info("adapter %s: now served from %s (was %s)", name, path, known.path)
     retired = [name for name, known in adapters.items()
