@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.metrics import EngineStats
 from engine.protocol import GenerateRequest
 from engine.sampling_params import SamplingParams
+from tests.live_http import instances, poll
 from tests.live_servers import running, start_engine, start_gateway
 
 LONG: dict[str, Any] = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0.0}
@@ -115,6 +116,12 @@ def test_a_gateway_runs_elsewhere_what_a_stopping_engine_cut_before_the_client_s
 
     threads = [threading.Thread(target=complete, args=(i,)) for i in range(6)]
     with running(stopping, other, gateway):
+        # The gateway answers /health once one engine is up: requests sent before it sees
+        # both go to one of them (all to the other: nothing to cut; all to the stopping
+        # one: nowhere to run them again).
+        poll(lambda: len(instances(gateway.url)) == 2 and all(
+            i["healthy"] for i in instances(gateway.url).values()),
+            "the gateway to see both engines up")
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 30
